@@ -1,0 +1,1 @@
+"""Conformance: golden vLLM traces, stateful differential models and symbolic checks."""

@@ -1,0 +1,58 @@
+"""The scheduler-facing API every implementation under test provides.
+
+``hybridkv.reference.KVCacheManager`` and ``hybridkv.optimized.TorchKVCacheManager`` satisfy it
+as they are; another engine's manager joins through a thin adapter with these methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from hybridkv.reference.events import KVCacheEvent, PrefixCacheStats
+from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
+from hybridkv.reference.request import RequestLike
+from hybridkv.reference.snapshot import PoolSnapshot
+from hybridkv.spec import KVCacheConfig
+
+
+class KVCacheManagerLike(Protocol):
+    """The methods the conformance suite calls."""
+
+    def get_computed_blocks(self, request: RequestLike) -> tuple[KVCacheBlocks, int]: ...
+
+    def allocate_slots(
+        self,
+        request: RequestLike,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+    ) -> KVCacheBlocks | None: ...
+
+    def free(self, request: RequestLike) -> None: ...
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]: ...
+
+    def cache_blocks(self, request: RequestLike, num_computed_tokens: int) -> None: ...
+
+    def reset_prefix_cache(self) -> bool: ...
+
+    @property
+    def usage(self) -> float: ...
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    def take_events(self) -> list[KVCacheEvent]: ...
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats: ...
+
+    def snapshot(self) -> PoolSnapshot: ...
+
+    def check_invariants(self) -> None: ...
+
+
+ManagerFactory = Callable[[KVCacheConfig, int, bool], KVCacheManagerLike]
+"""Builds a manager from (config, max_model_len, enable_caching)."""

@@ -1,0 +1,1 @@
+"""The optimized (torch) backend; see its modules for the data layout."""

@@ -1,0 +1,114 @@
+"""A request as the KV cache manager sees it: token ids, computed tokens and block hashes.
+
+The manager reads only ``request_id``, ``num_tokens``, ``all_token_ids``, ``num_computed_tokens``
+and ``block_hashes``, so a scheduler's own request objects of that shape (``RequestLike``) work
+too. ``num_computed_tokens`` belongs to the scheduler: it advances it after each step, as vLLM's
+scheduler does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from hybridkv.reference.block_hash import BlockHash, hash_full_blocks
+from hybridkv.spec.errors import check_positive
+
+
+class RequestLike(Protocol):
+    """What the manager reads from a request."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def block_hashes(self) -> Sequence[BlockHash]: ...
+
+
+def check_token_ids(field: str, token_ids: Iterable[object]) -> list[int]:
+    """Return the token ids as a list, or raise ``ValueError`` naming the first bad one."""
+    checked: list[int] = []
+    for index, token in enumerate(token_ids):
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            raise ValueError(f"{field}[{index}] must be a non-negative int, got {token!r}")
+        checked.append(token)
+    return checked
+
+
+class Request:
+    """A prompt plus the output tokens appended so far, with the hashes of its full blocks.
+
+    ``hash_block_size`` is the block size of the KV cache groups; ``cache_salt`` isolates the
+    request's prefix cache entries from requests with another salt.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        hash_block_size: int,
+        cache_salt: str | None = None,
+    ) -> None:
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str, got {request_id!r}")
+        check_positive("hash_block_size", hash_block_size)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a str or None, got {cache_salt!r}")
+        self.request_id = request_id
+        self.prompt_token_ids: tuple[int, ...] = tuple(
+            check_token_ids("prompt_token_ids", prompt_token_ids)
+        )
+        self.hash_block_size = hash_block_size
+        self.cache_salt = cache_salt
+        self.num_computed_tokens = 0
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self._block_hashes: list[BlockHash] = []
+        self._hash_new_full_blocks()
+
+    @property
+    def all_token_ids(self) -> Sequence[int]:
+        """The prompt followed by every output token appended so far."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def block_hashes(self) -> Sequence[BlockHash]:
+        """One hash per full block of ``all_token_ids``; grows as tokens are appended."""
+        return self._block_hashes
+
+    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        """Append output tokens; every block they fill gets its hash at once."""
+        new_tokens = [token_ids] if isinstance(token_ids, int) else token_ids
+        self._all_token_ids.extend(check_token_ids("token_ids", new_tokens))
+        self._hash_new_full_blocks()
+
+    def _hash_new_full_blocks(self) -> None:
+        parent = self._block_hashes[-1] if self._block_hashes else None
+        self._block_hashes.extend(
+            hash_full_blocks(
+                self._all_token_ids,
+                self.hash_block_size,
+                start_block=len(self._block_hashes),
+                parent_hash=parent,
+                cache_salt=self.cache_salt,
+            )
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, num_tokens={self.num_tokens}, "
+            f"num_computed_tokens={self.num_computed_tokens})"
+        )

@@ -1,0 +1,27 @@
+"""The vocabulary of the hybrid KV cache manager and its documented rules as pure functions."""
+
+from hybridkv.spec import rules
+from hybridkv.spec.kv_cache_config import KVCacheConfig, KVCacheGroup, KVCacheTensor
+from hybridkv.spec.kv_cache_spec import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    spec_kind,
+)
+
+__all__ = [
+    "AttentionSpec",
+    "ChunkedLocalAttentionSpec",
+    "FullAttentionSpec",
+    "KVCacheConfig",
+    "KVCacheGroup",
+    "KVCacheSpec",
+    "KVCacheTensor",
+    "MambaSpec",
+    "SlidingWindowSpec",
+    "rules",
+    "spec_kind",
+]

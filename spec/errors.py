@@ -1,0 +1,15 @@
+"""Input validation shared by every layer: each error names the field and the value."""
+
+from __future__ import annotations
+
+
+def check_positive(field: str, value: object) -> None:
+    """Raise ``ValueError`` unless ``value`` is an ``int`` (not a ``bool``) greater than zero."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{field} must be a positive int, got {value!r}")
+
+
+def check_non_negative(field: str, value: object) -> None:
+    """Raise ``ValueError`` unless ``value`` is an ``int`` (not a ``bool``) of at least zero."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{field} must be a non-negative int, got {value!r}")

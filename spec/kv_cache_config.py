@@ -1,0 +1,64 @@
+"""The planner's output: KV cache groups, the tensors that back them, and the number of blocks.
+
+Names follow the design document ("Allocation", Case 2, and "Memory Layout"): layers that need
+the same number of blocks form a *KV cache group* and share block ids; each *KV cache tensor* is
+one buffer shared by one layer of every group; a logical block is one slice of every tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridkv.spec.errors import check_non_negative
+from hybridkv.spec.kv_cache_spec import KVCacheSpec
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers of one attention type that share block ids.
+
+    ``layer_names`` lists the group's own layers in model order, then the layers that read one of
+    them through KV sharing (Allocation, Case 5): those get no memory of their own.
+    """
+
+    layer_names: tuple[str, ...]
+    spec: KVCacheSpec
+
+    def __post_init__(self) -> None:
+        if not self.layer_names:
+            raise ValueError(f"layer_names must name at least one layer, got {self.layer_names!r}")
+
+
+@dataclass(frozen=True)
+class KVCacheTensor:
+    """One buffer of ``size`` bytes, shared by the layers in ``shared_by`` (one per group)."""
+
+    size: int
+    shared_by: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        check_non_negative("size", self.size)
+        if not self.shared_by:
+            raise ValueError(f"shared_by must name at least one layer, got {self.shared_by!r}")
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """What the manager needs: ``num_blocks`` (the null block included) and the groups."""
+
+    num_blocks: int
+    groups: tuple[KVCacheGroup, ...]
+    tensors: tuple[KVCacheTensor, ...] = ()
+
+    def __post_init__(self) -> None:
+        if (
+            not isinstance(self.num_blocks, int)
+            or isinstance(self.num_blocks, bool)
+            or (self.num_blocks < 2)
+        ):
+            raise ValueError(
+                "num_blocks must be an int of at least 2 (the null block plus one), "
+                f"got {self.num_blocks!r}"
+            )
+        if not self.groups:
+            raise ValueError(f"groups must hold at least one KV cache group, got {self.groups!r}")

@@ -1,0 +1,310 @@
+"""Every rule of the design document as a small pure function with a contract.
+
+Contracts are PEP 316 docstrings (``pre:`` / ``post:``), which CrossHair checks symbolically; the
+conformance manifest names each function here. Preconditions bound the inputs so that CrossHair
+explores every path; the functions themselves accept any valid size.
+
+The reference managers call these functions, so the checked rule *is* the implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: the number of ``b``-sized pieces that hold ``a`` items.
+
+    pre: 0 <= a <= 10_000
+    pre: 0 < b <= 64
+    post: (__return__ - 1) * b < a <= __return__ * b or (a == 0 and __return__ == 0)
+    """
+    return -(a // -b)
+
+
+# --- Blocks a request needs -------------------------------------------------------------------
+
+
+def attention_blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Block-table positions an attention layer needs for ``num_tokens`` tokens (Allocation).
+
+    Every attention type keeps one position per ``block_size`` tokens; the positions it no longer
+    needs become the null block, they are not removed (the table stays indexable by token).
+
+    pre: 0 <= num_tokens <= 10_000
+    pre: 0 < block_size <= 64
+    post: __return__ * block_size >= num_tokens
+    post: (__return__ - 1) * block_size < num_tokens or __return__ == 0
+    """
+    return cdiv(num_tokens, block_size)
+
+
+def mamba_blocks_for_tokens(num_tokens: int) -> int:
+    """A Mamba layer holds one state block per request, whatever its length (Allocation, Case 4).
+
+    pre: 0 <= num_tokens <= 10_000
+    post: __return__ == (1 if num_tokens > 0 else 0)
+    """
+    return 1 if num_tokens > 0 else 0
+
+
+# --- Tokens no longer needed ------------------------------------------------------------------
+
+
+def full_attention_skipped_tokens(num_computed_tokens: int) -> int:
+    """Full attention needs every token until the request finishes.
+
+    pre: 0 <= num_computed_tokens <= 10_000
+    post: __return__ == 0
+    """
+    return 0
+
+
+def sliding_window_skipped_tokens(num_computed_tokens: int, sliding_window: int) -> int:
+    """Tokens before the window of the next token: ``max(0, n − window + 1)``.
+
+    The next token (index n) attends to tokens n − window + 1 … n, so every earlier token can
+    give its slot back (Prefix caching, Case 1: "free blocks outside the sliding window").
+
+    pre: 0 <= num_computed_tokens <= 10_000
+    pre: 0 < sliding_window <= 1_000
+    post: 0 <= __return__ <= num_computed_tokens
+    post: num_computed_tokens - __return__ == min(num_computed_tokens, sliding_window - 1)
+    """
+    return max(0, num_computed_tokens - sliding_window + 1)
+
+
+def chunked_local_skipped_tokens(num_computed_tokens: int, attention_chunk_size: int) -> int:
+    """Tokens of the chunks before the current one: ``(n // chunk) × chunk``.
+
+    pre: 0 <= num_computed_tokens <= 10_000
+    pre: 0 < attention_chunk_size <= 1_000
+    post: __return__ % attention_chunk_size == 0
+    post: 0 <= num_computed_tokens - __return__ < attention_chunk_size
+    """
+    return num_computed_tokens // attention_chunk_size * attention_chunk_size
+
+
+def mamba_skipped_tokens(num_computed_tokens: int) -> int:
+    """A recurrent layer needs no token's KV, only its state after the last computed token.
+
+    pre: 0 <= num_computed_tokens <= 10_000
+    post: __return__ == max(num_computed_tokens - 1, 0)
+    """
+    return max(num_computed_tokens - 1, 0)
+
+
+def skipped_block_positions(num_skipped_tokens: int, block_size: int) -> int:
+    """Whole blocks that hold only skipped tokens: these positions become the null block.
+
+    pre: 0 <= num_skipped_tokens <= 10_000
+    pre: 0 < block_size <= 64
+    post: __return__ * block_size <= num_skipped_tokens < (__return__ + 1) * block_size
+    """
+    return num_skipped_tokens // block_size
+
+
+# --- Cache hits (Prefix caching, Cases 0–2) ---------------------------------------------------
+
+
+def sliding_window_hit_blocks_needed(sliding_window: int, block_size: int) -> int:
+    """Consecutive cached blocks a sliding-window hit must end with.
+
+    The token after a hit attends to the ``sliding_window − 1`` tokens before it, so those (and
+    only those) must be cached: ``cdiv(window − 1, block_size)`` blocks (Prefix caching, Case 1).
+
+    pre: 0 < sliding_window <= 1_000
+    pre: 0 < block_size <= 64
+    post: __return__ * block_size >= sliding_window - 1
+    post: __return__ == 0 or (__return__ - 1) * block_size < sliding_window - 1
+    """
+    return cdiv(sliding_window - 1, block_size)
+
+
+def full_attention_hit_blocks(cached: Sequence[bool], max_num_blocks: int) -> int:
+    """Longest run of cached blocks from block 0, scanned left to right (Prefix caching, Case 0).
+
+    A full-attention hit needs every token before it, so the scan stops at the first miss.
+
+    pre: len(cached) <= 8
+    pre: 0 <= max_num_blocks <= len(cached)
+    post: 0 <= __return__ <= max_num_blocks
+    post: all(cached[:__return__])
+    post: __return__ == max_num_blocks or not cached[__return__]
+    """
+    num_hit = 0
+    while num_hit < max_num_blocks and cached[num_hit]:
+        num_hit += 1
+    return num_hit
+
+
+def window_hit_is_valid(cached: Sequence[bool], needed: int, num_blocks: int) -> bool:
+    """Whether a hit of ``num_blocks`` blocks is valid for a sliding window (the brute-force rule).
+
+    Valid when the ``needed`` blocks before position ``num_blocks`` are all cached, or when fewer
+    than ``needed`` blocks precede it and all of them are cached. Positions past the end of
+    ``cached`` are never valid.
+
+    pre: len(cached) <= 8
+    pre: 0 <= needed <= 8
+    pre: 0 <= num_blocks <= 9
+    post: __return__ or num_blocks > 0
+    post: not __return__ or num_blocks <= len(cached)
+    """
+    if num_blocks > len(cached):
+        return False
+    return all(cached[max(0, num_blocks - needed) : num_blocks])
+
+
+def sliding_window_hit_blocks(cached: Sequence[bool], needed: int) -> tuple[int, int]:
+    """The longest sliding-window hit: ``(hit blocks, first real block)``, scanning right to left.
+
+    A hit of ``k`` blocks is valid when the ``needed`` blocks before position ``k`` are cached,
+    or when fewer than ``needed`` blocks precede it and all of them are cached. The scan starts
+    from the longest candidate and stops at the first valid one (Prefix caching, Case 1: with a
+    window of 4 and 15 cached-or-not tokens it picks 14 over 5 and 6). Positions before the
+    first real block need no KV: the manager fills them with the null block. With no run of
+    ``needed`` blocks, the hit is the run of cached blocks starting at block 0.
+
+    pre: len(cached) <= 8
+    pre: 0 <= needed <= 8
+    post: 0 <= __return__[1] <= __return__[0] <= len(cached)
+    post: all(cached[__return__[1]:__return__[0]])
+    post: __return__[1] == 0 or __return__[0] - __return__[1] == needed
+    post: window_hit_is_valid(cached, needed, __return__[0])
+    post: not any(window_hit_is_valid(cached, needed, j) for j in range(__return__[0] + 1, 9))
+    """
+    if needed == 0:
+        return len(cached), len(cached)
+    run = 0
+    for i in range(len(cached) - 1, -1, -1):
+        if cached[i]:
+            run += 1
+            if run >= needed:
+                return i + run, i
+        else:
+            run = 0
+    return run, 0
+
+
+def chunked_local_hit_blocks(
+    cached: Sequence[bool], max_length: int, block_size: int, attention_chunk_size: int
+) -> tuple[int, int]:
+    """Chunked local hit: ``(hit blocks, first real block)`` for a hit of at most ``max_length``.
+
+    The next token attends only to its own chunk, so every block before the chunk that holds
+    token ``max_length`` is a null position, cached or not; the blocks of that chunk must be
+    cached from its first block on, scanned left to right.
+
+    pre: len(cached) <= 8
+    pre: 0 < block_size <= 4
+    pre: 0 < attention_chunk_size <= 16
+    pre: 0 <= max_length <= len(cached) * block_size
+    post: __return__[1] == max_length // attention_chunk_size * attention_chunk_size // block_size
+    post: __return__[1] <= __return__[0] <= max_length // block_size
+    post: all(cached[__return__[1]:__return__[0]])
+    post: __return__[0] == max_length // block_size or not cached[__return__[0]]
+    """
+    max_num_blocks = max_length // block_size
+    first_real = chunked_local_skipped_tokens(max_length, attention_chunk_size) // block_size
+    num_hit = first_real
+    while num_hit < max_num_blocks and cached[num_hit]:
+        num_hit += 1
+    return num_hit, first_real
+
+
+# --- Grouping (Allocation, Cases 2–4) ---------------------------------------------------------
+
+
+def group_size(layer_counts: Sequence[int]) -> int:
+    """Layers per KV cache group: the smallest layer count among the attention types (Case 3).
+
+    pre: 0 < len(layer_counts) <= 4
+    pre: all(0 < c <= 100 for c in layer_counts)
+    post: __return__ in layer_counts
+    post: all(__return__ <= c for c in layer_counts)
+    """
+    return min(layer_counts)
+
+
+def num_groups_of_type(num_layers: int, layers_per_group: int) -> int:
+    """KV cache groups one attention type fills: ``cdiv(layers, group size)`` (Cases 2–3).
+
+    pre: 0 < num_layers <= 100
+    pre: 0 < layers_per_group <= 100
+    post: (__return__ - 1) * layers_per_group < num_layers <= __return__ * layers_per_group
+    """
+    return cdiv(num_layers, layers_per_group)
+
+
+def num_padding_slots(num_layers: int, layers_per_group: int) -> int:
+    """Empty slots in a type's last group: Gemma-3-27b's 52 sliding layers in groups of 10 → 8.
+
+    pre: 0 < num_layers <= 100
+    pre: 0 < layers_per_group <= 100
+    post: 0 <= __return__ < layers_per_group
+    post: (num_layers + __return__) % layers_per_group == 0
+    """
+    return -num_layers % layers_per_group
+
+
+def raised_block_size(block_size: int, kv_hidden_size: int, state_bytes: int) -> int:
+    """Case 4: the smallest multiple of ``block_size`` whose attention page holds a Mamba state.
+
+    The attention page of one layer is ``block_size × kv_hidden_size``; the block size grows
+    until that page is at least ``state_bytes``, so one page size serves both layer types.
+
+    pre: 0 < block_size <= 64
+    pre: 0 < kv_hidden_size <= 4096
+    pre: 0 < state_bytes <= 1_000_000
+    post: __return__ % block_size == 0
+    post: __return__ * kv_hidden_size >= state_bytes
+    post: __return__ == block_size or (__return__ - block_size) * kv_hidden_size < state_bytes
+    """
+    return block_size * max(1, cdiv(state_bytes, block_size * kv_hidden_size))
+
+
+# --- Planning bounds (the plan report) -------------------------------------------------------
+
+
+def max_blocks_full_attention(max_model_len: int, block_size: int) -> int:
+    """Most blocks one full-attention request holds: one per block of its longest length.
+
+    pre: 0 < max_model_len <= 10_000
+    pre: 0 < block_size <= 64
+    post: __return__ == cdiv(max_model_len, block_size)
+    """
+    return cdiv(max_model_len, block_size)
+
+
+def max_blocks_sliding_window(
+    max_model_len: int, block_size: int, sliding_window: int, max_num_batched_tokens: int
+) -> int:
+    """Most real blocks one sliding-window request holds at once.
+
+    One step computes up to ``max_num_batched_tokens`` tokens that attend ``window − 1`` tokens
+    back, and those tokens need not start on a block boundary: one block more.
+
+    pre: 0 < max_model_len <= 10_000
+    pre: 0 < block_size <= 64
+    pre: 0 < sliding_window <= 1_000
+    pre: 0 < max_num_batched_tokens <= 1_000
+    post: __return__ >= 1
+    """
+    tokens = min(sliding_window - 1 + max_num_batched_tokens, max_model_len)
+    return cdiv(tokens, block_size) + 1
+
+
+def max_blocks_chunked_local(
+    max_model_len: int, block_size: int, attention_chunk_size: int, max_num_batched_tokens: int
+) -> int:
+    """Most real blocks one chunked-local request holds at once: a chunk plus one step.
+
+    pre: 0 < max_model_len <= 10_000
+    pre: 0 < block_size <= 64
+    pre: 0 < attention_chunk_size <= 1_000
+    pre: 0 < max_num_batched_tokens <= 1_000
+    post: __return__ <= cdiv(max_model_len, block_size)
+    """
+    tokens = min(attention_chunk_size + max_num_batched_tokens, max_model_len)
+    return cdiv(tokens, block_size)
