@@ -13,3 +13,14 @@ def check_non_negative(field: str, value: object) -> None:
     """Raise ``ValueError`` unless ``value`` is an ``int`` (not a ``bool``) of at least zero."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{field} must be a non-negative int, got {value!r}")
+
+
+class InvariantError(AssertionError):
+    """A stateful part's bookkeeping is inconsistent (raised by ``check_invariants``)."""
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise ``InvariantError(message)`` unless ``condition`` holds (unlike ``assert``, never
+    stripped by ``python -O``)."""
+    if not condition:
+        raise InvariantError(message)

@@ -1,0 +1,188 @@
+"""The block pool: every block of the single memory pool, the free queue and the prefix cache.
+
+The design document (Allocation, "High level idea") uses one pool of equally sized pages for all
+attention types; KV cache groups differ only in how many blocks they take. The prefix cache is
+one mapping ``(block hash, group id) -> blocks`` (Prefix caching, "High level idea"), so the same
+tokens are cached, found and evicted independently per group, and one LRU free queue serves
+every group (Prefix caching, Case 2: "one LRU queue for all KV cache groups").
+
+Blocks are cached lazily: a released block keeps its hash while it waits in the free queue, and
+loses it only when it is taken for new tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from hybridkv.reference.block_hash import BlockHash
+from hybridkv.reference.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from hybridkv.reference.free_queue import FreeKVCacheBlockQueue
+from hybridkv.reference.kv_cache_block import BlockHashWithGroupId, KVCacheBlock
+from hybridkv.reference.request import RequestLike
+from hybridkv.spec.errors import require
+
+
+class BlockPool:
+    """Blocks ``0 … num_blocks − 1``; block 0 is the null block and is never free."""
+
+    def __init__(
+        self, num_blocks: int, *, enable_caching: bool, enable_kv_cache_events: bool = False
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+        # Insertion-ordered: a lookup returns the first block cached under a key.
+        self.cached_block_hash_to_block: dict[BlockHashWithGroupId, dict[int, KVCacheBlock]] = {}
+        self.events: list[KVCacheEvent] = []
+
+    # --- Free blocks ------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the blocks that can ever be used (all but the null block) in use."""
+        return 1.0 - (self.num_free_blocks / (self.num_blocks - 1))
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` from the head of the free queue, evicting their cached hashes."""
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        for block in blocks:
+            self._maybe_evict_cached_block(block)
+            block.ref_cnt += 1
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """A cache hit adopts ``blocks``: one more holder each; evictable ones leave the queue."""
+        for block in blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Sequence[KVCacheBlock]) -> None:
+        """Drop one holder of each block, walked in eviction order.
+
+        Blocks left with no holder join the free queue: those holding a cached hash at the tail
+        in walk order (kept as long as possible, least recently released evicted first), the
+        others at the head keeping walk order (nothing to lose by reusing them first).
+        """
+        keep: list[KVCacheBlock] = []
+        reuse_first: list[KVCacheBlock] = []
+        for block in ordered_blocks:
+            if block.is_null:
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                (keep if block.block_hash is not None else reuse_first).append(block)
+        self.free_block_queue.prepend_n(reuse_first)
+        self.free_block_queue.append_n(keep)
+
+    # --- Prefix cache -----------------------------------------------------------------------
+
+    def get_cached_block(
+        self, block_hash: BlockHash, group_ids: Sequence[int]
+    ) -> list[KVCacheBlock] | None:
+        """The cached block of ``block_hash`` in each group, or ``None`` if any group misses.
+
+        Groups with equal specs are looked up together: a position is a hit only if every one
+        of them still holds it.
+        """
+        found: list[KVCacheBlock] = []
+        for group_id in group_ids:
+            blocks = self.cached_block_hash_to_block.get((block_hash, group_id))
+            if not blocks:
+                return None
+            found.append(next(iter(blocks.values())))
+        return found
+
+    def cache_full_blocks(
+        self,
+        request: RequestLike,
+        blocks: Sequence[KVCacheBlock],
+        *,
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        group_id: int,
+    ) -> None:
+        """Enter positions ``num_cached_blocks … num_full_blocks − 1`` of a table into the cache.
+
+        Null positions are skipped: they hold no KV. A block whose tokens are already cached
+        under another block is cached too; lookups keep returning the first.
+        """
+        new_hashes: list[BlockHash] = []
+        for index in range(num_cached_blocks, num_full_blocks):
+            block = blocks[index]
+            if block.is_null:
+                continue
+            key = (request.block_hashes[index], group_id)
+            block.block_hash = key
+            self.cached_block_hash_to_block.setdefault(key, {})[block.block_id] = block
+            new_hashes.append(key[0])
+        if self.enable_kv_cache_events:
+            parent = request.block_hashes[num_cached_blocks - 1] if num_cached_blocks else None
+            tokens = request.all_token_ids[
+                num_cached_blocks * block_size : num_full_blocks * block_size
+            ]
+            self.events.append(
+                BlockStored(tuple(new_hashes), parent, tuple(tokens), block_size, group_id)
+            )
+
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> None:
+        """A block taken for new tokens forgets its cached hash (this block only)."""
+        key = block.block_hash
+        if key is None:
+            return
+        block.block_hash = None
+        blocks = self.cached_block_hash_to_block[key]
+        del blocks[block.block_id]
+        if not blocks:
+            del self.cached_block_hash_to_block[key]
+        if self.enable_kv_cache_events:
+            self.events.append(BlockRemoved((key[0],), key[1]))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash, only when no request holds a block; keep the queue order."""
+        if self.num_free_blocks != self.num_blocks - 1:
+            return False
+        self.cached_block_hash_to_block = {}
+        for block in self.blocks:
+            block.block_hash = None
+        if self.enable_kv_cache_events:
+            self.events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events since the last call, oldest first."""
+        events, self.events = self.events, []
+        return events
+
+    # --- Invariants -------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if the pool's own bookkeeping is inconsistent."""
+        free = [block.block_id for block in self.free_block_queue]
+        require(len(free) == len(set(free)), f"free queue holds a block twice: {free}")
+        require(0 not in free, "the null block is in the free queue")
+        zero = {b.block_id for b in self.blocks[1:] if b.ref_cnt == 0}
+        require(set(free) == zero, f"free queue {sorted(free)} != count-0 blocks {sorted(zero)}")
+        require(all(b.ref_cnt >= 0 for b in self.blocks[1:]), "a negative reference count")
+        cached = 0
+        for key, blocks in self.cached_block_hash_to_block.items():
+            require(bool(blocks), f"an empty cache entry for group {key[1]}")
+            for block_id, block in blocks.items():
+                require(
+                    block.block_id == block_id and block.block_hash == key,
+                    f"cache entry of group {key[1]} points at block {block_id} holding another key",
+                )
+                cached += 1
+        hashed = sum(1 for b in self.blocks if b.block_hash is not None)
+        require(hashed == cached, f"{hashed} blocks hold a hash but {cached} are in the cache")
+        require(self.null_block.block_hash is None, "the null block holds a hash")

@@ -1,0 +1,43 @@
+"""The free queue's order: hashed blocks to the tail (LRU), unhashed ones to the head."""
+
+from __future__ import annotations
+
+from hybridkv.reference import KVCacheManager, Request
+from hybridkv.reference.free_queue import FreeKVCacheBlockQueue
+from hybridkv.reference.kv_cache_block import KVCacheBlock
+from hybridkv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
+
+SPEC = FullAttentionSpec(block_size=2, num_kv_heads=1, head_size=1, dtype_bytes=4)
+
+
+def test_released_blocks_go_to_the_tail_if_hashed_else_to_the_head() -> None:
+    """Freeing [1,2,3,4] (4 unhashed), then [1,2,3,5] (5 unhashed), from a queue [6 … 10]
+    gives [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]."""
+    m = KVCacheManager(KVCacheConfig(11, (KVCacheGroup(("l0",), SPEC),)), max_model_len=64)
+    a = Request("a", [1, 2, 3, 4, 5, 6, 7], hash_block_size=2)
+    assert m.allocate_slots(a, 7) is not None
+    b = Request("b", [1, 2, 3, 4, 5, 6, 8], hash_block_size=2)
+    hit, num_hit = m.get_computed_blocks(b)
+    assert (hit.get_block_ids(), num_hit) == (([1, 2, 3],), 6)
+    assert m.allocate_slots(b, 1, num_hit, hit) is not None
+    assert m.get_block_ids("a") == ([1, 2, 3, 4],)
+    assert m.get_block_ids("b") == ([1, 2, 3, 5],)
+    assert m.snapshot().free_block_ids == (6, 7, 8, 9, 10)
+
+    m.free(a)
+    assert m.snapshot().free_block_ids == (4, 6, 7, 8, 9, 10)
+    m.free(b)
+    assert m.snapshot().free_block_ids == (5, 4, 6, 7, 8, 9, 10, 3, 2, 1)
+    m.check_invariants()
+
+
+def test_prepend_keeps_the_batch_order_and_remove_is_anywhere() -> None:
+    blocks = [KVCacheBlock(i) for i in range(6)]
+    queue = FreeKVCacheBlockQueue(blocks[1:3])
+    queue.prepend_n([blocks[4], blocks[3]])
+    queue.append_n([blocks[5]])
+    assert [b.block_id for b in queue] == [4, 3, 1, 2, 5]
+    queue.remove(blocks[1])
+    assert [b.block_id for b in queue.popleft_n(2)] == [4, 3]
+    assert [b.block_id for b in queue] == [2, 5]
+    assert len(queue) == 2

@@ -1,0 +1,200 @@
+"""The manager's life cycle: events, statistics, Mamba groups, and a stateful model that runs
+the invariant checker after every step."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from hybridkv.reference import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheManager,
+    PrefixCacheStats,
+    Request,
+    hash_block_tokens,
+)
+from hybridkv.spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroup,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+SIZES = {"num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
+
+
+def single_group(spec: KVCacheSpec, num_blocks: int) -> KVCacheConfig:
+    return KVCacheConfig(num_blocks, (KVCacheGroup(("layer",), spec),))
+
+
+def test_events_report_stored_removed_and_cleared_blocks() -> None:
+    spec = FullAttentionSpec(block_size=2, **SIZES)
+    m = KVCacheManager(single_group(spec, 4), max_model_len=16, enable_kv_cache_events=True)
+    a = Request("a", [1, 2, 3, 4, 5], hash_block_size=2)
+    assert m.allocate_slots(a, 5) is not None
+    h0 = hash_block_tokens(None, [1, 2])
+    h1 = hash_block_tokens(h0, [3, 4])
+    assert m.take_events() == [BlockStored((h0, h1), None, (1, 2, 3, 4), 2, 0)]
+    assert m.take_events() == []
+    m.free(a)
+    b = Request("b", [9, 9, 9], hash_block_size=2)
+    assert m.allocate_slots(b, 3) is not None  # takes 3 (unhashed) then 2, evicting h1
+    assert m.take_events() == [
+        BlockRemoved((h1,), 0),
+        BlockStored((hash_block_tokens(None, [9, 9]),), None, (9, 9), 2, 0),
+    ]
+    m.free(b)
+    assert m.reset_prefix_cache()
+    assert m.take_events() == [AllBlocksCleared()]
+
+
+def test_prefix_cache_stats_count_lookups_since_the_last_report() -> None:
+    spec = FullAttentionSpec(block_size=2, **SIZES)
+    m = KVCacheManager(single_group(spec, 8), max_model_len=16)
+    a = Request("a", [1, 2, 3, 4, 5], hash_block_size=2)
+    assert m.get_computed_blocks(a)[1] == 0
+    assert m.allocate_slots(a, 5) is not None
+    assert m.get_computed_blocks(Request("b", [1, 2, 3, 4, 7], hash_block_size=2))[1] == 4
+    assert m.make_prefix_cache_stats() == PrefixCacheStats(requests=2, queries=10, hits=4)
+    assert m.make_prefix_cache_stats() == PrefixCacheStats()
+
+
+def test_a_mamba_group_holds_one_state_block_per_request() -> None:
+    """Allocation, Case 4: the Mamba group keeps one block whatever the length."""
+    attention = FullAttentionSpec(block_size=4, **SIZES)
+    mamba = MambaSpec(block_size=4, state_bytes=16)
+    config = KVCacheConfig(
+        12, (KVCacheGroup(("attn",), attention), KVCacheGroup(("mamba",), mamba))
+    )
+    m = KVCacheManager(config, max_model_len=64, enable_caching=False)
+    r = Request("r", list(range(9)), hash_block_size=4)
+    assert m.allocate_slots(r, 9) is not None
+    r.num_computed_tokens = 9
+    assert m.get_block_ids("r") == ([1, 2, 3], [4])
+    for token in range(9, 14):
+        r.append_output_token_ids(token)
+        assert m.allocate_slots(r, 1) is not None
+        r.num_computed_tokens += 1
+    assert m.get_block_ids("r") == ([1, 2, 3, 5], [4])
+    m.free(r)
+    assert m.num_free_blocks == 11
+
+
+def all_kinds_of_groups() -> st.SearchStrategy[tuple[KVCacheSpec, ...]]:
+    block_size = st.sampled_from([1, 2, 4])
+
+    def specs(b: int) -> st.SearchStrategy[tuple[KVCacheSpec, ...]]:
+        one = st.one_of(
+            st.just(FullAttentionSpec(block_size=b, **SIZES)),
+            st.integers(2, 12).map(
+                lambda w: SlidingWindowSpec(block_size=b, sliding_window=w, **SIZES)
+            ),
+            st.integers(1, 12).map(
+                lambda c: ChunkedLocalAttentionSpec(block_size=b, attention_chunk_size=c, **SIZES)
+            ),
+        )
+        return st.lists(one, min_size=1, max_size=3).map(tuple)
+
+    return block_size.flatmap(specs)
+
+
+class ManagerLifecycle(RuleBasedStateMachine):
+    """A scheduler's calls in any order; the invariants hold after each, and a failed
+    allocation leaves the pool as it was apart from window releases."""
+
+    @initialize(
+        specs=all_kinds_of_groups(),
+        num_blocks=st.integers(2, 24),
+        enable_caching=st.booleans(),
+    )
+    def setup(self, specs: tuple[KVCacheSpec, ...], num_blocks: int, enable_caching: bool) -> None:
+        groups = tuple(KVCacheGroup((f"l{i}",), spec) for i, spec in enumerate(specs))
+        self.block_size = specs[0].block_size
+        self.m = KVCacheManager(
+            KVCacheConfig(num_blocks, groups), max_model_len=40, enable_caching=enable_caching
+        )
+        self.running: dict[str, Request] = {}
+        self.waiting: dict[str, Request] = {}
+        self.next_id = 0
+
+    @rule(
+        prefix=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]]),
+        tail=st.lists(st.integers(0, 3), min_size=1, max_size=12),
+    )
+    def add(self, prefix: list[int], tail: list[int]) -> None:
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        self.waiting[rid] = Request(rid, prefix + tail, hash_block_size=self.block_size)
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data(), use_hit=st.booleans())
+    def admit(self, data: st.DataObject, use_hit: bool) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.waiting)))
+        request = self.waiting[rid]
+        hit, num_hit = self.m.get_computed_blocks(request)
+        if not use_hit:
+            hit, num_hit = None, 0  # type: ignore[assignment]
+        n = request.num_tokens - num_hit
+        before = self.m.snapshot()
+        if self.m.allocate_slots(request, n, num_hit, hit) is None:
+            assert self.m.snapshot() == before
+            return
+        request.num_computed_tokens = request.num_tokens
+        self.running[rid] = self.waiting.pop(rid)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), token=st.integers(0, 3))
+    def decode(self, data: st.DataObject, token: int) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.running)))
+        request = self.running[rid]
+        if request.num_tokens >= 39:
+            return
+        request.append_output_token_ids(token)
+        if self.m.allocate_slots(request, 1) is not None:
+            request.num_computed_tokens += 1
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), preempt=st.booleans())
+    def finish(self, data: st.DataObject, preempt: bool) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.running)))
+        request = self.running.pop(rid)
+        self.m.free(request)
+        if preempt:
+            request.num_computed_tokens = 0
+            self.waiting[rid] = request
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        assert self.m.reset_prefix_cache() == (
+            self.m.num_free_blocks == self.m.config.num_blocks - 1
+        )
+
+    @invariant()
+    def invariants_hold(self) -> None:
+        if hasattr(self, "m"):
+            self.m.check_invariants()
+            assert 0.0 <= self.m.usage <= 1.0
+
+    def teardown(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        for request in self.running.values():
+            self.m.free(request)
+        assert self.m.num_free_blocks == self.m.config.num_blocks - 1
+        assert self.m.reset_prefix_cache()
+
+
+ManagerLifecycle.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=30,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestManagerLifecycle = ManagerLifecycle.TestCase
