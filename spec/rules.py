@@ -248,6 +248,25 @@ def num_padding_slots(num_layers: int, layers_per_group: int) -> int:
     return -num_layers % layers_per_group
 
 
+def group_layer_ranges(num_layers: int, layers_per_group: int) -> tuple[tuple[int, int], ...]:
+    """Where one attention type's layers split into KV cache groups (Cases 2–3).
+
+    ``(start, stop)`` index ranges into the type's layers in model order: consecutive groups of
+    ``layers_per_group`` layers; only the last may be short, its missing slots being padding
+    (Gemma-3-27b's 52 sliding layers in groups of 10: five full groups, then sw.50–sw.51).
+
+    pre: 0 < num_layers <= 12
+    pre: 0 < layers_per_group <= 12
+    post: len(__return__) == num_groups_of_type(num_layers, layers_per_group)
+    post: __return__[0][0] == 0 and __return__[-1][1] == num_layers
+    post: all(__return__[i][1] == __return__[i + 1][0] for i in range(len(__return__) - 1))
+    post: all(stop - start == layers_per_group for start, stop in __return__[:-1])
+    post: 0 < __return__[-1][1] - __return__[-1][0] <= layers_per_group
+    """
+    starts = range(0, num_layers, layers_per_group)
+    return tuple((start, min(start + layers_per_group, num_layers)) for start in starts)
+
+
 def raised_block_size(block_size: int, kv_hidden_size: int, state_bytes: int) -> int:
     """Case 4: the smallest multiple of ``block_size`` whose attention page holds a Mamba state.
 
@@ -308,3 +327,79 @@ def max_blocks_chunked_local(
     """
     tokens = min(attention_chunk_size + max_num_batched_tokens, max_model_len)
     return cdiv(tokens, block_size)
+
+
+def max_blocks_mamba(max_model_len: int) -> int:
+    """Most blocks one Mamba request holds: its one state block, whatever its length (Case 4).
+
+    pre: 0 < max_model_len <= 10_000
+    post: __return__ == 1
+    """
+    return mamba_blocks_for_tokens(max_model_len)
+
+
+# --- Memory layout (Memory Layout) -------------------------------------------------------------
+
+
+def num_blocks_for_memory(
+    available_memory_bytes: int, num_tensors: int, layer_page_size_bytes: int
+) -> int:
+    """Blocks that fit: a block takes one ``layer_page_size_bytes`` slice of each of the tensors.
+
+    With m layers per group there are m tensors, so a block costs m × page_size_bytes, which is
+    the document's page size of a KV cache group (Memory Layout). The count includes the null
+    block.
+
+    pre: 0 <= available_memory_bytes <= 10**12
+    pre: 0 < num_tensors <= 64
+    pre: 0 < layer_page_size_bytes <= 10**8
+    post: __return__ >= 0
+    post: __return__ * num_tensors * layer_page_size_bytes <= available_memory_bytes
+    post: available_memory_bytes < (__return__ + 1) * num_tensors * layer_page_size_bytes
+    """
+    return available_memory_bytes // (num_tensors * layer_page_size_bytes)
+
+
+def max_num_requests(num_blocks: int, blocks_per_request: int) -> int:
+    """Requests of the longest length that fit at once; the null block is never handed out.
+
+    pre: 2 <= num_blocks <= 1_000_000
+    pre: 0 < blocks_per_request <= 10_000
+    post: __return__ >= 0
+    post: __return__ * blocks_per_request <= num_blocks - 1
+    post: num_blocks - 1 < (__return__ + 1) * blocks_per_request
+    """
+    return (num_blocks - 1) // blocks_per_request
+
+
+# --- Faster twins (each proved equal to its rule by a harness in hybridkv.conformance) -------
+
+
+def sliding_window_hit_blocks_skip(cached: Sequence[bool], needed: int) -> tuple[int, int]:
+    """``sliding_window_hit_blocks``, scanning each candidate window and skipping on a miss.
+
+    A candidate hit of ``end`` blocks needs blocks ``end − needed … end − 1`` cached; checking
+    them right to left, a miss at ``p`` rules out every candidate whose window holds ``p``, so
+    the next candidate ends at ``p``. Each block is read at most once per skip instead of once
+    per candidate, and a long cached tail is found after ``needed`` reads.
+
+    pre: len(cached) <= 8
+    pre: 0 <= needed <= 8
+    post: 0 <= __return__[1] <= __return__[0] <= len(cached)
+    post: all(cached[__return__[1]:__return__[0]])
+    post: __return__[1] == 0 or __return__[0] - __return__[1] == needed
+    """
+    if needed == 0:
+        return len(cached), len(cached)
+    end = len(cached)
+    while end >= needed:
+        miss = end - 1
+        while miss >= end - needed and cached[miss]:
+            miss -= 1
+        if miss < end - needed:
+            return end, end - needed
+        end = miss
+    run = 0
+    while run < end and cached[run]:
+        run += 1
+    return run, 0
