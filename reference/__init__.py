@@ -15,6 +15,8 @@ from hybridkv.reference.events import (
 )
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.kv_cache_manager import KVCacheManager
+from hybridkv.reference.plan_report import GroupPlan, PlanReport, plan_report
+from hybridkv.reference.planner import plan_groups, plan_kv_cache
 from hybridkv.reference.request import Request, RequestLike
 from hybridkv.reference.snapshot import PoolSnapshot
 
@@ -23,12 +25,17 @@ __all__ = [
     "BlockHash",
     "BlockRemoved",
     "BlockStored",
+    "GroupPlan",
     "KVCacheBlocks",
     "KVCacheEvent",
     "KVCacheManager",
+    "PlanReport",
     "PoolSnapshot",
     "PrefixCacheStats",
     "Request",
     "RequestLike",
     "hash_block_tokens",
+    "plan_groups",
+    "plan_kv_cache",
+    "plan_report",
 ]

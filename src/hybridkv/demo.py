@@ -7,8 +7,7 @@ examples (Cases 0–2) are looked up.
 
 from __future__ import annotations
 
-from hybridkv.reference import KVCacheManager, Request
-from hybridkv.reference.planner import plan_kv_cache
+from hybridkv.reference import KVCacheManager, Request, plan_kv_cache
 from hybridkv.spec import FullAttentionSpec, SlidingWindowSpec, spec_kind
 
 HEADS = {"num_kv_heads": 8, "head_size": 128, "dtype_bytes": 2}
