@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
@@ -21,3 +23,12 @@ def test_the_readme_has_exactly_two_setup_commands_and_ci_runs_the_second() -> N
     assert len(commands) == 2
     ci_lines = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
     assert ci_lines[-1] == commands[1]
+
+
+def test_the_document_demo_prints_the_worked_example(capsys: pytest.CaptureFixture[str]) -> None:
+    from hybridkv.demo import main
+
+    main()
+    out = capsys.readouterr().out
+    assert "A request of length 112 holds 11 blocks: [7, 2, 2] per group" in out
+    assert "tensor 0 shared by full.0, sw.0, sw.10" in out

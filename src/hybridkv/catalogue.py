@@ -1,0 +1,371 @@
+"""Real models, as the facts a KV cache plan needs, and the layer specs those facts give.
+
+A model is described by ``ModelFacts``: the kind of every decoder layer plus the numbers that size
+its KV cache or recurrent state. The facts come either from the embedded catalogue (25 real
+models distilled from the project's model catalogue, each with its source line) or from a
+Hugging Face ``config.json`` (``hybridkv.hf_config``). ``model_layers`` turns facts into the
+``{layer name: spec}`` mapping the planner takes, mapping each layer kind to the manager's
+nearest spec only where that is exact, and refusing otherwise.
+
+Layer kinds (the catalogue's vocabulary):
+
+=================================== ===========================================================
+``full_attention``                  ``FullAttentionSpec``
+``sliding_attention``               ``SlidingWindowSpec(sliding_window)``
+``chunked_attention``               ``ChunkedLocalAttentionSpec(attention_chunk_size)``
+``full_attention_mla``              ``FullAttentionSpec(num_kv_heads=1, head_size=latent / 2)``:
+                                    the same bytes per token as the one 576-element latent
+``mamba``, ``mamba2``,              ``MambaSpec(state_bytes)``: vLLM's conv state in bf16 plus
+``linear_attention_gdn``,           the SSM / temporal state in the SSM dtype
+``linear_attention_lightning``
+``hybrid_parallel_attention_mamba2`` two layers, ``layers.i.attn`` and ``layers.i.mamba``
+``mlp_only``                        no layer: it holds neither KV nor state
+=================================== ===========================================================
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, TypeVar
+
+from hybridkv.spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+_T = TypeVar("_T")
+
+DTYPE_BYTES: Mapping[str, int] = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
+"""Bytes per element of the cache dtypes ``--kv-dtype`` accepts."""
+
+CONV_STATE_DTYPE_BYTES = 2
+"""vLLM keeps the conv state in the model dtype, bf16 for every recurrent model catalogued."""
+
+ATTENTION_KINDS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+RECURRENT_KINDS = frozenset(
+    {"mamba", "mamba2", "linear_attention_gdn", "linear_attention_lightning"}
+)
+LAYER_KINDS = (
+    ATTENTION_KINDS
+    | RECURRENT_KINDS
+    | {
+        "full_attention_mla",
+        "hybrid_parallel_attention_mamba2",
+        "mlp_only",
+    }
+)
+
+
+class ModelError(ValueError):
+    """A model the planner cannot be given exactly: the message says what and why."""
+
+
+class UnknownModelError(ModelError):
+    """A name that is in neither the catalogue's ids nor its other names."""
+
+
+@dataclass(frozen=True)
+class AttentionFacts:
+    """KV heads and head size of every attention layer (they are equal in every model here)."""
+
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+
+
+@dataclass(frozen=True)
+class RecurrentFacts:
+    """The fixed-size state of one recurrent layer for one request, in elements.
+
+    ``conv_state_elems`` is vLLM's conv state ((d_conv − 1) × conv_dim; 0 for lightning
+    attention) and ``ssm_state_elems`` the SSM / temporal state. ``ssm_dtype_bytes`` is what
+    vLLM's ``auto`` SSM dtype gives (the model dtype, float32 for Nemotron-H).
+    """
+
+    kind: str
+    conv_state_elems: int
+    ssm_state_elems: int
+    ssm_dtype_bytes: int = 2
+
+    def state_bytes(self, ssm_dtype_bytes: int | None = None) -> int:
+        """Bytes of the state: conv in bf16, SSM in ``ssm_dtype_bytes`` (default: the model's)."""
+        ssm_bytes = self.ssm_dtype_bytes if ssm_dtype_bytes is None else ssm_dtype_bytes
+        return self.conv_state_elems * CONV_STATE_DTYPE_BYTES + self.ssm_state_elems * ssm_bytes
+
+
+@dataclass(frozen=True)
+class MLAFacts:
+    """DeepSeek's multi-head latent attention: one latent of rank + rope elements per token."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+
+    @property
+    def latent_elems(self) -> int:
+        """Elements cached per token per layer, shared by every head, with no K/V factor 2."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What sizes a model's KV cache: the kind of each decoder layer and its numbers.
+
+    ``kv_sharing`` maps a decoder layer that reads another layer's KV (Gemma-3n) to that layer.
+    """
+
+    name: str
+    layer_kinds: tuple[str, ...]
+    attention: AttentionFacts | None = None
+    recurrent: RecurrentFacts | None = None
+    mla: MLAFacts | None = None
+    kv_sharing: Mapping[int, int] = field(default_factory=dict)
+    max_position_embeddings: int | None = None
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelLayers:
+    """The planner's input for one model: specs in model order, KV sharing, and caveats."""
+
+    layers: Mapping[str, KVCacheSpec]
+    kv_sharing: Mapping[str, str]
+    notes: tuple[str, ...]
+
+
+# --- Facts → layer specs ----------------------------------------------------------------------
+
+
+def model_layers(
+    facts: ModelFacts, *, block_size: int, kv_dtype_bytes: int, ssm_dtype_bytes: int | None = None
+) -> ModelLayers:
+    """The ``{layer name: spec}`` of ``facts``; ``ModelError`` for a kind with no exact spec.
+
+    Layers are named ``layers.i`` after their decoder layer; a Falcon-H1 decoder layer holds
+    two, ``layers.i.attn`` and ``layers.i.mamba``. MLP-only layers hold nothing and are left out.
+    """
+    recurrent = set(facts.layer_kinds) & (RECURRENT_KINDS | {"hybrid_parallel_attention_mamba2"})
+    mamba = _mamba_spec(facts, block_size, ssm_dtype_bytes) if recurrent else None
+    layers: dict[str, KVCacheSpec] = {}
+    for index, kind in enumerate(facts.layer_kinds):
+        layers.update(_decoder_layer(facts, index, kind, block_size, kv_dtype_bytes, mamba))
+    if not layers:
+        raise ModelError(f"{facts.name}: no layer holds KV cache or state")
+    sharing = {
+        f"layers.{reader}": f"layers.{target}" for reader, target in facts.kv_sharing.items()
+    }
+    return ModelLayers(layers, sharing, facts.notes + _mapping_notes(facts))
+
+
+def _decoder_layer(
+    facts: ModelFacts,
+    index: int,
+    kind: str,
+    block_size: int,
+    dtype_bytes: int,
+    mamba: MambaSpec | None,
+) -> list[tuple[str, KVCacheSpec]]:
+    """The layers (name, spec) that decoder layer ``index`` of ``kind`` contributes."""
+    name = f"layers.{index}"
+    if kind == "mlp_only":
+        return []
+    if kind in RECURRENT_KINDS and mamba is not None:
+        return [(name, mamba)]
+    if kind == "full_attention_mla":
+        return [(name, _mla_spec(facts, block_size, dtype_bytes))]
+    if kind == "hybrid_parallel_attention_mamba2" and mamba is not None:
+        attn = _attention_spec(facts, "full_attention", block_size, dtype_bytes)
+        return [(f"{name}.attn", attn), (f"{name}.mamba", mamba)]
+    if kind in ATTENTION_KINDS:
+        return [(name, _attention_spec(facts, kind, block_size, dtype_bytes))]
+    raise ModelError(f"{facts.name}: layer {index} has kind {kind!r}, which is not modelled")
+
+
+def _attention_spec(facts: ModelFacts, kind: str, block_size: int, dtype_bytes: int) -> KVCacheSpec:
+    """A paged attention layer; the window or chunk comes from the model's attention facts."""
+    attn = _need(facts.attention, facts.name, "attention (num_key_value_heads, head_dim)")
+    common = {
+        "block_size": block_size,
+        "num_kv_heads": attn.num_kv_heads,
+        "head_size": attn.head_dim,
+        "dtype_bytes": dtype_bytes,
+    }
+    if kind == "sliding_attention":
+        window = _need(attn.sliding_window, facts.name, "sliding_window")
+        return SlidingWindowSpec(**common, sliding_window=window)
+    if kind == "chunked_attention":
+        chunk = _need(attn.attention_chunk_size, facts.name, "attention_chunk_size")
+        return ChunkedLocalAttentionSpec(**common, attention_chunk_size=chunk)
+    return FullAttentionSpec(**common)
+
+
+def _mla_spec(facts: ModelFacts, block_size: int, dtype_bytes: int) -> KVCacheSpec:
+    """MLA as full attention with one head of half the latent: the spec's K + V = the latent.
+
+    The manager only counts bytes and blocks, and an MLA layer keeps every token like full
+    attention, so this is exact exactly when the latent has an even number of elements.
+    """
+    mla = _need(facts.mla, facts.name, "kv_lora_rank / qk_rope_head_dim")
+    if mla.latent_elems % 2:
+        raise ModelError(
+            f"{facts.name}: the MLA latent has {mla.latent_elems} elements per token (odd); "
+            "a FullAttentionSpec stores 2 × heads × head_size, so it cannot be modelled exactly"
+        )
+    return FullAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=1,
+        head_size=mla.latent_elems // 2,
+        dtype_bytes=dtype_bytes,
+    )
+
+
+def _mamba_spec(facts: ModelFacts, block_size: int, ssm_dtype_bytes: int | None) -> MambaSpec:
+    """One recurrent layer's state; the planner raises the block size and pads it (Case 4)."""
+    recurrent = _need(facts.recurrent, facts.name, "the recurrent state sizes")
+    return MambaSpec(block_size=block_size, state_bytes=recurrent.state_bytes(ssm_dtype_bytes))
+
+
+def _mapping_notes(facts: ModelFacts) -> tuple[str, ...]:
+    """Say where a layer kind was mapped to a spec that is exact in bytes but not in shape."""
+    notes: list[str] = []
+    kinds = set(facts.layer_kinds)
+    if "full_attention_mla" in kinds and facts.mla is not None:
+        notes.append(
+            f"MLA: one {facts.mla.latent_elems}-element latent per token (K = V = latent), "
+            f"planned as full attention with 1 KV head of head_size {facts.mla.latent_elems // 2}: "
+            "the same bytes per token and blocks; the K/V split is notional"
+        )
+    if kinds & RECURRENT_KINDS or "hybrid_parallel_attention_mamba2" in kinds:
+        notes.append(
+            "recurrent layers are planned as MambaSpec: vLLM conv state in bf16 + SSM state in "
+            "the SSM dtype; prefix caching is off for models with recurrent layers"
+        )
+    if "hybrid_parallel_attention_mamba2" in kinds:
+        notes.append(
+            "every decoder layer holds KV and a Mamba-2 state: layers.i.attn + layers.i.mamba"
+        )
+    if "mlp_only" in kinds:
+        notes.append(
+            f"{facts.layer_kinds.count('mlp_only')} MLP-only layers hold no KV and no state"
+        )
+    return tuple(notes)
+
+
+def _need(value: _T | None, model: str, what: str) -> _T:
+    """``value``, or a ``ModelError`` saying which fact the model lacks."""
+    if value is None:
+        raise ModelError(f"{model}: its layers need {what}, which the model does not give")
+    return value
+
+
+# --- The embedded catalogue -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CatalogueEntry:
+    """One catalogued model: its ids, how sure the numbers are, where they come from, its facts."""
+
+    model_id: str
+    aka: tuple[str, ...]
+    family: str
+    status: str
+    source: str
+    unconfirmed: tuple[str, ...]
+    facts: ModelFacts
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name that finds this model: ids with and without their organisation."""
+        ids = (self.model_id, *self.aka)
+        return ids + tuple(name.split("/", 1)[1] for name in ids if "/" in name)
+
+
+@functools.cache
+def load_catalogue() -> tuple[CatalogueEntry, ...]:
+    """The models of ``hybridkv/data/catalogue.json``, in catalogue order (read once)."""
+    text = resources.files("hybridkv").joinpath("data/catalogue.json").read_text("utf-8")
+    return tuple(_entry(record) for record in json.loads(text)["models"])
+
+
+def find_model(name: str) -> CatalogueEntry:
+    """The model called ``name`` (case-insensitive, organisation optional).
+
+    ``UnknownModelError`` lists the closest names, so a typo is one look away from its fix.
+    """
+    wanted = name.strip().lower()
+    for entry in load_catalogue():
+        if wanted in (known.lower() for known in entry.names):
+            return entry
+    raise UnknownModelError(f"unknown model {name!r}; {_suggestions(wanted)}")
+
+
+def _suggestions(wanted: str) -> str:
+    """The closest catalogue ids, by spelling and by substring."""
+    by_lower = {}
+    for entry in load_catalogue():
+        for known in entry.names:
+            by_lower[known.lower()] = entry.model_id
+    close = [known for known in by_lower if wanted and wanted in known]
+    close += difflib.get_close_matches(wanted, list(by_lower), n=5, cutoff=0.5)
+    ids = list(dict.fromkeys(by_lower[known] for known in close))[:5]
+    if not ids:
+        return "run `hybridkv models` to list the catalogue"
+    return "did you mean: " + ", ".join(ids) + "?"
+
+
+def _entry(record: Mapping[str, Any]) -> CatalogueEntry:
+    """A catalogue record as an entry; the record's keys are those of the data file."""
+    aka = tuple(name.split(" ", 1)[0] for name in record["aka"])
+    return CatalogueEntry(
+        model_id=record["model_id"],
+        aka=aka,
+        family=record["family"],
+        status=record["status"],
+        source=record["source"],
+        unconfirmed=tuple(record["unconfirmed"]),
+        facts=_facts(record),
+    )
+
+
+def _facts(record: Mapping[str, Any]) -> ModelFacts:
+    """The planning facts of a record (attention, recurrent state, MLA latent, KV sharing)."""
+    attn = record["attention"]
+    attention = None
+    if attn["head_dim"] is not None:
+        attention = AttentionFacts(
+            num_kv_heads=attn["num_key_value_heads"],
+            head_dim=attn["head_dim"],
+            sliding_window=attn["sliding_window"],
+            attention_chunk_size=attn["attention_chunk_size"],
+        )
+    rec = record["recurrent"]
+    recurrent = None
+    if rec is not None:
+        recurrent = RecurrentFacts(
+            kind=rec["kind"],
+            conv_state_elems=rec["conv_state_elems_vllm"],
+            ssm_state_elems=rec["ssm_state_elems"],
+            ssm_dtype_bytes=4 if rec["ssm_dtype_auto"] == "float32" else 2,
+        )
+    mla = record["mla"]
+    sharing = record["kv_sharing"]
+    return ModelFacts(
+        name=record["model_id"],
+        layer_kinds=tuple(record["layer_types"]),
+        attention=attention,
+        recurrent=recurrent,
+        mla=None if mla is None else MLAFacts(mla["kv_lora_rank"], mla["qk_rope_head_dim"]),
+        kv_sharing={}
+        if sharing is None
+        else {int(k): int(v) for k, v in sharing["consumer_to_producer"].items()},
+        max_position_embeddings=record["max_position_embeddings"],
+        notes=tuple(record["notes"]),
+    )

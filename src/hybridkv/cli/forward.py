@@ -1,0 +1,59 @@
+"""``hybridkv conformance`` and ``hybridkv bench``: the suite's and the benchmark's own commands.
+
+They run ``python -m hybridkv.conformance`` / ``python -m hybridkv.bench`` in this process, with
+the remaining arguments, once those modules exist.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import runpy
+import sys
+
+import click
+
+from hybridkv.cli.options import UserError
+
+# Every argument, --help included, belongs to the forwarded command.
+_FORWARD_ALL = {"ignore_unknown_options": True, "help_option_names": []}
+
+
+def forward(module: str, args: tuple[str, ...]) -> None:
+    """Run ``module`` as ``__main__`` with ``args``; ``UserError`` when it does not exist yet."""
+    if not _has_module(module):
+        command = module.rsplit(".", 1)[-1]
+        raise UserError(
+            f"`python -m {module}` does not exist in this version of hybridkv, so "
+            f"`hybridkv {command}` cannot run yet"
+        )
+    saved = sys.argv
+    sys.argv = [f"python -m {module}", *args]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    finally:
+        sys.argv = saved
+
+
+def _has_module(module: str) -> bool:
+    """Whether ``module`` can run with ``-m``: a module, or a package with a ``__main__``."""
+    try:
+        spec = importlib.util.find_spec(module)
+        if spec is not None and spec.submodule_search_locations is not None:
+            spec = importlib.util.find_spec(f"{module}.__main__")
+    except ImportError:
+        return False
+    return spec is not None
+
+
+@click.command(context_settings=_FORWARD_ALL)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def conformance(args: tuple[str, ...]) -> None:
+    """Run the conformance suite (python -m hybridkv.conformance ARGS)."""
+    forward("hybridkv.conformance", args)
+
+
+@click.command(context_settings=_FORWARD_ALL)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench(args: tuple[str, ...]) -> None:
+    """Run the benchmarks (python -m hybridkv.bench ARGS)."""
+    forward("hybridkv.bench", args)

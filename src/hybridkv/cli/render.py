@@ -1,0 +1,328 @@
+"""The terminal view of a plan and of the catalogue, drawn with rich.
+
+The memory layout picture follows the design document's figure ("Memory Layout"): one row per
+KV cache tensor, one column per KV cache group; the cell names the layer whose KV that group
+keeps in that tensor, and a block is one slice of every tensor.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from hybridkv.cli.options import format_bytes
+from hybridkv.cli.plan_cmd import Plan, layer_type_counts
+from hybridkv.spec import (
+    ChunkedLocalAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    spec_kind,
+)
+
+if TYPE_CHECKING:
+    from hybridkv.catalogue import CatalogueEntry
+
+KIND_STYLES = {
+    "full": "blue",
+    "sliding_window": "green",
+    "chunked_local": "magenta",
+    "mamba": "yellow",
+}
+KIND_LABELS = {
+    "full": "full",
+    "sliding_window": "sliding",
+    "chunked_local": "chunked",
+    "mamba": "mamba",
+}
+_LAYER_NAME = re.compile(r"layers\.(\d+)(\.\w+)?")
+_MAX_ROWS = 16
+
+
+def render_plan(plan: Plan, *, svg_path: str | None = None, console: Console | None = None) -> None:
+    """Print every part of the plan, the layout picture last but one, the caveats last."""
+    out = console or Console(highlight=False)
+    out.print(_header(plan))
+    out.print(_layer_table(plan))
+    out.print(_group_table(plan))
+    out.print(_summary_table(plan))
+    out.print(_layout_title(plan))
+    out.print(_layout_table(plan))
+    out.print(_layout_caption(plan))
+    if svg_path is not None:
+        out.print(f"layout written to [bold]{svg_path}[/bold]")
+    for note in plan.notes:
+        out.print(Text(f"note: {note}", style="dim"))
+
+
+def _header(plan: Plan) -> Text:
+    """Model, status, source and the settings the plan assumed."""
+    settings = plan.settings
+    text = Text()
+    text.append(plan.choice.name, style="bold")
+    text.append(f"  ({plan.choice.status})\n", style="dim")
+    text.append(f"source: {plan.choice.source}\n", style="dim")
+    counts = layer_type_counts(plan.choice.facts.layer_kinds)
+    text.append("layer types: " + ", ".join(f"{n} {kind}" for kind, n in counts.items()) + "\n")
+    text.append(
+        f"{format_bytes(settings.memory_bytes)} for KV cache · {settings.kv_dtype} KV · "
+        f"block size {settings.block_size} · max_model_len {settings.max_model_len:,} · "
+        f"{settings.max_num_batched_tokens:,} batched tokens per step"
+    )
+    return text
+
+
+def _layer_table(plan: Plan) -> Table:
+    """One row per distinct layer spec: which layers have it and what each of them keeps."""
+    table = Table(title="Layers", box=box.SIMPLE_HEAD, title_justify="left")
+    for column in ("type", "count", "layers", "each layer keeps"):
+        table.add_column(column, overflow="fold")
+    by_spec: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in plan.layers.layers.items():
+        if name not in plan.layers.kv_sharing:
+            by_spec.setdefault(spec, []).append(name)
+    for spec, names in by_spec.items():
+        kind = spec_kind(spec)
+        table.add_row(
+            Text(KIND_LABELS[kind], style=KIND_STYLES[kind]),
+            str(len(names)),
+            describe_layers(names),
+            describe_spec(spec),
+        )
+    if plan.layers.kv_sharing:
+        readers = list(plan.layers.kv_sharing)
+        table.add_row(
+            "KV reader",
+            str(len(readers)),
+            describe_layers(readers),
+            "nothing: reads another layer's KV",
+        )
+    return table
+
+
+def _group_table(plan: Plan) -> Table:
+    """The KV cache groups: their layers, padding and blocks per request."""
+    report = plan.report
+    table = Table(
+        title=f"KV cache groups: {len(report.groups)} × {report.layers_per_group} layer slots",
+        box=box.SIMPLE_HEAD,
+        title_justify="left",
+    )
+    for column in ("group", "type", "layers", "own", "padding", "max blocks / request"):
+        table.add_column(column, overflow="fold")
+    for group in report.groups:
+        own = group.layer_names[: group.num_own_layers]
+        layers = describe_layers(own)
+        if group.num_kv_sharing_layers:
+            layers += f" (+ readers {describe_layers(group.layer_names[group.num_own_layers :])})"
+        table.add_row(
+            str(group.group_id),
+            Text(KIND_LABELS[group.kind], style=KIND_STYLES[group.kind]),
+            layers,
+            str(group.num_own_layers),
+            Text(str(group.num_padding_slots), style="red" if group.num_padding_slots else ""),
+            f"{group.max_blocks_per_request:,}",
+        )
+    return table
+
+
+def _summary_table(plan: Plan) -> Table:
+    """Page size, tensors, blocks, requests and tokens that fit, and the saving."""
+    report, settings = plan.report, plan.settings
+    table = Table(box=box.SIMPLE, show_header=False, title="Memory", title_justify="left")
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    raised = report.block_size != settings.block_size
+    table.add_row(
+        "block size",
+        f"{report.block_size} tokens"
+        + (f" (raised from {settings.block_size} so a page holds a Mamba state)" if raised else ""),
+    )
+    table.add_row(
+        "page size",
+        f"{format_bytes(report.layer_page_size_bytes)} per layer · "
+        f"{format_bytes(report.page_size_bytes)} per block "
+        f"({report.layers_per_group} layers × {report.layer_page_size_bytes:,} B)",
+    )
+    tensor_size = report.config.tensors[0].size
+    table.add_row(
+        "tensors",
+        f"{len(report.config.tensors)} × {format_bytes(tensor_size)}, each shared by "
+        f"one layer of each group (up to {len(report.groups)})",
+    )
+    table.add_row("blocks", f"{report.num_blocks:,} (the null block included)")
+    table.add_row(
+        "padding",
+        f"{report.num_padding_slots} slots = {report.padding_fraction:.1%} of the pool",
+    )
+    table.add_row(
+        "one request",
+        f"{report.blocks_per_request:,} blocks = {format_bytes(report.bytes_per_request)} "
+        f"at {report.max_model_len:,} tokens",
+    )
+    table.add_row(
+        "fits",
+        f"{report.max_num_requests:,} requests at once = {report.max_tokens:,} tokens",
+    )
+    table.add_row("full attention only", _full_attention_line(plan))
+    table.add_row(
+        "memory used",
+        f"{format_bytes(report.memory_bytes)} of {format_bytes(settings.memory_bytes)}",
+    )
+    return table
+
+
+def _full_attention_line(plan: Plan) -> Text:
+    """What a non-hybrid manager (every attention layer keeps every token) would need."""
+    report = plan.report
+    text = Text(
+        f"{format_bytes(report.full_attention_bytes_per_request)} per request "
+        f"(hybrid: {format_bytes(report.bytes_per_request)}); "
+        f"{report.full_attention_max_num_requests:,} fit in this memory. "
+    )
+    if report.max_num_requests == 0:
+        text.append(
+            "No request of max_model_len fits: lower --max-model-len or add --memory", "red"
+        )
+        return text
+    saved = report.memory_saved_bytes
+    if saved == 0:
+        text.append("The hybrid manager needs the same: every layer keeps every token or a state")
+        return text
+    share = saved / report.full_attention_memory_bytes
+    text.append(
+        f"For {report.max_num_requests:,} requests the hybrid manager needs "
+        f"{format_bytes(abs(saved))} ({abs(share):.0%}) {'less' if saved >= 0 else 'more'}",
+        "green" if saved > 0 else "red",
+    )
+    return text
+
+
+def _layout_title(plan: Plan) -> Text:
+    report = plan.report
+    return Text(
+        f"Memory layout: {len(report.config.tensors)} tensors × {len(report.groups)} groups",
+        style="italic",
+    )
+
+
+def _layout_caption(plan: Plan) -> Text:
+    report = plan.report
+    return Text(
+        f"each tensor: {report.num_blocks:,} blocks × "
+        f"{format_bytes(report.layer_page_size_bytes)}; block b = slice b of every tensor",
+        style="dim",
+    )
+
+
+def _layout_table(plan: Plan) -> Table:
+    """The document's figure: tensors (rows) × groups (columns), layer names in the cells."""
+    report = plan.report
+    table = Table(box=box.SQUARE)
+    table.add_column("tensor", style="dim", justify="right")
+    for group in report.groups:
+        label = f"G{group.group_id} {KIND_LABELS[group.kind]}"
+        table.add_column(Text(label, style=KIND_STYLES[group.kind]), justify="center")
+    own = [group.layer_names[: group.num_own_layers] for group in report.groups]
+    for row in _visible_rows(len(report.config.tensors)):
+        if row is None:
+            table.add_row("⋮", *("⋮" for _ in own))
+            continue
+        cells = [
+            Text(short_name(names[row]), style=KIND_STYLES[group.kind])
+            if row < len(names)
+            else Text("pad", style="red dim")
+            for group, names in zip(report.groups, own, strict=True)
+        ]
+        table.add_row(str(row), *cells)
+    return table
+
+
+def _visible_rows(num_rows: int) -> Sequence[int | None]:
+    """All rows of a small layout; the first and last rows of a tall one (``None``: elided)."""
+    if num_rows <= _MAX_ROWS:
+        return list(range(num_rows))
+    return [*range(10), None, *range(num_rows - 4, num_rows)]
+
+
+# --- Describing layers and specs --------------------------------------------------------------
+
+
+def short_name(name: str) -> str:
+    """``layers.12`` → ``L12``; ``layers.3.mamba`` → ``L3.mamba``; other names unchanged."""
+    match = _LAYER_NAME.fullmatch(name)
+    return f"L{match.group(1)}{match.group(2) or ''}" if match else name
+
+
+def describe_layers(names: Iterable[str]) -> str:
+    """Layer names as index ranges: ``layers 0–4, 6–10, 12`` (names kept if not ``layers.i``)."""
+    names = list(names)
+    matches = [_LAYER_NAME.fullmatch(name) for name in names]
+    if not names or any(match is None for match in matches):
+        return ", ".join(names)
+    suffixes = {match.group(2) or "" for match in matches if match}
+    indices = [int(match.group(1)) for match in matches if match]
+    suffix = f" ({', '.join(sorted(s.lstrip('.') for s in suffixes))})" if suffixes != {""} else ""
+    return "layers " + ", ".join(_ranges(indices)) + suffix
+
+
+def _ranges(indices: list[int]) -> list[str]:
+    """Consecutive runs of indices: [0, 1, 2, 4] → ["0–2", "4"]."""
+    runs: list[list[int]] = []
+    for index in indices:
+        if runs and index == runs[-1][-1] + 1:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    return [f"{run[0]}–{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs]
+
+
+def describe_spec(spec: KVCacheSpec) -> str:
+    """What one layer of ``spec`` keeps: bytes per token and which tokens, or its state."""
+    if isinstance(spec, MambaSpec):
+        return f"a {format_bytes(spec.state_bytes)} state per request ({spec.state_bytes:,} B)"
+    shape = f"{spec.num_kv_heads} KV heads × {spec.head_size} × {spec.dtype_bytes} B"
+    per_token = f"{format_bytes(spec.kv_hidden_size)}/token ({shape})"
+    if isinstance(spec, SlidingWindowSpec):
+        return f"{per_token}, last {spec.sliding_window:,} tokens"
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return f"{per_token}, current {spec.attention_chunk_size:,}-token chunk"
+    return f"{per_token}, every token"
+
+
+# --- models -----------------------------------------------------------------------------------
+
+
+_SHORT_KINDS = {
+    "full_attention": "full",
+    "sliding_attention": "sliding",
+    "chunked_attention": "chunked",
+    "full_attention_mla": "MLA",
+    "mamba": "mamba1",
+    "linear_attention_gdn": "deltanet",
+    "linear_attention_lightning": "lightning",
+    "hybrid_parallel_attention_mamba2": "attn+mamba2",
+    "mlp_only": "mlp",
+}
+
+
+def render_models(entries: Sequence[CatalogueEntry], console: Console | None = None) -> None:
+    """The catalogue as a table: id, layer types, how sure the numbers are."""
+    table = Table(title=f"{len(entries)} models", box=box.SIMPLE_HEAD, title_justify="left")
+    table.add_column("model", no_wrap=True)
+    table.add_column("layers", overflow="fold")
+    table.add_column("status", no_wrap=True)
+    for entry in entries:
+        counts = layer_type_counts(entry.facts.layer_kinds)
+        table.add_row(
+            entry.model_id,
+            ", ".join(f"{n} {_SHORT_KINDS.get(kind, kind)}" for kind, n in counts.items()),
+            entry.status.replace("_", " "),
+        )
+    (console or Console(highlight=False)).print(table)
