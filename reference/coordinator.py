@@ -11,6 +11,7 @@ results. Which coordinator runs depends on the configuration:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from hybridkv.reference.block_hash import BlockHash
@@ -23,7 +24,7 @@ from hybridkv.spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 BlocksPerGroup = tuple[list[KVCacheBlock], ...]
 
 
-class KVCacheCoordinator:
+class KVCacheCoordinator(ABC):
     """Operations applied to every group in group order (group 0 first)."""
 
     def __init__(
@@ -40,11 +41,11 @@ class KVCacheCoordinator:
             for group_id, group in enumerate(config.groups)
         ]
 
+    @abstractmethod
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
     ) -> tuple[BlocksPerGroup, int]:
         """The blocks per group and the length (tokens) of the request's longest cache hit."""
-        raise NotImplementedError
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         for manager in self.managers:

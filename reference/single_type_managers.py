@@ -14,6 +14,7 @@ positions whose tokens are no longer needed hold the null block instead of being
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import overload
 
@@ -68,7 +69,7 @@ class CachedFlags(Sequence[bool]):
         return self._pool.get_cached_block(self._hashes[index], self._group_ids) is not None
 
 
-class SingleTypeKVCacheManager:
+class SingleTypeKVCacheManager(ABC):
     """Allocation and prefix caching for one KV cache group (one attention type)."""
 
     def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, group_id: int) -> None:
@@ -86,9 +87,9 @@ class SingleTypeKVCacheManager:
         """Leading tokens the next token does not attend to (full attention: none)."""
         return rules.full_attention_skipped_tokens(num_computed_tokens)
 
+    @abstractmethod
     def longest_hit(self, cached: Sequence[bool], max_length: int) -> tuple[int, int]:
         """``(hit blocks, first real block)`` of the longest valid hit of at most ``max_length``."""
-        raise NotImplementedError
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Table positions ``num_tokens`` tokens need."""
