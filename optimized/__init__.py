@@ -1,1 +1,10 @@
-"""The optimized (torch) backend; see its modules for the data layout."""
+"""The optimized (torch) backend: ``TorchKVCacheManager``, equal to the reference, in tensors.
+
+Modules: ``block_pool`` (per-block state: reference counts, free queue, prefix cache),
+``lookup`` (cache hits with verification), ``manager`` (the scheduler API and the block-table
+tensors) and ``batch`` (whole-step calls). Each explains its data layout at the top.
+"""
+
+from hybridkv.optimized.manager import TorchKVCacheManager
+
+__all__ = ["TorchKVCacheManager"]

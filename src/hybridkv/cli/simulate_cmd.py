@@ -141,15 +141,13 @@ def _manager(backend: str, plan: Plan, caching: bool, device: str) -> Manager:
 
         return KVCacheManager(config, max_model_len, enable_caching=caching)
     try:
-        from hybridkv.optimized import TorchKVCacheManager  # type: ignore[attr-defined]
+        from hybridkv.optimized import TorchKVCacheManager
     except ModuleNotFoundError as error:
         if error.name == "torch":
             raise UserError(
                 "--backend optimized needs torch: pip install 'hybridkv[torch]'"
             ) from None
         raise
-    except ImportError:
-        raise UserError("--backend optimized is not in this version of hybridkv yet") from None
     try:
         manager: Manager = TorchKVCacheManager(
             config, max_model_len, enable_caching=caching, device=device

@@ -1,0 +1,58 @@
+"""Flat ``int32`` buffers seen two ways: as a torch tensor and as a Python ``array``.
+
+Data layout
+-----------
+Every piece of per-block and per-request state of the optimized backend is one flat, C-contiguous
+``int32`` buffer. The memory is an ``array.array('i')``; ``torch.frombuffer`` wraps the same
+memory as a CPU tensor without copying. Vectorised paths (a whole scheduler step, a long prompt)
+read and write the tensor; single-element updates (one block popped, one hash cached) go through
+the array, where an element costs one indexing operation instead of a torch call. Both views stay
+valid for the life of the buffer: it is never resized.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import torch
+
+assert array("i").itemsize == 4, "the optimized backend needs a 4-byte C int"
+assert array("q").itemsize == 8
+
+
+class IntBuffer:
+    """``n`` integers, each ``fill`` at first; ``.a`` is the array, ``.t`` the tensor.
+
+    int32 (``typecode`` ``"i"``), int64 (``"q"``) or int8 (``"b"``).
+    """
+
+    __slots__ = ("a", "t")
+
+    def __init__(self, n: int, fill: int = 0, typecode: str = "i") -> None:
+        # One spare element keeps torch.frombuffer valid for n == 0 (it rejects empty buffers).
+        self.a = array(typecode, [fill]) * max(n, 1)
+        dtype = {"q": torch.int64, "i": torch.int32, "b": torch.int8}[typecode]
+        self.t = torch.frombuffer(self.a, dtype=dtype)[:n]
+
+    def __len__(self) -> int:
+        return self.t.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.a.buffer_info()[1] * self.a.itemsize
+
+
+def int32_from_bytes(data: bytes) -> torch.Tensor:
+    """A writable int32 CPU tensor over a copy of ``data`` (native byte order)."""
+    values = array("i")
+    values.frombytes(data)
+    if not values:
+        return torch.empty(0, dtype=torch.int32)
+    return torch.frombuffer(values, dtype=torch.int32)
+
+
+def tensor_from_ints(values: list[int]) -> torch.Tensor:
+    """An int64 CPU tensor of small Python ints (through an array, which is cheaper)."""
+    if not values:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(array("q", values), dtype=torch.int64)

@@ -1,0 +1,455 @@
+"""The optimized block pool: reference counts, the free queue and the prefix cache, in tensors.
+
+Same rules as ``hybridkv.reference.block_pool`` (read that first); only the representation
+differs. ``N`` is ``num_blocks`` (block 0 is the null block), ``G`` the number of KV cache groups.
+
+Data layout (every array is an ``IntBuffer``: int32, one tensor view and one array view)
+--------------------------------------------------------------------------------------------
+Reference counts and the free queue::
+
+    ref[N]                  holders of each block
+    prev[N + 2], next[N + 2] the free queue, an intrusive doubly linked list through the block
+                            ids; N is the head sentinel, N + 1 the tail sentinel. A block is in
+                            the queue iff prev[b] != -1.
+
+The prefix cache, a chained hash table whose entries are the blocks themselves (a block holds at
+most one cached hash, so no separate entry storage is needed)::
+
+    heads[M]                first block of each bucket's chain, N if empty; M is the smallest
+                            power of two >= N (at least 16)
+    hnext[N + 1]            next block in the same chain; N ends a chain (and hnext[N] = N)
+    hk[N + 1]               int64: (first 4 bytes of the cached hash, little endian, signed)
+                            << 32 | (position × G + group id); hk[N] = -1 matches nothing
+    src[N]                  the source the block was cached from (below); -1 if the block holds
+                            no hash
+
+A bucket is ``(key + group × 0x9E3779B1) mod M``. Chains are in reverse insertion order (a new
+entry goes to the head), so among blocks cached under the same (hash, group) the *last* match on
+a chain is the first-inserted one, which is the block a lookup returns (as in the reference).
+A lookup compares one int64 per chain entry: key, position and group at once.
+
+Sources: collision safety
+-------------------------
+A cache hit is never trusted on the hash alone. Every cached block records its *source*: the
+request that computed it (its token list, its block hashes and its cache salt, all by reference,
+never copied). A lookup accepts a block at position ``p`` only if that source's hash at ``p``
+equals the request's, its salt is the request's, and its first ``(p + 1) × block_size`` tokens
+are the request's: the block's whole prefix, so even a forced hash collision, or one of the
+4-byte keys above, cannot return another prompt's blocks. Sources live in a Python list indexed
+by ``src``, one per request that cached blocks (not per block), with a count of the blocks that
+name them; a source is dropped when its last block is evicted.
+
+Per block this is 5 int32 values and one int64 (28 bytes) plus the bucket heads (4 to 8 bytes,
+as the table size rounds up to a power of two: 4.2 for a million blocks), and no Python object
+per block.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from hybridkv.optimized._buffers import IntBuffer
+from hybridkv.reference.block_hash import BlockHash
+from hybridkv.reference.events import AllBlocksCleared, BlockRemoved, KVCacheEvent
+from hybridkv.spec.errors import require
+
+GROUP_MIX = 0x9E3779B1
+"""Spreads the same hash of different groups over different buckets."""
+
+_KEY = struct.Struct("<i")
+
+
+def hash_key(block_hash: bytes) -> int:
+    """The 4-byte table key of a block hash (any length; short ones are zero-padded)."""
+    if len(block_hash) >= 4:
+        key: int = _KEY.unpack_from(block_hash)[0]
+        return key
+    return int(_KEY.unpack(block_hash.ljust(4, b"\0"))[0])
+
+
+class Source:
+    """The token ids, block hashes and cache salt of a request that cached blocks."""
+
+    __slots__ = ("hashes", "refs", "row_refs", "salt", "tokens")
+
+    def __init__(self, tokens: Sequence[int], hashes: Sequence[BlockHash], salt: object) -> None:
+        self.tokens = tokens
+        self.hashes = hashes
+        self.salt = salt
+        self.refs = 0  # cached blocks naming this source
+        self.row_refs = 0  # live block-table rows naming it (the request may cache more)
+
+
+class TorchBlockPool:
+    """Blocks ``0 … N − 1`` with block 0 the null block; see the module docstring."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        num_groups: int,
+        *,
+        enable_caching: bool,
+        enable_kv_cache_events: bool = False,
+    ) -> None:
+        n = num_blocks
+        self.num_blocks = n
+        self.num_groups = num_groups
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.head = n
+        self.tail = n + 1
+        self.ref = IntBuffer(n)
+        self.prev = IntBuffer(n + 2, -1)
+        self.next = IntBuffer(n + 2, -1)
+        # Free queue 1 … N − 1 in id order.
+        ids = torch.arange(n + 2, dtype=torch.int32)
+        self.next.t[1 : n - 1] = ids[2:n]
+        self.prev.t[2:n] = ids[1 : n - 1]
+        self.next.a[self.head] = 1
+        self.prev.a[1] = self.head
+        self.next.a[n - 1] = self.tail
+        self.prev.a[self.tail] = n - 1
+        self.num_free_blocks = n - 1
+        # Prefix cache.
+        size = 16
+        while size < n:
+            size *= 2
+        self.mask = size - 1
+        self.end = n  # ends every chain
+        self.heads = IntBuffer(size, n)
+        self.hnext = IntBuffer(n + 1, n)
+        self.hk = IntBuffer(n + 1, -1, typecode="q")
+        self.src = IntBuffer(n, -1)
+        self.sources: list[Source | None] = []
+        self._free_sources: list[int] = []
+        self.events: list[KVCacheEvent] = []
+
+    # --- Memory -----------------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the per-block tensors (the pool's host memory apart from its sources)."""
+        buffers = (self.ref, self.prev, self.next, self.heads, self.hnext, self.hk, self.src)
+        return sum(b.nbytes for b in buffers)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - (self.num_free_blocks / (self.num_blocks - 1))
+
+    # --- Free queue -------------------------------------------------------------------------
+
+    def pop_n(self, count: int, sink: list[tuple[int, KVCacheEvent]] | None = None) -> list[int]:
+        """Take ``count`` blocks from the head, evicting their cached hashes; each gets ref 1.
+
+        With a ``sink``, eviction events go there as (index of the popped block, event) instead
+        of to the event list (a batch interleaves them with other requests' events).
+        """
+        if count > self.num_free_blocks:
+            raise ValueError(
+                f"cannot take {count} blocks from a free queue of {self.num_free_blocks}"
+            )
+        if count <= 0:
+            return []
+        nxt, prv, ref, src = self.next.a, self.prev.a, self.ref.a, self.src.a
+        taken: list[int] = []
+        block = nxt[self.head]
+        for index in range(count):
+            taken.append(block)
+            following = nxt[block]
+            prv[block] = nxt[block] = -1
+            ref[block] = 1
+            if src[block] >= 0:
+                if sink is None:
+                    self.evict(block)
+                else:
+                    removed: list[KVCacheEvent] = []
+                    self.evict(block, removed)
+                    sink.extend((index, event) for event in removed)
+            block = following
+        nxt[self.head] = block
+        prv[block] = self.head
+        self.num_free_blocks -= count
+        return taken
+
+    def remove(self, block: int) -> None:
+        """Unlink one block from the free queue."""
+        nxt, prv = self.next.a, self.prev.a
+        before, after = prv[block], nxt[block]
+        nxt[before] = after
+        prv[after] = before
+        prv[block] = nxt[block] = -1
+        self.num_free_blocks -= 1
+
+    def touch(self, blocks: Iterable[int]) -> None:
+        """A cache hit adopts ``blocks``: one more holder each; evictable ones leave the queue."""
+        ref = self.ref.a
+        for block in blocks:
+            if block == 0:
+                continue
+            if ref[block] == 0:
+                self.remove(block)
+            ref[block] += 1
+
+    def touch_many(self, blocks: torch.Tensor) -> None:
+        """``touch`` for an int64 tensor of distinct non-null blocks (order does not matter: a
+        block leaves the queue wherever it is)."""
+        for block in torch.nonzero(self.ref.t.index_select(0, blocks) == 0).view(-1).tolist():
+            self.remove(int(blocks[block]))
+        self.ref.t.index_add_(0, blocks, torch.ones(blocks.shape[0], dtype=torch.int32))
+
+    def free_blocks(self, walk: Sequence[int]) -> None:
+        """Drop one holder of each block (walk order); see ``BlockPool.free_blocks``."""
+        ref, src = self.ref.a, self.src.a
+        keep: list[int] = []
+        reuse_first: list[int] = []
+        for block in walk:
+            if block == 0:
+                continue
+            count = ref[block] - 1
+            ref[block] = count
+            if count == 0:
+                (keep if src[block] >= 0 else reuse_first).append(block)
+        if reuse_first:
+            self.link_after(self.head, reuse_first)
+        if keep:
+            self.link_after(self.prev.a[self.tail], keep)
+
+    def link_after(self, node: int, blocks: Sequence[int]) -> None:
+        """Insert ``blocks``, in order, right after ``node`` (a sentinel or a queued block)."""
+        nxt, prv = self.next.a, self.prev.a
+        after = nxt[node]
+        before = node
+        for block in blocks:
+            nxt[before] = block
+            prv[block] = before
+            before = block
+        nxt[before] = after
+        prv[after] = before
+        self.num_free_blocks += len(blocks)
+
+    def link_after_tensor(self, node: int, blocks: torch.Tensor) -> None:
+        """``link_after`` for a long int64 tensor of distinct blocks, in a few tensor calls."""
+        count = blocks.shape[0]
+        if count == 0:
+            return
+        after = self.next.a[node]
+        chain = torch.empty(count + 2, dtype=torch.int64)
+        chain[0] = node
+        chain[1:-1] = blocks
+        chain[-1] = after
+        self.next.t[chain[:-1]] = chain[1:].to(torch.int32)
+        self.prev.t[chain[1:]] = chain[:-1].to(torch.int32)
+        self.num_free_blocks += count
+
+    def free_queue(self) -> list[int]:
+        """The queued blocks, head first."""
+        nxt = self.next.a
+        out: list[int] = []
+        block = nxt[self.head]
+        while block != self.tail:
+            out.append(block)
+            block = nxt[block]
+        return out
+
+    # --- Prefix cache -----------------------------------------------------------------------
+
+    def bucket(self, key: int, group_id: int) -> int:
+        return (key + group_id * GROUP_MIX) & self.mask
+
+    def new_source(self, tokens: Sequence[int], hashes: Sequence[BlockHash], salt: object) -> int:
+        source = Source(tokens, hashes, salt)
+        if self._free_sources:
+            index = self._free_sources.pop()
+            self.sources[index] = source
+            return index
+        self.sources.append(source)
+        return len(self.sources) - 1
+
+    def source(self, index: int) -> Source:
+        source = self.sources[index]
+        assert source is not None
+        return source
+
+    def insert(self, block: int, block_hash: bytes, group_id: int, pos: int, src: int) -> None:
+        """Cache ``block`` under (hash, group) at table position ``pos``, from source ``src``."""
+        key = hash_key(block_hash)
+        bucket = (key + group_id * GROUP_MIX) & self.mask
+        heads = self.heads.a
+        self.hnext.a[block] = heads[bucket]
+        heads[bucket] = block
+        self.hk.a[block] = key << 32 | (pos * self.num_groups + group_id)
+        self.src.a[block] = src
+        self.source(src).refs += 1
+
+    def insert_many(
+        self,
+        blocks: torch.Tensor,
+        keys: torch.Tensor,
+        groups: torch.Tensor,
+        positions: torch.Tensor,
+        srcs: torch.Tensor,
+    ) -> None:
+        """``insert`` for many blocks at once (int64 tensors, in insertion order).
+
+        Equal to inserting them one by one: within a bucket, later entries end up nearer the
+        head. Source counts are the caller's to update.
+        """
+        count = blocks.shape[0]
+        if count == 0:
+            return
+        buckets = (keys + groups * GROUP_MIX) & self.mask
+        buckets, order = torch.sort(buckets, stable=True)
+        entries = blocks[order]
+        first = torch.ones(count, dtype=torch.bool)
+        first[1:] = buckets[1:] != buckets[:-1]
+        last = torch.ones(count, dtype=torch.bool)
+        last[:-1] = first[1:]
+        previous = torch.roll(entries, 1)
+        old_heads = self.heads.t[buckets].to(torch.int64)
+        self.hnext.t[entries] = torch.where(first, old_heads, previous).to(torch.int32)
+        self.heads.t[buckets[last]] = entries[last].to(torch.int32)
+        self.hk.t[blocks] = keys << 32 | (positions * self.num_groups + groups)
+        self.src.t[blocks] = srcs.to(torch.int32)
+
+    def block_hash(self, block: int) -> BlockHash:
+        """The hash a cached block is cached under."""
+        tag = self.hk.a[block] & 0xFFFFFFFF
+        return self.source(self.src.a[block]).hashes[tag // self.num_groups]
+
+    def evict(self, block: int, events: list[KVCacheEvent] | None = None) -> None:
+        """Forget the block's cached hash (this block only)."""
+        hk = self.hk.a[block]
+        tag = hk & 0xFFFFFFFF
+        group_id = tag % self.num_groups
+        src = self.src.a[block]
+        source = self.source(src)
+        if self.enable_kv_cache_events:
+            removed = BlockRemoved((source.hashes[tag // self.num_groups],), group_id)
+            (self.events if events is None else events).append(removed)
+        heads, hnext = self.heads.a, self.hnext.a
+        bucket = ((hk >> 32) + group_id * GROUP_MIX) & self.mask
+        node = heads[bucket]
+        if node == block:
+            heads[bucket] = hnext[block]
+        else:
+            while hnext[node] != block:
+                node = hnext[node]
+            hnext[node] = hnext[block]
+        hnext[block] = self.end
+        self.hk.a[block] = -1
+        self.src.a[block] = -1
+        source.refs -= 1
+        self.maybe_drop_source(src)
+
+    def maybe_drop_source(self, index: int) -> None:
+        """Forget a source that no cached block and no live row names any more."""
+        source = self.source(index)
+        if source.refs == 0 and source.row_refs == 0:
+            self.sources[index] = None
+            self._free_sources.append(index)
+
+    def candidates(self, key: int, group_id: int, pos: int) -> list[int]:
+        """Blocks cached under this key, group and position, first-inserted first."""
+        target = key << 32 | (pos * self.num_groups + group_id)
+        hnext, hk, end = self.hnext.a, self.hk.a, self.end
+        found: list[int] = []
+        block = self.heads.a[(key + group_id * GROUP_MIX) & self.mask]
+        while block != end:
+            if hk[block] == target:
+                found.append(block)
+            block = hnext[block]
+        found.reverse()
+        return found
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash, only when no block is held; keep the queue order."""
+        if self.num_free_blocks != self.num_blocks - 1:
+            return False
+        self.heads.t.fill_(self.end)
+        self.hnext.t.fill_(self.end)
+        self.hk.t.fill_(-1)
+        self.src.t.fill_(-1)
+        self.sources = []
+        self._free_sources = []
+        if self.enable_kv_cache_events:
+            self.events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self.events = self.events, []
+        return events
+
+    def cached_blocks(self) -> list[list[int]]:
+        """Blocks holding a cached hash, per group, sorted."""
+        out: list[list[int]] = [[] for _ in range(self.num_groups)]
+        blocks = torch.nonzero(self.src.t >= 0).flatten()
+        for block, hk in zip(blocks.tolist(), self.hk.t[blocks].tolist(), strict=True):
+            out[(hk & 0xFFFFFFFF) % self.num_groups].append(block)
+        return out
+
+    def num_cached_keys(self) -> int:
+        keys: set[tuple[bytes, int]] = set()
+        for group_id, blocks in enumerate(self.cached_blocks()):
+            keys.update((self.block_hash(b), group_id) for b in blocks)
+        return len(keys)
+
+    # --- Invariants -------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise ``InvariantError`` if the pool's own bookkeeping is inconsistent."""
+        n = self.num_blocks
+        ref, prv, nxt = self.ref.a, self.prev.a, self.next.a
+        free = self.free_queue()
+        require(len(free) == self.num_free_blocks, "free queue length != num_free_blocks")
+        require(len(free) == len(set(free)), f"free queue holds a block twice: {free}")
+        require(0 not in free, "the null block is in the free queue")
+        previous = self.head
+        for block in free:
+            require(prv[block] == previous, f"free queue back link of block {block} is broken")
+            previous = block
+        require(prv[self.tail] == previous, "free queue tail link is broken")
+        zero = {b for b in range(1, n) if ref[b] == 0}
+        require(set(free) == zero, f"free queue {sorted(free)} != count-0 blocks {sorted(zero)}")
+        require(bool((self.ref.t >= 0).all()), "a negative reference count")
+        require(ref[0] == 0 and prv[0] == -1 and nxt[0] == -1, "the null block was used")
+        for block in range(1, n):
+            if ref[block] > 0:
+                require(prv[block] == -1 and nxt[block] == -1, f"held block {block} is linked")
+        # Every cached block sits on exactly the chain of its bucket, with its source's key.
+        src, hk, hnext, end = self.src.a, self.hk.a, self.hnext.a, self.end
+        require(hnext[end] == end and hk[end] == -1, "the chain end was written")
+        seen: set[int] = set()
+        refs: dict[int, int] = {}
+        heads = self.heads.a
+        for bucket in range(self.mask + 1):
+            block = heads[bucket]
+            while block != end:
+                require(block not in seen, f"block {block} is on two cache chains")
+                require(0 < block < n and src[block] >= 0, f"chain holds uncached block {block}")
+                seen.add(block)
+                tag = hk[block] & 0xFFFFFFFF
+                require(
+                    self.bucket(hk[block] >> 32, tag % self.num_groups) == bucket,
+                    f"block {block} is on the chain of another bucket",
+                )
+                source = self.sources[src[block]]
+                require(source is not None, f"cached block {block} has no source")
+                assert source is not None
+                require(
+                    hash_key(source.hashes[tag // self.num_groups]) == hk[block] >> 32,
+                    f"cached block {block} has a key its source does not give",
+                )
+                refs[src[block]] = refs.get(src[block], 0) + 1
+                block = hnext[block]
+        cached = {b for b in range(n) if src[b] >= 0}
+        require(seen == cached, f"{len(cached)} blocks hold a hash but {len(seen)} are cached")
+        require(all((hk[b] == -1) == (src[b] < 0) for b in range(n)), "src and hk disagree")
+        for index, source in enumerate(self.sources):
+            if source is None:
+                require(index in self._free_sources, f"source {index} is lost")
+            else:
+                require(source.refs == refs.get(index, 0), f"source {index} has a wrong count")
+                require(source.refs + source.row_refs > 0, f"source {index} is kept for nothing")

@@ -1,0 +1,322 @@
+"""Cache-hit lookup for the optimized backend: memoised, batched probes with verification.
+
+The rules are the reference's (``hybridkv.reference.coordinator`` and the ``longest_hit`` hooks of
+``hybridkv.reference.single_type_managers``, each a function of ``hybridkv.spec.rules``); this
+module only changes how the per-position question "is block ``i`` of this request cached in
+every group of this type?" is answered.
+
+Data layout
+-----------
+One ``Lookup`` lives for one ``get_computed_blocks`` call. Per attention type it keeps one memo
+(``TypeProbe``): an int32 buffer ``found[groups, positions]`` (block id, ``MISS`` or
+``UNKNOWN``) and an int8 buffer of per-position flags (1 when every group of the type has the
+block). Positions are probed in windows: a window of ``VECTOR_MIN`` (position, group) pairs or
+more goes through the tensor hash table for all groups of the type at once (``probe_tensor``:
+one ``index_select`` per chain step, lanes dropped as their chains end), a smaller one through
+the array views. The rule functions of ``hybridkv.spec.rules`` then read the memo; the
+full-attention scan of a long prompt reads it window by window (``array.index``).
+
+Verification (collision safety): a candidate block is accepted only if its source (see
+``hybridkv.optimized.block_pool``) has the request's hash at that position, the request's cache
+salt, and the request's tokens up to the end of that block. Token agreement is memoised per
+source as a prefix length, extended by galloping slice comparisons, so a lookup compares each
+token at most about twice whatever the number of blocks. A candidate that fails is skipped and
+the next block cached under the same key (insertion order) is tried.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import overload
+
+import torch
+
+from hybridkv.optimized._buffers import IntBuffer, int32_from_bytes
+from hybridkv.optimized.block_pool import GROUP_MIX, TorchBlockPool, hash_key
+from hybridkv.reference.block_hash import BlockHash
+from hybridkv.reference.request import RequestLike
+
+UNKNOWN = -2
+MISS = -1
+VECTOR_MIN = 48
+"""Windows of at least this many (position, group) pairs are probed with tensor calls."""
+
+PRELOAD_MAX = 4096
+"""A prompt with at most this many (position, group) pairs is probed in one tensor call for
+every group at once, before the rules run (cheaper than a call per type)."""
+
+
+def same_items(a: Sequence[object], b: Sequence[object]) -> bool:
+    """Element-wise equality of two sequences of any types (list == tuple is False in Python)."""
+    if type(a) is type(b):
+        return a == b
+    return list(a) == list(b)
+
+
+class Lookup:
+    """Probes and verification for one request's lookup."""
+
+    def __init__(
+        self,
+        pool: TorchBlockPool,
+        request: RequestLike,
+        block_size: int,
+        vector_min: int = VECTOR_MIN,
+    ) -> None:
+        self.pool = pool
+        self.hashes: Sequence[BlockHash] = request.block_hashes
+        self.tokens: Sequence[int] = request.all_token_ids
+        self.salt: object = getattr(request, "cache_salt", None)
+        self.block_size = block_size
+        self.vector_min = vector_min
+        self._agree: dict[int, int] = {}
+        self._limit: dict[int, int] = {}
+        self._keys: torch.Tensor | None = None
+
+    # --- Verification -----------------------------------------------------------------------
+
+    def content_agrees(self, src: int, pos: int) -> bool:
+        """Whether source ``src`` holds the request's salt and tokens up to block ``pos``."""
+        agree = self._agree.get(src)
+        source = self.pool.source(src)
+        if agree is None:
+            agree = 0
+            if source.salt != self.salt:
+                self._limit[src] = 0
+            elif source.tokens is self.tokens:
+                agree = len(self.tokens) // self.block_size
+            self._agree[src] = agree
+        if pos < agree:
+            return True
+        limit = self._limit.get(src)
+        if limit is not None and pos >= limit:
+            return False
+        b = self.block_size
+        cap = min(len(source.tokens), len(self.tokens)) // b
+        target = min(max(pos + 1, 2 * agree, agree + 16), cap)
+        lo, hi = agree * b, target * b
+        ours, theirs = self.tokens, source.tokens
+        whole = lo == 0 and hi == len(ours) == len(theirs)
+        if same_items(ours, theirs) if whole else same_items(ours[lo:hi], theirs[lo:hi]):
+            self._agree[src] = target
+            return pos < target
+        # Binary search for the first token that differs: [agree·b, lo) agree, [lo, hi) does not.
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if same_items(ours[lo:mid], theirs[lo:mid]):
+                lo = mid
+            else:
+                hi = mid
+        self._agree[src] = self._limit[src] = lo // b
+        return pos < lo // b
+
+    def accepts(self, block: int, pos: int) -> bool:
+        """Whether cached ``block`` really holds this request's block ``pos``."""
+        src = self.pool.src.a[block]
+        if not self.content_agrees(src, pos):
+            return False
+        return bool(self.pool.source(src).hashes[pos] == self.hashes[pos])
+
+    # --- Probes -----------------------------------------------------------------------------
+
+    def probe(self, pos: int, group_id: int) -> int:
+        """The first-inserted verified block cached for position ``pos`` in ``group_id``."""
+        pool = self.pool
+        key = hash_key(self.hashes[pos])
+        target = key << 32 | (pos * pool.num_groups + group_id)
+        hnext, hk, end = pool.hnext.a, pool.hk.a, pool.end
+        block = pool.heads.a[(key + group_id * GROUP_MIX) & pool.mask]
+        matches: list[int] = []
+        while block != end:
+            if hk[block] == target:
+                matches.append(block)
+            block = hnext[block]
+        for candidate in reversed(matches):
+            if self.accepts(candidate, pos):
+                return candidate
+        return MISS
+
+    def keys(self) -> torch.Tensor:
+        """The 4-byte keys of all the request's block hashes, as int64 (computed once)."""
+        if self._keys is None:
+            joined = b"".join(self.hashes)
+            if len(joined) == 32 * len(self.hashes):
+                keys = int32_from_bytes(joined)[::8]
+            else:
+                keys = torch.tensor([hash_key(h) for h in self.hashes], dtype=torch.int32)
+            self._keys = keys.to(torch.int64)
+        return self._keys
+
+    def probe_tensor(self, lo: int, hi: int, group_ids: Sequence[int]) -> torch.Tensor:
+        """``probe`` for positions ``lo … hi − 1`` of several groups: ``[groups, positions]``
+        int64 block ids (``MISS`` where none), in a few tensor calls for all of them."""
+        pool = self.pool
+        groups = torch.tensor(group_ids, dtype=torch.int64)[:, None]
+        keys = self.keys()[lo:hi]
+        buckets = (keys + groups * GROUP_MIX) & pool.mask
+        targets = keys << 32 | (torch.arange(lo, hi) * pool.num_groups + groups)
+        current = pool.heads.t.index_select(0, buckets.view(-1))
+        targets = targets.view(-1)
+        best = torch.full(buckets.shape, MISS, dtype=torch.int64)
+        found = best.view(-1)
+        lanes: torch.Tensor | None = None  # which lanes ``current`` still walks (None: all)
+        hk, hnext, end = pool.hk.t, pool.hnext.t, pool.end
+        while True:
+            hits = torch.nonzero(hk.index_select(0, current) == targets).view(-1)
+            if hits.shape[0]:
+                # Later matches overwrite earlier ones: the last match is the first inserted.
+                at = hits if lanes is None else lanes.index_select(0, hits)
+                found.index_copy_(0, at, current.index_select(0, hits).to(torch.int64))
+            current = hnext.index_select(0, current)
+            walking = torch.nonzero(current != end).view(-1)
+            if walking.shape[0] == 0:
+                break
+            if walking.shape[0] < current.shape[0]:
+                current = current.index_select(0, walking)
+                targets = targets.index_select(0, walking)
+                lanes = walking if lanes is None else lanes.index_select(0, walking)
+        if bool((found >= 0).any()):
+            self._verify_window(best, lo, group_ids)
+        return best
+
+    def _verify_window(self, best: torch.Tensor, lo: int, group_ids: Sequence[int]) -> None:
+        """Verify a window's candidates source by source; re-probe exactly the ones that fail."""
+        pool = self.pool
+        flat = best.view(-1)
+        width = best.shape[1]
+        lanes = torch.nonzero(flat >= 0).view(-1)
+        srcs = pool.src.t.index_select(0, flat.index_select(0, lanes))
+        first = int(srcs[0])
+        if bool((srcs == first).all()):
+            by_source = [(first, lanes)]
+        else:
+            by_source = [(int(s), lanes[srcs == s]) for s in torch.unique(srcs).tolist()]
+        failed: list[int] = []
+        for src, own in by_source:
+            # With the source's tokens equal to the request's up to ``b``, its hashes there
+            # are the request's too (unless they hash more than tokens and salt): compare the
+            # whole span at once, and lane by lane only if that fails.
+            at = own % width
+            a, b = lo + int(at.min()), lo + int(at.max()) + 1
+            source = pool.source(src)
+            if self.content_agrees(src, b - 1) and same_items(source.hashes[a:b], self.hashes[a:b]):
+                continue
+            failed.extend(
+                lane
+                for lane in own.tolist()
+                if not self.accepts(int(flat[lane]), lo + lane % width)
+            )
+        for lane in failed:
+            # Another block cached under the same key may be the right one.
+            flat[lane] = self.probe(lo + lane % width, group_ids[lane // width])
+
+
+class TypeProbe:
+    """The memo of one attention type (groups with equal specs) within one lookup.
+
+    ``found[i]`` holds, per position, the block of group ``group_ids[i]`` (``MISS`` or
+    ``UNKNOWN``), ``flags`` 1 where every group has one, 0 where one misses (``UNKNOWN`` not yet
+    probed); both are buffers, written by tensor probes and read by the rule functions.
+    """
+
+    def __init__(self, lookup: Lookup, group_ids: Sequence[int], length: int) -> None:
+        self.lookup = lookup
+        self.group_ids = list(group_ids)
+        self.length = length
+        self.found = IntBuffer(len(self.group_ids) * length, UNKNOWN)
+        self.found_2d = self.found.t.view(len(self.group_ids), length)
+        self.flags = IntBuffer(length, UNKNOWN, typecode="b")
+
+    def fill(self, lo: int, hi: int) -> None:
+        """Probe positions ``lo … hi − 1`` (those not probed yet) in every group of the type."""
+        flags = self.flags.a
+        while lo < hi and flags[lo] != UNKNOWN:
+            lo += 1
+        while hi > lo and flags[hi - 1] != UNKNOWN:
+            hi -= 1
+        if lo >= hi:
+            return
+        lookup = self.lookup
+        if (hi - lo) * len(self.group_ids) >= lookup.vector_min:
+            best = lookup.probe_tensor(lo, hi, self.group_ids)
+            self.found_2d[:, lo:hi] = best
+            self.flags.t[lo:hi] = (best >= 0).all(0)
+            return
+        found, length = self.found.a, self.length
+        for pos in range(lo, hi):
+            if flags[pos] != UNKNOWN:
+                continue
+            flag = 1
+            for index, group_id in enumerate(self.group_ids):
+                block = lookup.probe(pos, group_id)
+                found[index * length + pos] = block
+                if block < 0:
+                    flag = 0
+                    break
+            flags[pos] = flag
+
+    def preload(self, best: torch.Tensor, rows: Sequence[int]) -> None:
+        """Take ``probe_tensor`` results for positions ``0 … width − 1`` (rows: this type's
+        groups in a probe of several types)."""
+        width = best.shape[1]
+        mine = best.index_select(0, torch.tensor(rows, dtype=torch.int64))
+        self.found_2d[:, :width] = mine
+        self.flags.t[:width] = (mine >= 0).all(0)
+
+    def leading_hits(self, length: int) -> int:
+        """Leading positions cached in every group (the full-attention scan), window by window."""
+        flags = self.flags.a
+        pos = 0
+        span = 512
+        while pos < length:
+            end = min(length, pos + span)
+            self.fill(pos, end)
+            try:
+                return flags.index(0, pos, end)
+            except ValueError:
+                pos = end
+            span *= 4
+        return length
+
+    def blocks(self, first: int, num: int) -> tuple[list[int], ...]:
+        """Per group: null blocks before ``first``, then the cached blocks up to ``num``."""
+        found, length = self.found.a, self.length
+        return tuple(
+            [0] * first + found[i * length + first : i * length + num].tolist()
+            for i in range(len(self.group_ids))
+        )
+
+
+class LazyFlags(Sequence[bool]):
+    """``cached[i]`` for the rule functions, filled in windows in the scan's direction."""
+
+    def __init__(self, memo: TypeProbe, length: int, leftwards: bool, span: int) -> None:
+        self._memo = memo
+        self._length = length
+        self._leftwards = leftwards
+        self._span = max(span, 8)
+
+    def __len__(self) -> int:
+        return self._length
+
+    @overload
+    def __getitem__(self, index: int) -> bool: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[bool]: ...
+
+    def __getitem__(self, index: int | slice) -> bool | list[bool]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._length))]
+        if not -self._length <= index < self._length:
+            raise IndexError(index)
+        index %= self._length
+        flag = self._memo.flags.a[index]
+        if flag == UNKNOWN:
+            if self._leftwards:
+                self._memo.fill(max(0, index + 1 - self._span), index + 1)
+            else:
+                self._memo.fill(index, min(self._length, index + self._span))
+            self._span = min(self._span * 2, 4096)
+            flag = self._memo.flags.a[index]
+        return flag == 1

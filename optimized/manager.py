@@ -1,0 +1,802 @@
+"""``TorchKVCacheManager``: the reference's scheduler API over tensors, plus whole-step batches.
+
+Same public API and observable behaviour as ``hybridkv.reference.KVCacheManager`` (same
+results, free-queue order, reference counts, cached blocks, events and statistics), plus:
+``device``, the capacity limits ``max_num_reqs`` and ``max_blocks_per_req``, the block-table
+tensors (``block_table``, ``row_of``) and the batched calls ``allocate_slots_batch`` and
+``free_batch`` (in ``hybridkv.optimized.batch``).
+
+Data layout (G groups, R = ``max_num_reqs`` rows, W = ``max_blocks_per_req`` positions)
+--------------------------------------------------------------------------------------------
+::
+
+    tables[G, R, W]   int32 block ids; row r of group g is the block table of the request in
+                      row r (positions past its length are stale); on ``device``. With a CUDA
+                      device the host keeps an identical copy and every call ends by writing
+                      the entries it changed to the device (one indexed copy).
+    state[3, R, G]    int64, per row and group: [0] the table length (positions); [1] the
+                      leading null positions (a window or chunk releases from the front only,
+                      so the nulls of a row are exactly positions 0 … nulls − 1); [2] the
+                      positions already entered into the prefix cache
+    next[3, R]        int64, per row, when it next needs work, derived from ``state``: [0] the
+                      tokens its tables hold (a step needing more takes blocks); [1] the
+                      computed tokens at which a window or chunk next releases a block; [2] the
+                      tokens at which its next block is full (and is cached). A batch looks at
+                      these first and works only on the requests that cross one.
+
+Both are ``IntBuffer``s (one flat buffer each, tensor and array views); ``state`` is
+request-major so that a batch gathers ``[n, G]`` blocks of it in one call. A request gets a row
+on its first successful allocation and gives it back when freed; ``row_of`` says which.
+Per-block state lives in ``TorchBlockPool``; lookups in ``hybridkv.optimized.lookup``.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hybridkv.optimized import batch
+from hybridkv.optimized._buffers import IntBuffer, int32_from_bytes, tensor_from_ints
+from hybridkv.optimized.batch import BATCH_MIN, BUSY_BATCH_MIN, INSERT_MIN
+from hybridkv.optimized.block_pool import TorchBlockPool, hash_key
+from hybridkv.optimized.lookup import PRELOAD_MAX, VECTOR_MIN, LazyFlags, Lookup, TypeProbe
+from hybridkv.reference.events import BlockStored, KVCacheEvent, PrefixCacheStats
+from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
+from hybridkv.reference.kv_cache_manager import validate_manager_config
+from hybridkv.reference.request import RequestLike
+from hybridkv.reference.snapshot import PoolSnapshot
+from hybridkv.spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    rules,
+)
+from hybridkv.spec.errors import check_non_negative, check_positive, require
+
+FULL, SLIDING, CHUNKED, MAMBA = range(4)
+_INT_TYPES = {int, bool}
+_HUGE = 1 << 50
+"""Stands for "never" in the row thresholds (and the window of a group that never releases)."""
+BlockIds = tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class GroupRule:
+    """The hooks of one group's attention type (``SingleTypeKVCacheManager``'s), as values."""
+
+    kind: int
+    block_size: int
+    span: int = 0  # sliding window or attention chunk size
+
+    @staticmethod
+    def of(spec: KVCacheSpec) -> GroupRule:
+        if isinstance(spec, SlidingWindowSpec):
+            return GroupRule(SLIDING, spec.block_size, spec.sliding_window)
+        if isinstance(spec, ChunkedLocalAttentionSpec):
+            return GroupRule(CHUNKED, spec.block_size, spec.attention_chunk_size)
+        if isinstance(spec, MambaSpec):
+            return GroupRule(MAMBA, spec.block_size)
+        return GroupRule(FULL, spec.block_size)
+
+    def skipped_positions(self, num_computed_tokens: int) -> int:
+        if self.kind == SLIDING:
+            skipped = rules.sliding_window_skipped_tokens(num_computed_tokens, self.span)
+        elif self.kind == CHUNKED:
+            skipped = rules.chunked_local_skipped_tokens(num_computed_tokens, self.span)
+        else:
+            return 0  # full attention skips nothing; Mamba's one position is the state
+        return rules.skipped_block_positions(skipped, self.block_size)
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        if self.kind == MAMBA:
+            return rules.mamba_blocks_for_tokens(num_tokens)
+        return rules.attention_blocks_for_tokens(num_tokens, self.block_size)
+
+    @property
+    def releases(self) -> bool:
+        return self.kind in (SLIDING, CHUNKED)
+
+
+class TorchKVCacheManager:
+    """Allocation and prefix caching for every KV cache group, in tensors (see the module doc)."""
+
+    def __init__(
+        self,
+        config: KVCacheConfig,
+        max_model_len: int,
+        enable_caching: bool = True,
+        enable_kv_cache_events: bool = False,
+        *,
+        device: str | torch.device = "cpu",
+        max_num_reqs: int = 256,
+        max_blocks_per_req: int | None = None,
+    ) -> None:
+        validate_manager_config(config, max_model_len, enable_caching)
+        check_positive("max_num_reqs", max_num_reqs)
+        self.config = config
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.block_size = config.groups[0].spec.block_size
+        self.num_groups = len(config.groups)
+        self.rules = [GroupRule.of(group.spec) for group in config.groups]
+        needed = max(rule.blocks_for_tokens(max_model_len) for rule in self.rules)
+        if max_blocks_per_req is None:
+            max_blocks_per_req = needed
+        check_positive("max_blocks_per_req", max_blocks_per_req)
+        if max_blocks_per_req < needed:
+            raise ValueError(
+                f"max_blocks_per_req must be at least the {needed} blocks of max_model_len "
+                f"{max_model_len}, got {max_blocks_per_req!r}"
+            )
+        self.device = torch.device(device)
+        self.pool = TorchBlockPool(
+            config.num_blocks,
+            self.num_groups,
+            enable_caching=enable_caching,
+            enable_kv_cache_events=enable_kv_cache_events,
+        )
+        g, r, w = self.num_groups, max_num_reqs, max_blocks_per_req
+        self.max_num_reqs, self.max_blocks_per_req = r, w
+        self._tab = IntBuffer(g * r * w)
+        self._tables = self._tab.t.view(g, r, w)
+        if self.device.type == "cpu":
+            self._device_tables = self._tables
+        else:
+            self._device_tables = torch.zeros((g, r, w), dtype=torch.int32, device=self.device)
+        self._dirty: list[tuple[int, int]] = []
+        self._dirty_index: list[torch.Tensor] = []
+        self._state = IntBuffer(3 * r * g, typecode="q")
+        self._rg = r * g  # offset of state[1]; state[2] is at 2 × _rg
+        # Per-group constants of the vectorised paths, as [G] int64 tensors.
+        self._garange = torch.arange(g)
+        self._gtab = self._garange * r  # row 0 of each group's table, in rows
+        spans = [rule.span if rule.kind == SLIDING else _HUGE for rule in self.rules]
+        self._wm1 = torch.tensor(spans) - 1
+        self._releases = any(rule.releases for rule in self.rules)
+        chunks = [rule.span if rule.kind == CHUNKED else 0 for rule in self.rules]
+        self._chunk = torch.tensor(chunks) if any(chunks) else None
+        self._chunk_or_1 = torch.tensor(chunks).clamp(min=1)
+        mamba = [rule.kind == MAMBA for rule in self.rules]
+        self._mamba = torch.tensor(mamba) if any(mamba) else None
+        # When each row next needs work (see ``_refresh``), for ``allocate_slots_batch``.
+        self._next = IntBuffer(3 * r, typecode="q")
+        self._rows: dict[str, int] = {}
+        self._free_rows = list(range(r - 1, -1, -1))
+        self._row_src = [-1] * r
+        self._types = self._attention_types(config)
+        self._stats = PrefixCacheStats()
+        self.vector_min = VECTOR_MIN
+        self.batch_min = BATCH_MIN
+        self.busy_batch_min = BUSY_BATCH_MIN
+        empty: BlockIds = tuple(() for _ in range(g))
+        self._no_blocks = KVCacheBlocks(empty)
+
+    @staticmethod
+    def _attention_types(config: KVCacheConfig) -> list[tuple[KVCacheSpec, list[int]]]:
+        """(spec, group ids) per distinct spec, full attention first (``HybridCoordinator``)."""
+        types: dict[KVCacheSpec, list[int]] = {}
+        for group_id, group in enumerate(config.groups):
+            types.setdefault(group.spec, []).append(group_id)
+        ordered = list(types.items())
+        ordered.sort(key=lambda item: not isinstance(item[0], FullAttentionSpec))
+        return ordered
+
+    # --- Block tables -----------------------------------------------------------------------
+
+    def block_table(self, group_id: int) -> torch.Tensor:
+        """Group ``group_id``'s int32 ``[max_num_reqs, max_blocks_per_req]`` table on ``device``,
+        updated in place by every call (row ``row_of(request_id)``, positions below the table
+        length are valid)."""
+        return self._device_tables[group_id]
+
+    def row_of(self, request_id: str) -> int | None:
+        """The table row the request occupies, or ``None`` if it holds no blocks."""
+        return self._rows.get(request_id)
+
+    def _base(self, group_id: int, row: int) -> int:
+        return (group_id * self.max_num_reqs + row) * self.max_blocks_per_req
+
+    def _touched(self, group_id: int, row: int, lo: int, hi: int) -> None:
+        if self._device_tables is not self._tables and hi > lo:
+            base = self._base(group_id, row)
+            self._dirty.append((base + lo, base + hi))
+
+    def _flush(self) -> None:
+        """Write the host entries changed since the last flush to the device tables."""
+        if not self._dirty and not self._dirty_index:
+            return
+        parts = [torch.arange(lo, hi, dtype=torch.int64) for lo, hi in self._dirty]
+        index = torch.cat(parts + self._dirty_index)
+        self._dirty.clear()
+        self._dirty_index.clear()
+        values = self._tab.t[index]
+        flat = self._device_tables.view(-1)
+        flat[index.to(self.device, non_blocking=True)] = values.to(self.device, non_blocking=True)
+
+    def _take_row(self, request_id: str) -> int:
+        if not self._free_rows:
+            raise ValueError(
+                f"max_num_reqs must cover every request holding blocks: {self.max_num_reqs} rows "
+                f"are in use, so request {request_id!r} cannot be admitted"
+            )
+        row = self._free_rows.pop()
+        self._rows[request_id] = row
+        return row
+
+    def _release_row(self, request_id: str, row: int) -> None:
+        del self._rows[request_id]
+        st, rg, g_count = self._state.a, self._rg, self.num_groups
+        for g in range(g_count):
+            i = row * g_count + g
+            st[i] = st[rg + i] = st[2 * rg + i] = 0
+        src = self._row_src[row]
+        if src >= 0:
+            self._row_src[row] = -1
+            self.pool.source(src).row_refs -= 1
+            self.pool.maybe_drop_source(src)
+        self._free_rows.append(row)
+
+    # --- Lookup -----------------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: RequestLike) -> tuple[KVCacheBlocks, int]:
+        """The request's longest cache hit: its blocks per group and its length in tokens."""
+        if not self.enable_caching:
+            return self._no_blocks, 0
+        self._check_block_hashes(request)
+        max_length = request.num_tokens - 1
+        lookup = Lookup(self.pool, request, self.block_size, self.vector_min)
+        limit = min(max_length // self.block_size, len(request.block_hashes))
+        memos = [TypeProbe(lookup, group_ids, limit) for _, group_ids in self._types]
+        if len(memos) > 1 and self.vector_min <= limit * self.num_groups <= PRELOAD_MAX:
+            best = lookup.probe_tensor(0, limit, range(self.num_groups))
+            for (_, group_ids), memo in zip(self._types, memos, strict=True):
+                memo.preload(best, group_ids)
+        hits: Sequence[list[int]]
+        if self.num_groups == 1:
+            hits = self._type_hit(self._types[0][0], memos[0], max_length)
+            hit_length = len(hits[0]) * self.block_size
+        else:
+            hits, hit_length = self._hybrid_hit(memos, max_length)
+        self._stats = self._stats.record(request.num_tokens, hit_length)
+        return KVCacheBlocks(tuple(tuple(h) for h in hits)), hit_length
+
+    def _type_hit(
+        self, spec: KVCacheSpec, memo: TypeProbe, max_length: int
+    ) -> tuple[list[int], ...]:
+        """One type's longest hit of at most ``max_length`` tokens (the ``longest_hit`` hook)."""
+        b = spec.block_size
+        length = min(max_length // b, memo.length)
+        if isinstance(spec, FullAttentionSpec):
+            if length >= self.vector_min:
+                num = memo.leading_hits(length)
+            else:
+                flags = LazyFlags(memo, length, leftwards=False, span=length)
+                num = rules.full_attention_hit_blocks(flags, length)
+            return memo.blocks(0, num)
+        if isinstance(spec, SlidingWindowSpec):
+            needed = rules.sliding_window_hit_blocks_needed(spec.sliding_window, b)
+            flags = LazyFlags(memo, length, leftwards=True, span=needed)
+            num, first = rules.sliding_window_hit_blocks(flags, needed)
+            return memo.blocks(first, num)
+        if isinstance(spec, ChunkedLocalAttentionSpec):
+            chunk = spec.attention_chunk_size
+            flags = LazyFlags(memo, length, leftwards=False, span=chunk // b + 1)
+            num, first = rules.chunked_local_hit_blocks(flags, max_length, b, chunk)
+            return memo.blocks(first, num)
+        return tuple([] for _ in memo.group_ids)  # Mamba never hits
+
+    def _hybrid_hit(self, memos: list[TypeProbe], max_length: int) -> tuple[list[list[int]], int]:
+        """``HybridCoordinator.find_longest_cache_hit``, step for step."""
+        hits: list[list[int]] = [[] for _ in range(self.num_groups)]
+        hit_length = max_length
+        simple_hybrid = len(self._types) == 2 and isinstance(self._types[0][0], FullAttentionSpec)
+        looked_up: set[int] = set()
+        while True:
+            length = hit_length
+            for (spec, group_ids), memo in zip(self._types, memos, strict=True):
+                if isinstance(spec, FullAttentionSpec) and group_ids[0] in looked_up:
+                    num_blocks = length // spec.block_size
+                    length = num_blocks * spec.block_size
+                    for group_id in group_ids:
+                        del hits[group_id][num_blocks:]
+                    continue
+                found = self._type_hit(spec, memo, length)
+                length = len(found[0]) * spec.block_size
+                for group_id, blocks in zip(group_ids, found, strict=True):
+                    hits[group_id] = blocks
+                    looked_up.add(group_id)
+            if length >= hit_length:
+                break
+            hit_length = length
+            if simple_hybrid:
+                break
+        for spec, group_ids in self._types:
+            if isinstance(spec, FullAttentionSpec):
+                for group_id in group_ids:
+                    del hits[group_id][hit_length // spec.block_size :]
+        return hits, hit_length
+
+    # --- Allocation -------------------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        request: RequestLike,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+    ) -> KVCacheBlocks | None:
+        """Slots for ``num_new_tokens`` more tokens (and lookahead), or ``None`` if they do not fit
+        (``KVCacheManager.allocate_slots``)."""
+        hits = self._validate_allocation(
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+            num_lookahead_tokens,
+        )  # fmt: skip
+        try:
+            return self._allocate(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens,
+                hits,
+                num_lookahead_tokens,
+                delay_cache_blocks,
+            )
+        finally:
+            self._flush()
+
+    def _allocate(
+        self,
+        request: RequestLike,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        hits: BlockIds,
+        num_lookahead_tokens: int,
+        delay_cache_blocks: bool,
+    ) -> KVCacheBlocks | None:
+        pool = self.pool
+        request_id = request.request_id
+        row = self._rows.get(request_id)
+        computed = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len)
+        need = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        required = [rule.blocks_for_tokens(need) for rule in self.rules]
+        cache_up_to = -1
+        if self.enable_caching and not delay_cache_blocks:
+            cache_up_to = min(computed + num_new_tokens, request.num_tokens)
+        if row is not None:
+            # A running request: the row's thresholds say which steps can do anything.
+            nxt, r = self._next.a, self.max_num_reqs
+            changed = False
+            if computed >= nxt[r + row]:
+                self._release_skipped(row, computed)
+                changed = True
+            new_blocks: tuple[tuple[int, ...], ...] | None = None
+            if need > nxt[row]:
+                at = row * self.num_groups
+                st = self._state.a
+                total = sum(max(c - st[at + g], 0) for g, c in enumerate(required))
+                if total > pool.num_free_blocks:
+                    if changed:
+                        self._refresh(row)
+                    return None
+                new_blocks = self._extend(row, required)
+                changed = True
+            if cache_up_to >= nxt[2 * r + row]:
+                self._cache(request, row, cache_up_to)
+                changed = True
+            if changed:
+                self._refresh(row)
+            return self._no_blocks if new_blocks is None else KVCacheBlocks(new_blocks)
+        # Admission: skipped positions, then the adopted hits, then new blocks.
+        total = 0
+        ref = pool.ref.a
+        for g, rule in enumerate(self.rules):
+            skipped = rule.skipped_positions(computed)
+            group_hits = hits[g]
+            total += max(required[g] - max(skipped, len(group_hits)), 0)
+            total += sum(1 for b in group_hits[skipped:] if b != 0 and ref[b] == 0)
+        if total > pool.num_free_blocks:
+            return None
+        row = self._take_row(request_id)
+        self._adopt(row, hits, computed)
+        admitted = self._extend(row, required)
+        if cache_up_to >= 0:
+            self._cache(request, row, cache_up_to)
+        self._refresh(row)
+        return KVCacheBlocks(admitted)
+
+    def _extend(self, row: int, required: list[int]) -> tuple[tuple[int, ...], ...]:
+        """Take new blocks, group 0 first, until each group holds ``required`` positions."""
+        new_blocks: list[tuple[int, ...]] = []
+        tab, st, at = self._tab.a, self._state.a, row * self.num_groups
+        for g, count in enumerate(required):
+            have = st[at + g]
+            count -= have
+            if count <= 0:
+                new_blocks.append(())
+                continue
+            blocks = self.pool.pop_n(count)
+            base = self._base(g, row) + have
+            tab[base : base + count] = _int_array(blocks)
+            st[at + g] = have + count
+            self._touched(g, row, have, have + count)
+            new_blocks.append(tuple(blocks))
+        return tuple(new_blocks)
+
+    def _refresh(self, row: int) -> None:
+        """Recompute ``next`` for one row from its ``state``."""
+        st, rg, b, g_count = self._state.a, self._rg, self.block_size, self.num_groups
+        huge = _HUGE
+        capacity = release = cache = huge
+        at = row * g_count
+        for g, rule in enumerate(self.rules):
+            length, nulls, cached = st[at + g], st[rg + at + g], st[2 * rg + at + g]
+            if rule.kind == MAMBA:
+                capacity = min(capacity, huge if length else 0)
+            else:
+                capacity = min(capacity, length * b)
+            if rule.kind == SLIDING:
+                release = min(release, (nulls + 1) * b + rule.span - 1)
+            elif rule.kind == CHUNKED:
+                release = min(release, rules.cdiv((nulls + 1) * b, rule.span) * rule.span)
+            cache = min(cache, (cached + 1) * b)
+        nxt, r = self._next.a, self.max_num_reqs
+        nxt[row] = capacity
+        nxt[r + row] = release
+        nxt[2 * r + row] = cache
+
+    def _refresh_rows(self, rows: torch.Tensor) -> None:
+        """``_refresh`` for many rows (an int64 tensor), in tensor calls."""
+        b, g_count = self.block_size, self.num_groups
+        pair_index = rows[:, None] * g_count + self._garange
+        length, nulls, cached = self._state.t.view(3, -1)[:, pair_index]
+        capacity = length * b
+        if self._mamba is not None:
+            mamba_cap = torch.where(length > 0, _HUGE, 0)
+            capacity = torch.where(self._mamba, mamba_cap, capacity)
+        nxt = self._next.t.view(3, -1)
+        nxt[0, rows] = capacity.amin(1)
+        if self._releases:
+            release = (nulls + 1) * b + self._wm1
+            if self._chunk is not None:
+                starts = -((nulls + 1) * b // -self._chunk_or_1) * self._chunk_or_1
+                release = torch.where(self._chunk > 0, starts, release)
+            nxt[1, rows] = release.amin(1)
+        nxt[2, rows] = (cached + 1).amin(1) * b
+
+    def _adopt(self, row: int, hits: BlockIds, computed: int) -> None:
+        """Admit a request: null positions for its skipped tokens, then its adopted hits."""
+        st, rg, g_count = self._state.a, self._rg, self.num_groups
+        tab = self._tab.a
+        everything = [
+            b
+            for g, rule in enumerate(self.rules)
+            for b in hits[g][rule.skipped_positions(computed) :]
+            if b
+        ]
+        if len(everything) >= INSERT_MIN:
+            self.pool.touch_many(tensor_from_ints(everything))
+        else:
+            self.pool.touch(everything)
+        for g, rule in enumerate(self.rules):
+            skipped = rule.skipped_positions(computed)
+            adopted = hits[g][skipped:]
+            size = skipped + len(adopted)
+            base = self._base(g, row)
+            tab[base : base + size] = _int_array([0] * skipped + list(adopted))
+            nulls = skipped
+            while nulls < size and tab[base + nulls] == 0:
+                nulls += 1
+            i = row * g_count + g
+            st[i] = size
+            st[rg + i] = nulls
+            st[2 * rg + i] = size
+            self._touched(g, row, 0, size)
+
+    def _release_skipped(self, row: int, computed: int) -> None:
+        """Release the blocks that left each window or chunk (``remove_skipped_blocks``)."""
+        st, rg, tab, g_count = self._state.a, self._rg, self._tab.a, self.num_groups
+        for g, rule in enumerate(self.rules):
+            if not rule.releases:
+                continue
+            i = row * g_count + g
+            skipped = min(rule.skipped_positions(computed), st[i])
+            nulls = st[rg + i]
+            if skipped <= nulls:
+                continue
+            base = self._base(g, row)
+            released = tab[base + nulls : base + skipped].tolist()
+            released.reverse()
+            tab[base + nulls : base + skipped] = _int_array([0] * (skipped - nulls))
+            st[rg + i] = skipped
+            self._touched(g, row, nulls, skipped)
+            self.pool.free_blocks(released)
+
+    def _source_of(self, request: RequestLike, row: int, num_full: int) -> int:
+        """The row's source, created on its first cached block and kept current."""
+        pool = self.pool
+        src = self._row_src[row]
+        tokens, hashes = request.all_token_ids, request.block_hashes
+        if src < 0:
+            src = pool.new_source(tokens, hashes, getattr(request, "cache_salt", None))
+            pool.source(src).row_refs += 1
+            self._row_src[row] = src
+            return src
+        source = pool.source(src)
+        if len(source.tokens) < num_full * self.block_size:
+            source.tokens = tokens
+        if len(source.hashes) < num_full:
+            source.hashes = hashes
+        return src
+
+    def _cache(self, request: RequestLike, row: int, num_tokens: int) -> None:
+        """Enter the row's full blocks covered by ``num_tokens`` into the prefix cache."""
+        pool = self.pool
+        b, g_count = self.block_size, self.num_groups
+        num_full = num_tokens // b
+        tab, st, at = self._tab.a, self._state.a, 2 * self._rg + row * g_count
+        entries: list[tuple[int, int, int, int]] = []  # (block, group, position, hash index)
+        hashes = request.block_hashes
+        src = -1
+        for g in range(g_count):
+            start = st[at + g]
+            if start >= num_full:
+                continue
+            if src < 0:
+                src = self._source_of(request, row, num_full)
+            base = self._base(g, row)
+            new_hashes = []
+            for pos, block in enumerate(tab[base + start : base + num_full], start):
+                if block:
+                    entries.append((block, g, pos, pos))
+                    new_hashes.append(hashes[pos])
+            st[at + g] = num_full
+            if pool.enable_kv_cache_events:
+                parent = hashes[start - 1] if start else None
+                tokens = tuple(request.all_token_ids[start * b : num_full * b])
+                pool.events.append(BlockStored(tuple(new_hashes), parent, tokens, b, g))
+        if len(entries) < INSERT_MIN:
+            for block, g, pos, _ in entries:
+                pool.insert(block, hashes[pos], g, pos, src)
+            return
+        blocks, groups, positions, _ = (
+            tensor_from_ints(list(c)) for c in zip(*entries, strict=True)
+        )
+        joined = b"".join([hashes[p] for _, _, p, _ in entries])
+        if len(joined) == 32 * len(entries):
+            keys = int32_from_bytes(joined)[::8].to(torch.int64)
+        else:
+            keys = tensor_from_ints([hash_key(hashes[p]) for _, _, p, _ in entries])
+        pool.insert_many(blocks, keys, groups, positions, torch.full_like(blocks, src))
+        pool.source(src).refs += len(entries)
+
+    def allocate_slots_batch(
+        self,
+        requests: Sequence[RequestLike],
+        num_new_tokens: Sequence[int] | int,
+        num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+    ) -> list[KVCacheBlocks | None]:
+        """One scheduler step for running requests: exactly ``[allocate_slots(r, n,
+        num_lookahead_tokens=…, delay_cache_blocks=…) for r, n in zip(requests, num_new_tokens)]``
+        (``num_new_tokens`` may be one int for all), vectorised across the requests."""
+        return batch.allocate_slots_batch(
+            self, requests, num_new_tokens, num_lookahead_tokens, delay_cache_blocks
+        )
+
+    def free_batch(self, requests: Sequence[RequestLike]) -> None:
+        """Exactly ``for r in requests: free(r)``, vectorised across the requests."""
+        batch.free_batch(self, requests)
+
+    def free(self, request: RequestLike) -> None:
+        """Release every block of the request, each group as one batch (a no-op if none)."""
+        row = self._rows.get(request.request_id)
+        if row is None:
+            return
+        st, g_count = self._state.a, self.num_groups
+        for g in range(g_count):
+            base = self._base(g, row)
+            walk = self._tab.a[base : base + st[row * g_count + g]].tolist()
+            walk.reverse()
+            self.pool.free_blocks(walk)
+        self._release_row(request.request_id, row)
+
+    def cache_blocks(self, request: RequestLike, num_computed_tokens: int) -> None:
+        """Enter the request's full blocks up to ``num_computed_tokens`` into the prefix cache."""
+        check_non_negative("num_computed_tokens", num_computed_tokens)
+        if num_computed_tokens > request.num_tokens:
+            raise ValueError(
+                f"num_computed_tokens must be at most the request's {request.num_tokens} tokens, "
+                f"got {num_computed_tokens!r}"
+            )
+        if not self.enable_caching:
+            return
+        self._check_block_hashes(request)
+        row = self._rows.get(request.request_id)
+        if row is None:
+            if num_computed_tokens // self.block_size > 0:
+                raise KeyError(request.request_id)
+            return
+        self._cache(request, row, num_computed_tokens)
+        self._refresh(row)
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's whole block table per group (empty lists for an unknown request)."""
+        row = self._rows.get(request_id)
+        if row is None:
+            return tuple([] for _ in range(self.num_groups))
+        st, g_count = self._state.a, self.num_groups
+        out: list[list[int]] = []
+        for g in range(g_count):
+            base = self._base(g, row)
+            out.append(self._tab.a[base : base + st[row * g_count + g]].tolist())
+        return tuple(out)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; refused (``False``) while any request holds a block."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        self._row_src = [-1] * self.max_num_reqs
+        self._stats = PrefixCacheStats(
+            self._stats.requests, self._stats.queries, self._stats.hits, reset=True
+        )
+        return True
+
+    # --- Observation ------------------------------------------------------------------------
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.pool.take_events()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        stats, self._stats = self._stats, PrefixCacheStats()
+        return stats
+
+    def snapshot(self) -> PoolSnapshot:
+        pool = self.pool
+        ref = pool.ref.t
+        held = torch.nonzero(ref[1:] > 0).flatten() + 1
+        return PoolSnapshot(
+            free_block_ids=tuple(pool.free_queue()),
+            ref_counts=dict(zip(held.tolist(), ref[held].tolist(), strict=True)),
+            cached_block_ids=tuple(tuple(ids) for ids in pool.cached_blocks()),
+            num_cached_keys=pool.num_cached_keys(),
+        )
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes of host memory in the manager's tensors (pool and tables)."""
+        return self.pool.nbytes + self._tab.nbytes + self._state.nbytes
+
+    def check_invariants(self) -> None:
+        """Raise ``InvariantError`` if the pool, the rows and the tables disagree."""
+        pool = self.pool
+        pool.check_invariants()
+        r = self.max_num_reqs
+        holders = [0] * self.config.num_blocks
+        owner: dict[int, int] = {}
+        require(
+            len(self._rows) + len(self._free_rows) == r
+            and sorted(list(self._rows.values()) + self._free_rows) == list(range(r)),
+            "table rows are lost or shared",
+        )
+        row_sources: dict[int, int] = {}
+        for request_id, row in self._rows.items():
+            for g in range(self.num_groups):
+                table = self.get_block_ids(request_id)[g]
+                nulls = self._state.a[self._rg + row * self.num_groups + g]
+                require(
+                    all(b == 0 for b in table[:nulls]) and all(b != 0 for b in table[nulls:]),
+                    f"request {request_id!r} group {g} has nulls outside positions 0 … {nulls - 1}",
+                )
+                require(
+                    nulls == 0 or self.rules[g].releases,
+                    f"request {request_id!r} of a full/Mamba group holds null blocks",
+                )
+                for block in table:
+                    if block == 0:
+                        continue
+                    holders[block] += 1
+                    group = owner.setdefault(block, g)
+                    require(group == g, f"block {block} is in groups {group} and {g}")
+                if self._device_tables is not self._tables:
+                    on_device = self._device_tables[g, row, : len(table)].cpu().tolist()
+                    require(on_device == table, f"device table of {request_id!r} is stale")
+            src = self._row_src[row]
+            if src >= 0:
+                row_sources[src] = row_sources.get(src, 0) + 1
+            nxt = self._next.a
+            stored = [nxt[row + k * r] for k in range(3)]
+            self._refresh(row)
+            require(
+                stored == [nxt[row + k * r] for k in range(3)],
+                f"thresholds of {request_id!r} are stale",
+            )
+        for block in range(1, self.config.num_blocks):
+            require(
+                pool.ref.a[block] == holders[block],
+                f"block {block} has ref_cnt {pool.ref.a[block]} but {holders[block]} holders",
+            )
+        for index, source in enumerate(pool.sources):
+            if source is not None:
+                require(
+                    source.row_refs == row_sources.get(index, 0),
+                    f"source {index} has a wrong row count",
+                )
+
+    # --- Validation (the reference's messages) -----------------------------------------------
+
+    def _validate_allocation(
+        self,
+        request: RequestLike,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None,
+        num_lookahead_tokens: int,
+    ) -> BlockIds:
+        check_non_negative("num_new_tokens", num_new_tokens)
+        check_non_negative("num_new_computed_tokens", num_new_computed_tokens)
+        check_non_negative("num_lookahead_tokens", num_lookahead_tokens)
+        if num_new_tokens == 0 and num_new_computed_tokens == 0:
+            raise ValueError("num_new_tokens must be positive when no cache hit is adopted, got 0")
+        if self.enable_caching:
+            self._check_block_hashes(request)
+        if new_computed_blocks is None:
+            if num_new_computed_tokens:
+                raise ValueError(
+                    "new_computed_blocks must be given with num_new_computed_tokens="
+                    f"{num_new_computed_tokens}, got None"
+                )
+            return tuple(() for _ in range(self.num_groups))
+        hits = new_computed_blocks
+        if hits.num_groups != self.num_groups:
+            raise ValueError(
+                f"new_computed_blocks must have one list per KV cache group ({self.num_groups}), "
+                f"got {hits.num_groups}"
+            )
+        expected = num_new_computed_tokens // self.block_size
+        num_blocks = self.config.num_blocks
+        for group_id, ids in enumerate(hits.block_ids):
+            if num_new_computed_tokens % self.block_size or len(ids) != expected:
+                raise ValueError(
+                    f"num_new_computed_tokens={num_new_computed_tokens} must be the "
+                    f"{len(ids)} blocks of new_computed_blocks group {group_id} "
+                    f"× block_size {self.block_size}"
+                )
+            valid = not ids or (
+                set(map(type, ids)) <= _INT_TYPES and min(ids) >= 0 and max(ids) < num_blocks
+            )
+            if not valid:
+                bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < num_blocks]
+                raise ValueError(f"new_computed_blocks group {group_id} has invalid ids {bad!r}")
+        if any(hits.block_ids) and request.request_id in self._rows:
+            raise ValueError(
+                f"request {request.request_id!r} already holds blocks; only a request being "
+                "admitted adopts a cache hit (new_computed_blocks must be empty)"
+            )
+        return tuple(tuple(ids) for ids in hits.block_ids)
+
+    def _check_block_hashes(self, request: RequestLike) -> None:
+        expected = request.num_tokens // self.block_size
+        if len(request.block_hashes) != expected:
+            raise ValueError(
+                f"request {request.request_id!r} has {len(request.block_hashes)} block_hashes, "
+                f"expected {expected} (hash_block_size must be the block size {self.block_size})"
+            )
+
+
+def _int_array(values: Sequence[int]) -> array[int]:
+    return array("i", values)

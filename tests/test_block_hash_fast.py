@@ -1,0 +1,98 @@
+"""The fast block hashing path is byte-identical to the definition.
+
+``hash_full_blocks`` (used by ``Request``) encodes the CBOR of many blocks at once; it must give
+exactly the hashes of SHA-256 over ``cbor2.dumps([parent, token_ids, extra_keys],
+canonical=True)``, block by block, for any token ids, block size, salt and parent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import cbor2
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridkv.reference.block_hash import (
+    NONE_HASH,
+    BlockHash,
+    encode_token_id,
+    hash_full_blocks,
+    hash_full_blocks_cbor2,
+)
+from hybridkv.reference.request import Request
+
+# Every CBOR integer size class and its boundaries, bignums included.
+BOUNDARIES = [0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**64 - 1, 2**64, 2**70]
+token_ids = st.one_of(
+    st.sampled_from(BOUNDARIES),
+    st.integers(0, 300),
+    st.integers(0, 2**18 + 5),
+    st.integers(0, 2**66),
+)
+
+
+def by_definition(
+    token_ids: list[int], block_size: int, parent: bytes | None, salt: str | None, start: int
+) -> list[bytes]:
+    """SHA-256 of canonical CBOR, one block at a time, written out without the library code."""
+    out: list[bytes] = []
+    for index in range(start, len(token_ids) // block_size):
+        extra = [["cache_salt", salt]] if index == 0 and salt is not None else None
+        tokens = token_ids[index * block_size : (index + 1) * block_size]
+        value = [NONE_HASH if parent is None else parent, tokens, extra]
+        parent = hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
+        out.append(parent)
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(token_ids, max_size=80),
+    block_size=st.sampled_from([1, 2, 3, 4, 16, 23, 24, 32]),
+    salt=st.one_of(st.none(), st.text(max_size=40)),
+    parent=st.one_of(st.none(), st.binary(min_size=32, max_size=32), st.binary(max_size=40)),
+    start=st.integers(0, 3),
+)
+def test_fast_hashes_equal_the_definition(
+    tokens: list[int], block_size: int, salt: str | None, parent: bytes | None, start: int
+) -> None:
+    expected = by_definition(tokens, block_size, parent, salt, start)
+    for hash_blocks in (hash_full_blocks, hash_full_blocks_cbor2):
+        got = hash_blocks(
+            tokens,
+            block_size,
+            start_block=start,
+            parent_hash=None if parent is None else BlockHash(parent),
+            cache_salt=salt,
+        )
+        assert got == expected
+
+
+@given(st.one_of(token_ids, st.integers(0, 2**80)))
+def test_one_token_id_encodes_as_cbor2_does(token_id: int) -> None:
+    assert encode_token_id(token_id) == cbor2.dumps(token_id, canonical=True)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    prompt=st.lists(token_ids, max_size=40),
+    outputs=st.lists(st.lists(token_ids, max_size=5), max_size=8),
+    salt=st.one_of(st.none(), st.text(max_size=8)),
+)
+def test_a_growing_request_hashes_as_if_hashed_at_once(
+    prompt: list[int], outputs: list[list[int]], salt: str | None
+) -> None:
+    request = Request("r", prompt, hash_block_size=4, cache_salt=salt)
+    for tokens in outputs:
+        request.append_output_token_ids(tokens)
+    everything = prompt + [t for tokens in outputs for t in tokens]
+    assert list(request.block_hashes) == by_definition(everything, 4, None, salt, 0)
+
+
+def test_token_ids_outside_the_table_and_negative_ids_still_match() -> None:
+    """Ids past the lookup table and (invalid, but encodable) negative ids take checked paths."""
+    for tokens in ([2**19, 5, 2**40, 7], [-1, 3, -(2**20), 9], [2**18 - 1, 2**18, 0, 1]):
+        fast = hash_full_blocks(tokens, 2, start_block=0, parent_hash=None, cache_salt=None)
+        slow = hash_full_blocks_cbor2(tokens, 2, start_block=0, parent_hash=None, cache_salt=None)
+        assert fast == slow == by_definition(tokens, 2, None, None, 0)

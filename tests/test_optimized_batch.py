@@ -1,0 +1,166 @@
+"""The optimized backend's own API: whole-step batches, block-table tensors, capacity limits.
+
+``allocate_slots_batch`` and ``free_batch`` must equal the single-request calls in order (same
+results, ``None``s and state), at scheduler sizes where the vectorised paths run: many running
+requests of staggered lengths on a hybrid layout, a pool that runs short, shared prefixes.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hybridkv.optimized import TorchKVCacheManager
+from hybridkv.reference import KVCacheManager, Request
+from hybridkv.spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroup,
+    KVCacheSpec,
+    SlidingWindowSpec,
+)
+
+SIZES = {"block_size": 4, "num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
+SPECS: tuple[KVCacheSpec, ...] = (
+    FullAttentionSpec(**SIZES),
+    SlidingWindowSpec(sliding_window=9, **SIZES),
+    SlidingWindowSpec(sliding_window=9, **SIZES),
+    ChunkedLocalAttentionSpec(attention_chunk_size=12, **SIZES),
+)
+
+
+def layout(num_blocks: int) -> KVCacheConfig:
+    return KVCacheConfig(
+        num_blocks, tuple(KVCacheGroup((f"l{i}",), s) for i, s in enumerate(SPECS))
+    )
+
+
+def make_requests(count: int, seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(50) for _ in range(16)]
+    return [
+        Request(
+            f"r{i}",
+            (shared if i % 3 == 0 else []) + [rng.randrange(50) for _ in range(5 + i % 9)],
+            hash_block_size=4,
+        )
+        for i in range(count)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "caching", "busy_batch_min"),
+    [(2000, True, 64), (2000, True, 1), (700, True, 1), (2000, False, 1), (400, False, 1)],
+)
+def test_decode_steps_equal_single_calls(
+    num_blocks: int, caching: bool, busy_batch_min: int
+) -> None:
+    """40 requests, 30 decode steps; a short pool makes some requests get ``None``."""
+    batched = TorchKVCacheManager(layout(num_blocks), 200, caching, max_num_reqs=48)
+    batched.busy_batch_min = busy_batch_min
+    single = TorchKVCacheManager(layout(num_blocks), 200, caching, max_num_reqs=48)
+    reference = KVCacheManager(layout(num_blocks), 200, caching)
+    twins = [make_requests(40, seed) for seed in (1, 1, 1)]
+    running: list[list[Request]] = [[], [], []]
+    managers: tuple[TorchKVCacheManager | KVCacheManager, ...] = (batched, single, reference)
+    for i in range(40):
+        for m, reqs, run in zip(managers, twins, running, strict=True):
+            r = reqs[i]
+            if m.allocate_slots(r, r.num_tokens) is not None:
+                r.num_computed_tokens = r.num_tokens
+                run.append(r)
+    rng = random.Random(7)
+    for step in range(30):
+        tokens = [rng.randrange(50) for _ in running[0]]
+        for run in running:
+            for r, t in zip(run, tokens, strict=True):
+                r.append_output_token_ids(t)
+        counts = [1 + (step % 3 == 0 and i % 5 == 0) for i in range(len(running[0]))]
+        got = batched.allocate_slots_batch(running[0], counts, num_lookahead_tokens=step % 2)
+        for m, run in zip(managers[1:], running[1:], strict=True):
+            expected = [
+                m.allocate_slots(r, c, num_lookahead_tokens=step % 2)
+                for r, c in zip(run, counts, strict=True)
+            ]
+            assert got == expected
+        for run in running:
+            for r, c, new in zip(run, counts, got, strict=True):
+                if new is not None:
+                    r.num_computed_tokens = min(r.num_computed_tokens + c, r.num_tokens)
+        assert batched.snapshot() == single.snapshot() == reference.snapshot()
+        batched.check_invariants()
+        if step % 10 == 9:  # finish a third of the requests
+            done = [run[::3] for run in running]
+            batched.free_batch(done[0])
+            for m, d in zip(managers[1:], done[1:], strict=True):
+                for r in d:
+                    m.free(r)
+            for run in running:
+                del run[::3]
+            assert batched.snapshot() == single.snapshot() == reference.snapshot()
+            batched.check_invariants()
+    for r in running[0]:
+        assert batched.get_block_ids(r.request_id) == reference.get_block_ids(r.request_id)
+
+
+def test_block_tables_hold_every_request_table_in_its_row() -> None:
+    m = TorchKVCacheManager(layout(200), 64, max_num_reqs=4)
+    requests = make_requests(3, seed=3)
+    for r in requests:
+        assert m.allocate_slots(r, r.num_tokens) is not None
+    for g in range(len(SPECS)):
+        table = m.block_table(g)
+        assert table.dtype == torch.int32
+        assert tuple(table.shape) == (4, 16)
+        for r in requests:
+            row = m.row_of(r.request_id)
+            assert row is not None
+            ids = m.get_block_ids(r.request_id)[g]
+            assert table[row, : len(ids)].tolist() == ids
+    m.free(requests[0])
+    assert m.row_of(requests[0].request_id) is None
+    assert m.row_of("never seen") is None
+
+
+def test_more_live_requests_than_rows_is_an_error_that_changes_nothing() -> None:
+    m = TorchKVCacheManager(layout(200), 64, max_num_reqs=2)
+    requests = make_requests(3, seed=4)
+    for r in requests[:2]:
+        assert m.allocate_slots(r, r.num_tokens) is not None
+    before = m.snapshot()
+    with pytest.raises(ValueError, match="max_num_reqs must cover every request holding blocks"):
+        m.allocate_slots(requests[2], requests[2].num_tokens)
+    assert m.snapshot() == before
+    m.free(requests[0])
+    assert m.allocate_slots(requests[2], requests[2].num_tokens) is not None
+
+
+def test_bad_capacity_limits_are_rejected() -> None:
+    with pytest.raises(ValueError, match="max_num_reqs must be a positive int, got 0"):
+        TorchKVCacheManager(layout(200), 64, max_num_reqs=0)
+    with pytest.raises(ValueError, match="max_blocks_per_req must be at least the 16 blocks"):
+        TorchKVCacheManager(layout(200), 64, max_blocks_per_req=3)
+
+
+def test_batches_of_bad_or_unusual_calls_behave_as_single_calls() -> None:
+    """Unknown requests, a repeated request and a bad count go through the single calls."""
+    m = TorchKVCacheManager(layout(200), 64)
+    m.batch_min = 1
+    requests = make_requests(4, seed=5)
+    for r in requests[:3]:
+        assert m.allocate_slots(r, r.num_tokens) is not None
+        r.num_computed_tokens = r.num_tokens
+    with pytest.raises(ValueError, match="num_new_tokens must give one count per request"):
+        m.allocate_slots_batch(requests[:3], [1, 1])
+    with pytest.raises(ValueError, match="num_new_tokens must be positive when no cache hit"):
+        m.allocate_slots_batch(requests[:3], [1, 0, 1])
+    # The first request was served before the second one failed, as in single calls.
+    assert m.get_block_ids(requests[0].request_id)[0][-1] != 0
+    new = m.allocate_slots_batch([requests[3], requests[3]], 2)
+    assert None not in new
+    m.free_batch([requests[1], requests[1], requests[3]])
+    assert m.row_of(requests[1].request_id) is None
+    m.check_invariants()
