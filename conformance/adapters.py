@@ -1,0 +1,269 @@
+"""How an implementation joins the conformance suite: a small adapter protocol, and backends.
+
+The stateful differential machine (``hybridkv.conformance.stateful``) never calls a manager
+directly; it calls a ``ManagerAdapter``, which speaks plain values (block ids as tuples of ints,
+hit lengths, snapshots as tuples), so managers of other engines, or mutated copies of the
+reference, compare equal whenever they behave the same. ``hybridkv.reference.KVCacheManager``
+and ``hybridkv.optimized.TorchKVCacheManager`` already have the scheduler API of
+``KVCacheManagerLike``; ``ProtocolAdapter`` wraps either.
+
+Plugging in another implementation
+----------------------------------
+Write a class with the methods of ``ManagerAdapter`` (most are one line), and a factory
+``(config, max_model_len, enable_caching, enable_kv_cache_events) -> adapter``. Then::
+
+    from hybridkv.conformance.adapters import reference_backend
+    from hybridkv.conformance.stateful import run_differential
+
+    stats = run_differential([reference_backend(), ("mine", my_factory)], max_examples=200)
+
+``run_differential`` raises on the first difference and prints the shortest sequence of
+scheduler calls that shows it. ``ProtocolAdapter`` is the example adapter, used on the reference
+itself. An adapter may return ``None`` from ``snapshot``, ``take_events`` or ``take_stats`` when
+its implementation cannot show them: those observables are then not compared for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from hybridkv.conformance.protocol import KVCacheManagerLike
+from hybridkv.reference.request import Request
+from hybridkv.spec import KVCacheConfig
+
+BlockIds = tuple[tuple[int, ...], ...]
+"""Block ids per KV cache group, positions in order (null positions hold block 0)."""
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """A lookup's result: what every implementation must agree on, plus the adapter's own
+    opaque value to hand back to ``allocate`` (``new_computed_blocks`` of the scheduler API)."""
+
+    block_ids: BlockIds
+    num_hit_tokens: int
+    handle: Any
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The pool's observable state as plain values (``PoolSnapshot``, whatever its class)."""
+
+    free_block_ids: tuple[int, ...]
+    ref_counts: tuple[tuple[int, int], ...]
+    cached_block_ids: tuple[tuple[int, ...], ...]
+    num_cached_keys: int
+
+
+class ManagerAdapter(Protocol):
+    """What the differential machine needs from an implementation under test."""
+
+    name: str
+
+    def new_request(self, request_id: str, prompt: Sequence[int], cache_salt: str | None) -> Any:
+        """A request object this implementation accepts (hashed at the pool's block size)."""
+        ...
+
+    def append_tokens(self, request: Any, tokens: Sequence[int]) -> None: ...
+
+    def set_num_computed_tokens(self, request: Any, num_computed_tokens: int) -> None: ...
+
+    def lookup(self, request: Any) -> Lookup: ...
+
+    def allocate(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        hit: Lookup | None,
+        num_lookahead_tokens: int,
+        delay_cache_blocks: bool,
+    ) -> BlockIds | None: ...
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None: ...
+
+    def free(self, request: Any) -> None: ...
+
+    def block_table(self, request_id: str) -> BlockIds: ...
+
+    def reset_prefix_cache(self) -> bool: ...
+
+    def num_free_blocks(self) -> int: ...
+
+    def usage(self) -> float: ...
+
+    def snapshot(self) -> Snapshot | None: ...
+
+    def take_events(self) -> tuple[tuple[object, ...], ...] | None: ...
+
+    def take_stats(self) -> tuple[int, int, int, bool] | None: ...
+
+    def check_invariants(self) -> None: ...
+
+
+AdapterFactory = Callable[[KVCacheConfig, int, bool, bool], ManagerAdapter]
+"""Builds an adapter from (config, max_model_len, enable_caching, enable_kv_cache_events)."""
+
+Backend = tuple[str, AdapterFactory]
+"""A name for reports, and the factory."""
+
+
+def _as_ids(blocks: Any) -> BlockIds:
+    return tuple(tuple(ids) for ids in blocks.get_block_ids())
+
+
+def _plain_event(event: object) -> tuple[object, ...]:
+    """An event as (class name, fields...), so events of equal content compare equal."""
+    if dataclasses.is_dataclass(event) and not isinstance(event, type):
+        return (type(event).__name__, *dataclasses.astuple(event))
+    return (type(event).__name__, repr(event))
+
+
+class ProtocolAdapter:
+    """The example adapter: any manager with the scheduler API of ``KVCacheManagerLike``.
+
+    Requests are ``hybridkv.reference.Request`` objects, one per implementation, so nothing is
+    shared between the implementations under test by accident.
+    """
+
+    def __init__(self, name: str, manager: KVCacheManagerLike, block_size: int) -> None:
+        self.name = name
+        self.manager = manager
+        self.block_size = block_size
+
+    def new_request(
+        self, request_id: str, prompt: Sequence[int], cache_salt: str | None
+    ) -> Request:
+        return Request(request_id, prompt, hash_block_size=self.block_size, cache_salt=cache_salt)
+
+    def append_tokens(self, request: Request, tokens: Sequence[int]) -> None:
+        request.append_output_token_ids(tokens)
+
+    def set_num_computed_tokens(self, request: Request, num_computed_tokens: int) -> None:
+        request.num_computed_tokens = num_computed_tokens
+
+    def lookup(self, request: Request) -> Lookup:
+        blocks, num_hit_tokens = self.manager.get_computed_blocks(request)
+        return Lookup(_as_ids(blocks), num_hit_tokens, blocks)
+
+    def allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        hit: Lookup | None,
+        num_lookahead_tokens: int,
+        delay_cache_blocks: bool,
+    ) -> BlockIds | None:
+        new = self.manager.allocate_slots(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens=0 if hit is None else hit.num_hit_tokens,
+            new_computed_blocks=None if hit is None else hit.handle,
+            num_lookahead_tokens=num_lookahead_tokens,
+            delay_cache_blocks=delay_cache_blocks,
+        )
+        return None if new is None else _as_ids(new)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        self.manager.cache_blocks(request, num_computed_tokens)
+
+    def free(self, request: Request) -> None:
+        self.manager.free(request)
+
+    def block_table(self, request_id: str) -> BlockIds:
+        return tuple(tuple(ids) for ids in self.manager.get_block_ids(request_id))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.manager.reset_prefix_cache()
+
+    def num_free_blocks(self) -> int:
+        return self.manager.num_free_blocks
+
+    def usage(self) -> float:
+        return self.manager.usage
+
+    def snapshot(self) -> Snapshot:
+        snap = self.manager.snapshot()
+        return Snapshot(
+            tuple(snap.free_block_ids),
+            tuple(sorted(snap.ref_counts.items())),
+            tuple(tuple(ids) for ids in snap.cached_block_ids),
+            snap.num_cached_keys,
+        )
+
+    def take_events(self) -> tuple[tuple[object, ...], ...]:
+        return tuple(_plain_event(event) for event in self.manager.take_events())
+
+    def take_stats(self) -> tuple[int, int, int, bool]:
+        stats = self.manager.make_prefix_cache_stats()
+        return (stats.requests, stats.queries, stats.hits, stats.reset)
+
+    def check_invariants(self) -> None:
+        self.manager.check_invariants()
+
+
+def block_size_of(config: KVCacheConfig) -> int:
+    """The one block size every group shares (the request hash block size)."""
+    return config.groups[0].spec.block_size
+
+
+def manager_backend(
+    name: str, manager_class: Callable[..., KVCacheManagerLike], **kw: Any
+) -> Backend:
+    """A backend for any class constructed like ``KVCacheManager(config, max_model_len,
+    enable_caching=..., enable_kv_cache_events=..., **kw)``."""
+
+    def factory(
+        config: KVCacheConfig, max_model_len: int, enable_caching: bool, events: bool
+    ) -> ManagerAdapter:
+        manager = manager_class(
+            config,
+            max_model_len,
+            enable_caching=enable_caching,
+            enable_kv_cache_events=events,
+            **kw,
+        )
+        return ProtocolAdapter(name, manager, block_size_of(config))
+
+    return name, factory
+
+
+def reference_backend() -> Backend:
+    """``hybridkv.reference.KVCacheManager``: the model every other backend is compared with."""
+    from hybridkv.reference import KVCacheManager
+
+    return manager_backend("reference", KVCacheManager)
+
+
+def optimized_backend(device: str = "cpu", max_num_reqs: int = 32) -> Backend | None:
+    """``hybridkv.optimized.TorchKVCacheManager`` when it (and torch) can be imported."""
+    try:
+        module = importlib.import_module("hybridkv.optimized")
+    except ImportError:
+        return None
+    manager_class = getattr(module, "TorchKVCacheManager", None)
+    if manager_class is None:
+        return None
+    return manager_backend(
+        f"optimized[{device}]", manager_class, device=device, max_num_reqs=max_num_reqs
+    )
+
+
+def backends_named(choice: str, device: str = "cpu") -> list[Backend]:
+    """``reference``, ``optimized`` or ``both`` (the reference first: it is the model).
+
+    A lone ``optimized`` is still compared with the reference. ``ValueError`` if the optimized
+    backend was asked for and cannot be imported.
+    """
+    if choice not in ("reference", "optimized", "both"):
+        raise ValueError(f"backend must be reference, optimized or both, got {choice!r}")
+    chosen = [reference_backend()]
+    if choice != "reference":
+        optimized = optimized_backend(device)
+        if optimized is None:
+            raise ValueError("backend optimized: hybridkv.optimized.TorchKVCacheManager is missing")
+        chosen.append(optimized)
+    return chosen

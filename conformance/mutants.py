@@ -1,0 +1,608 @@
+"""Planted bugs in the reference, and the suite that must catch every one.
+
+Each ``Mutant`` is a source patch of one module of ``spec/`` or ``reference/`` (exact text,
+found exactly once, so a patch that no longer applies fails loudly instead of testing nothing).
+``load_mutant`` imports a private copy of the reference with the patch applied, leaving the
+real modules untouched, and ``hunt`` runs the conformance checks against it, cheapest first,
+until one fails:
+
+* manager mutants: the stateful differential machine (mutant vs the pristine reference, every
+  observable and invariant after every step), then the longest-hit oracle on built cache
+  states, then the golden vLLM traces;
+* planner mutants: the grouping, memory-layout and padding oracles over the document's models
+  and random ones.
+
+A mutant that survives every check means the suite has a blind spot: ``tests/test_mutants.py``
+fails for it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import random
+import sys
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Literal
+
+from hybridkv.conformance import oracles
+from hybridkv.conformance.adapters import Backend, manager_backend, reference_backend
+from hybridkv.conformance.golden import replay_trace, trace_names
+from hybridkv.spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+Suite = Literal["manager", "planner"]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One planted bug: ``patches`` (old, new) applied to ``module``'s source."""
+
+    name: str
+    description: str
+    module: str
+    patches: tuple[tuple[str, str], ...]
+    suite: Suite = "manager"
+
+
+def _m(name: str, description: str, module: str, *patches: tuple[str, str]) -> Mutant:
+    return Mutant(name, description, f"hybridkv.{module}", patches)
+
+
+def _p(name: str, description: str, module: str, *patches: tuple[str, str]) -> Mutant:
+    return Mutant(name, description, f"hybridkv.{module}", patches, "planner")
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    _m(
+        "window_off_by_one",
+        "sliding window keeps one token too many (n − window instead of n − window + 1)",
+        "spec.rules",
+        (
+            "return max(0, num_computed_tokens - sliding_window + 1)",
+            "return max(0, num_computed_tokens - sliding_window)",
+        ),
+    ),
+    _m(
+        "unhashed_to_tail",
+        "a released block with no cached hash goes to the tail instead of the head",
+        "reference.block_pool",
+        (
+            "self.free_block_queue.prepend_n(reuse_first)",
+            "self.free_block_queue.append_n(reuse_first)",
+        ),
+    ),
+    _m(
+        "hashed_to_head",
+        "a released block holding a cached hash goes to the head (evicted first)",
+        "reference.block_pool",
+        (
+            "(keep if block.block_hash is not None else reuse_first).append(block)",
+            "(reuse_first if block.block_hash is not None else keep).append(block)",
+        ),
+    ),
+    _m(
+        "touch_keeps_queued",
+        "a cache hit on an evictable block does not take it out of the free queue",
+        "reference.block_pool",
+        (
+            "            if block.ref_cnt == 0:\n"
+            "                self.free_block_queue.remove(block)\n",
+            "",
+        ),
+    ),
+    _m(
+        "hit_not_capped",
+        "a hit may cover the last token (max hit num_tokens instead of num_tokens − 1)",
+        "reference.kv_cache_manager",
+        (
+            "max_cache_hit_length = request.num_tokens - 1",
+            "max_cache_hit_length = request.num_tokens",
+        ),
+    ),
+    _m(
+        "hash_key_without_group",
+        "the prefix-cache key drops the group id: groups share cache entries",
+        "reference.block_pool",
+        (
+            "key = (request.block_hashes[index], group_id)",
+            "key = (request.block_hashes[index], 0)",
+        ),
+        (
+            "self.cached_block_hash_to_block.get((block_hash, group_id))",
+            "self.cached_block_hash_to_block.get((block_hash, 0))",
+        ),
+    ),
+    _m(
+        "truncate_window_hit",
+        "a lowered length truncates every type's blocks instead of looking sliding windows up",
+        "reference.coordinator",
+        (
+            "if isinstance(spec, FullAttentionSpec) and group_ids[0] in looked_up:",
+            "if group_ids[0] in looked_up:",
+        ),
+    ),
+    _m(
+        "free_head_first",
+        "freeing a request walks its table first to last (its head is evicted first)",
+        "reference.single_type_managers",
+        (
+            "self.block_pool.free_blocks(table[::-1])",
+            "self.block_pool.free_blocks(table)",
+        ),
+    ),
+    _m(
+        "evict_keeps_cache_entry",
+        "a block reused for new tokens stays in the prefix-cache mapping",
+        "reference.block_pool",
+        (
+            "        del blocks[block.block_id]\n"
+            "        if not blocks:\n"
+            "            del self.cached_block_hash_to_block[key]\n",
+            "",
+        ),
+    ),
+    _m(
+        "lookup_last_inserted",
+        "a lookup returns the last block cached under a key instead of the first",
+        "reference.block_pool",
+        (
+            "found.append(next(iter(blocks.values())))",
+            "found.append(list(blocks.values())[-1])",
+        ),
+    ),
+    _m(
+        "capacity_ignores_queued_hits",
+        "the capacity check does not count adopted hits that sit in the free queue",
+        "reference.single_type_managers",
+        ("return num_new + evictable", "return num_new"),
+    ),
+    _m(
+        "release_after_capacity_check",
+        "out-of-window blocks are released only after the capacity check",
+        "reference.kv_cache_manager",
+        (
+            "        self.coordinator.remove_skipped_blocks(request_id, num_computed_tokens)\n"
+            "        num_blocks_to_allocate",
+            "        num_blocks_to_allocate",
+        ),
+        (
+            "            return None\n        self.coordinator.allocate_new_computed_blocks",
+            "            return None\n"
+            "        self.coordinator.remove_skipped_blocks(request_id, num_computed_tokens)\n"
+            "        self.coordinator.allocate_new_computed_blocks",
+        ),
+    ),
+    _m(
+        "cache_lookahead_tokens",
+        "blocks are cached up to the lookahead slots, not only the computed tokens",
+        "reference.kv_cache_manager",
+        (
+            "num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)",
+            "num_tokens_to_cache = min(num_tokens_need_slot, request.num_tokens)",
+        ),
+    ),
+    _m(
+        "full_hit_no_stop",
+        "the full-attention scan counts cached blocks past the first miss",
+        "spec.rules",
+        (
+            "    while num_hit < max_num_blocks and cached[num_hit]:\n"
+            "        num_hit += 1\n"
+            "    return num_hit\n\n\ndef window_hit_is_valid",
+            "    num_hit = sum(1 for i in range(max_num_blocks) if cached[i])\n"
+            "    return num_hit\n\n\ndef window_hit_is_valid",
+        ),
+    ),
+    _m(
+        "reset_while_in_use",
+        "reset_prefix_cache succeeds while requests hold blocks",
+        "reference.block_pool",
+        (
+            "        if self.num_free_blocks != self.num_blocks - 1:\n            return False\n",
+            "",
+        ),
+    ),
+    _m(
+        "usage_counts_null_block",
+        "usage divides by num_blocks instead of num_blocks − 1",
+        "reference.block_pool",
+        (
+            "return 1.0 - (self.num_free_blocks / (self.num_blocks - 1))",
+            "return 1.0 - (self.num_free_blocks / self.num_blocks)",
+        ),
+    ),
+    _m(
+        "window_hit_needs_whole_window",
+        "a sliding-window hit needs the whole window cached, not window − 1 tokens",
+        "spec.rules",
+        (
+            "return cdiv(sliding_window - 1, block_size)",
+            "return cdiv(sliding_window, block_size)",
+        ),
+    ),
+    _m(
+        "no_max_model_len_cap",
+        "slots are not capped at max_model_len (lookahead past the model length)",
+        "reference.kv_cache_manager",
+        (
+            "num_tokens_need_slot = min(\n"
+            "            num_computed_tokens + num_new_tokens + num_lookahead_tokens, "
+            "self.max_model_len\n        )",
+            "num_tokens_need_slot = num_computed_tokens + num_new_tokens + num_lookahead_tokens",
+        ),
+    ),
+    _m(
+        "hybrid_one_pass",
+        "the hybrid coordinator stops after one pass even with three or more types",
+        "reference.coordinator",
+        ("            if simple_hybrid:\n                break\n", "            break\n"),
+    ),
+    _m(
+        "chunk_keeps_previous",
+        "chunked local attention keeps the previous chunk as well",
+        "spec.rules",
+        (
+            "return num_computed_tokens // attention_chunk_size * attention_chunk_size",
+            "return max(0, num_computed_tokens // attention_chunk_size - 1) * attention_chunk_size",
+        ),
+    ),
+    _m(
+        "mamba_two_blocks",
+        "a Mamba group holds a block per block of tokens, like attention",
+        "reference.single_type_managers",
+        (
+            "        return rules.mamba_blocks_for_tokens(num_tokens)",
+            "        return rules.attention_blocks_for_tokens(num_tokens, self.block_size)",
+        ),
+    ),
+    _p(
+        "group_size_max",
+        "the group size is the largest layer count of any type, not the smallest",
+        "spec.rules",
+        ("    return min(layer_counts)", "    return max(layer_counts)"),
+    ),
+    _p(
+        "padding_count_wrong",
+        "a group's padding slots are counted from its whole layer list, sharing layers included",
+        "reference.plan_report",
+        (
+            "num_padding_slots=layers_per_group - num_own,",
+            "num_padding_slots=max(layers_per_group - len(group.layer_names), 0),",
+        ),
+    ),
+    _p(
+        "block_size_raise_floor",
+        "Case 4 rounds the raised block size down, so a page cannot hold the Mamba state",
+        "spec.rules",
+        (
+            "return block_size * max(1, cdiv(state_bytes, block_size * kv_hidden_size))",
+            "return block_size * max(1, state_bytes // (block_size * kv_hidden_size))",
+        ),
+    ),
+    _p(
+        "sharing_layers_allocated",
+        "KV-sharing layers get groups of their own (Case 5 ignored)",
+        "reference.planner",
+        (
+            "{name: spec for name, spec in layers.items() if name not in kv_sharing}",
+            "dict(layers)",
+        ),
+    ),
+    _p(
+        "types_in_model_order",
+        "groups follow the model's order of types instead of full attention first",
+        "reference.planner",
+        (
+            'ordered = sorted(types.items(), key=lambda item: spec_kind(item[0]) != "full")',
+            "ordered = list(types.items())",
+        ),
+    ),
+)
+
+
+# --- Loading a private, patched copy of the reference ---------------------------------------
+
+
+class _PatchedLoader(importlib.abc.Loader):
+    def __init__(self, source: str, path: str) -> None:
+        self.source = source
+        self.path = path
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return None
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__file__ = self.path
+        exec(compile(self.source, self.path, "exec"), module.__dict__)
+
+
+class _PatchedFinder(importlib.abc.MetaPathFinder):
+    def __init__(self, name: str, source: str, path: str) -> None:
+        self.name = name
+        self.loader = _PatchedLoader(source, path)
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        return importlib.util.spec_from_loader(fullname, self.loader, origin=self.loader.path)
+
+
+def patched_source(mutant: Mutant) -> tuple[str, str]:
+    """The module's patched source and its file path; ``ValueError`` if a patch does not apply."""
+    spec = importlib.util.find_spec(mutant.module)
+    if spec is None or spec.origin is None:
+        raise ValueError(f"mutant {mutant.name}: module {mutant.module} not found")
+    with open(spec.origin, encoding="utf-8") as handle:
+        source = handle.read()
+    for old, new in mutant.patches:
+        count = source.count(old)
+        if count != 1:
+            raise ValueError(
+                f"mutant {mutant.name}: patch text found {count} times in {mutant.module} "
+                f"(expected once; update the mutant to the current source):\n{old}"
+            )
+        source = source.replace(old, new)
+    return source, spec.origin
+
+
+_FRESH = ("hybridkv.reference",)
+
+
+@contextmanager
+def _private_modules(mutant: Mutant) -> Iterator[None]:
+    """Import inside this block gets fresh reference modules and the patched target module;
+    afterwards ``sys.modules`` and the package attributes are exactly as before."""
+    source, path = patched_source(mutant)
+    fresh = (*_FRESH, mutant.module)
+    saved = {
+        name: module
+        for name, module in sys.modules.items()
+        if any(name == f or name.startswith(f + ".") for f in fresh)
+    }
+    parents = {}
+    for name in {*saved, mutant.module}:
+        parent, _, child = name.rpartition(".")
+        if parent in sys.modules and hasattr(sys.modules[parent], child):
+            parents[(parent, child)] = getattr(sys.modules[parent], child)
+    finder = _PatchedFinder(mutant.module, source, path)
+    for name in saved:
+        del sys.modules[name]
+    sys.meta_path.insert(0, finder)
+    try:
+        importlib.import_module(mutant.module)
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+        for name in list(sys.modules):
+            if any(name == f or name.startswith(f + ".") for f in fresh):
+                del sys.modules[name]
+        sys.modules.update(saved)
+        for (parent, child), value in parents.items():
+            setattr(sys.modules[parent], child, value)
+
+
+@dataclass(frozen=True)
+class MutantBundle:
+    """The public objects of a mutated copy of the reference."""
+
+    mutant: Mutant
+    KVCacheManager: Any
+    plan_groups: Callable[..., Any]
+    plan_kv_cache: Callable[..., Any]
+    plan_report: Callable[..., Any]
+
+
+def load_mutant(mutant: Mutant) -> MutantBundle:
+    """A private copy of ``hybridkv.reference`` with ``mutant`` applied."""
+    with _private_modules(mutant):
+        reference = importlib.import_module("hybridkv.reference")
+        return MutantBundle(
+            mutant,
+            reference.KVCacheManager,
+            reference.plan_groups,
+            reference.plan_kv_cache,
+            reference.plan_report,
+        )
+
+
+# --- The suites ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hunt:
+    """Which check caught a mutant (``None``: it survived every one), and how."""
+
+    mutant: Mutant
+    caught_by: str | None
+    detail: str
+
+
+def _first_line(error: BaseException) -> str:
+    text = "".join(traceback.format_exception_only(type(error), error)).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
+
+
+def manager_checks(
+    bundle: MutantBundle, examples: int = 40
+) -> Iterator[tuple[str, Callable[[], None]]]:
+    """(name, check) pairs; a check raises when it sees the bug."""
+    backend: Backend = manager_backend("mutant", bundle.KVCacheManager)
+
+    def differential() -> None:
+        from hybridkv.conformance.stateful import run_differential
+
+        run_differential(
+            [reference_backend(), backend], max_examples=examples, steps=30, shrink=False
+        )
+
+    def golden() -> None:
+        def factory(config: Any, max_model_len: int, caching: bool) -> Any:
+            return bundle.KVCacheManager(config, max_model_len, enable_caching=caching)
+
+        for name in trace_names():
+            _, divergence = replay_trace(name, factory)
+            if divergence is not None:
+                raise AssertionError(str(divergence).splitlines()[0])
+
+    def longest_hit() -> None:
+        rng = random.Random(4)
+        for _ in range(300):
+            groups, prompt, block_size = random_cache_state(rng)
+            hit = oracles.reference_hit(groups, prompt, block_size, bundle.KVCacheManager)
+            if (hit.hit_tokens, hit.block_ids) != (hit.brute_force_tokens, hit.expected_block_ids):
+                raise AssertionError(f"longest hit {hit} for {groups}")
+
+    yield "differential machine", differential
+    yield "longest-hit oracle", longest_hit
+    yield "golden traces", golden
+
+
+def random_cache_state(
+    rng: random.Random, *, aligned: bool = True
+) -> tuple[list[oracles.GroupCacheState], list[int], int]:
+    """1–4 groups of mixed types with random cached flags, a prompt, and the block size."""
+    block_size = rng.choice([1, 2, 3, 4])
+    num_tokens = rng.randint(1, 30)
+    groups = []
+    for _ in range(rng.choice([1, 2, 3, 3, 4, 4])):
+        kind = rng.choice(["full", "sliding_window", "chunked_local"])
+        if kind == "chunked_local":
+            choices = [1, 2, 3] if aligned else [1, 2, 3, 1.5, 2.5]
+            param = int(block_size * rng.choice(choices)) or 1
+        else:
+            param = rng.randint(2, 12)
+        density = rng.random()
+        cached = tuple(rng.random() < density for _ in range(num_tokens // block_size))
+        groups.append(oracles.GroupCacheState(kind, param, cached))  # type: ignore[arg-type]
+    prompt = [rng.randint(0, 100) for _ in range(num_tokens)]
+    return groups, prompt, block_size
+
+
+SIZES = {"num_kv_heads": 2, "head_size": 4, "dtype_bytes": 2}
+
+
+def document_models() -> list[tuple[dict[str, KVCacheSpec], dict[str, str]]]:
+    """The document's models: 10 full + 20 sliding, Gemma-3-27b, Mamba hybrid, KV sharing."""
+    full = FullAttentionSpec(block_size=16, **SIZES)
+    sliding = SlidingWindowSpec(block_size=16, sliding_window=32, **SIZES)
+    case2: dict[str, KVCacheSpec] = {f"full.{i}": full for i in range(10)}
+    case2 |= {f"sw.{i}": sliding for i in range(20)}
+    gemma: dict[str, KVCacheSpec] = {}
+    for i in range(62):
+        gemma[f"layer.{i}"] = full if i % 6 == 5 else sliding
+    mamba = MambaSpec(block_size=16, state_bytes=5000)
+    case4: dict[str, KVCacheSpec] = {
+        f"layer.{i}": (full if i % 4 == 0 else mamba) for i in range(12)
+    }
+    case5: dict[str, KVCacheSpec] = {f"layer.{i}": (full if i % 2 else sliding) for i in range(8)}
+    sharing = {"layer.6": "layer.4", "layer.7": "layer.5"}
+    return [(case2, {}), (gemma, {}), (case4, {}), (case5, sharing)]
+
+
+def random_models(
+    rng: random.Random, count: int
+) -> list[tuple[dict[str, KVCacheSpec], dict[str, str]]]:
+    models = []
+    for _ in range(count):
+        b = rng.choice([1, 4, 16])
+        kinds: list[KVCacheSpec] = [
+            FullAttentionSpec(block_size=b, **SIZES),
+            SlidingWindowSpec(block_size=b, sliding_window=rng.randint(2, 64), **SIZES),
+            ChunkedLocalAttentionSpec(
+                block_size=b, attention_chunk_size=rng.randint(1, 64), **SIZES
+            ),
+            MambaSpec(block_size=b, state_bytes=rng.randint(1, 5000)),
+        ]
+        use = rng.sample(kinds, rng.randint(1, 4))
+        layers = {f"l{i}": rng.choice(use) for i in range(rng.randint(1, 40))}
+        sharing: dict[str, str] = {}
+        for name in layers:
+            targets = [
+                t
+                for t in layers
+                if t != name
+                and layers[t] == layers[name]
+                and t not in sharing
+                and name not in sharing.values()
+            ]
+            if targets and rng.random() < 0.15:
+                sharing[name] = rng.choice(targets)
+        if len(sharing) < len(layers):
+            models.append((layers, sharing))
+    return models
+
+
+def planner_checks(bundle: MutantBundle) -> Iterator[tuple[str, Callable[[], None]]]:
+    def grouping() -> None:
+        from hybridkv.reference import plan_report
+
+        models = document_models() + random_models(random.Random(7), 300)
+        for layers, sharing in models:
+            args = (layers, 10**9)
+            kw: dict[str, Any] = {
+                "max_model_len": 4096,
+                "max_num_batched_tokens": 512,
+                "kv_sharing": sharing,
+            }
+            try:
+                plan_report(*args, **kw)
+            except ValueError:
+                continue  # a model the document does not cover: the error is the spec
+            report = bundle.plan_report(*args, **kw)
+            config = report.config
+            problems = oracles.check_grouping(layers, config.groups, sharing)
+            problems += oracles.check_memory_layout(config, 10**9, sharing)
+            problems += oracles.check_plan_padding(
+                layers,
+                [g.num_padding_slots for g in report.groups],
+                [g.num_own_layers for g in report.groups],
+                report.num_padding_slots,
+                report.layers_per_group,
+                sharing,
+            )
+            if problems:
+                raise AssertionError(f"{problems[0]} (model of {len(layers)} layers)")
+
+    yield "planner oracles", grouping
+
+
+def hunt(mutant: Mutant, examples: int = 40) -> Hunt:
+    """Run the checks of the mutant's suite until one fails."""
+    bundle = load_mutant(mutant)
+    checks = (
+        planner_checks(bundle) if mutant.suite == "planner" else manager_checks(bundle, examples)
+    )
+    for name, check in checks:
+        try:
+            check()
+        except Exception as error:
+            return Hunt(mutant, name, _first_line(error))
+    return Hunt(mutant, None, "survived every check")
+
+
+def hunt_all(
+    mutants: Sequence[Mutant] = MUTANTS,
+    examples: int = 40,
+    progress: Callable[[Hunt], None] | None = None,
+) -> list[Hunt]:
+    results = []
+    for mutant in mutants:
+        result = hunt(mutant, examples)
+        results.append(result)
+        if progress is not None:
+            progress(result)
+    return results

@@ -1,0 +1,209 @@
+"""The stateful differential machine, the adapters and the one command (fast profile).
+
+The machine drives every backend in lockstep with scheduler traffic and compares every
+observable after every step; the reference runs against itself through the example adapter,
+and against the optimized backend when it imports. A deliberately wrong adapter must be caught.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from hybridkv.conformance import __main__ as command
+from hybridkv.conformance.adapters import (
+    AdapterFactory,
+    Backend,
+    BlockIds,
+    Lookup,
+    ProtocolAdapter,
+    Snapshot,
+    backends_named,
+    manager_backend,
+    optimized_backend,
+    reference_backend,
+)
+from hybridkv.conformance.stateful import (
+    FAMILIES,
+    ConformanceError,
+    Layout,
+    RunStats,
+    check_failed_allocation,
+    check_observable_invariants,
+    run_differential,
+)
+from hybridkv.reference import KVCacheManager
+from hybridkv.spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+
+LONG = os.environ.get("HYBRIDKV_LONG") == "1"
+EXAMPLES = 5_000 if LONG else 150
+STEPS = 100 if LONG else 40
+
+
+def test_the_reference_against_itself_through_the_example_adapter() -> None:
+    """The smallest use of the suite: two independent reference managers in lockstep."""
+    stats = run_differential(
+        [reference_backend(), manager_backend("reference-again", KVCacheManager)],
+        max_examples=EXAMPLES // 3,
+        steps=STEPS,
+    )
+    assert stats.examples >= EXAMPLES // 3
+    assert stats.failed_allocations > 0
+    assert stats.hits > 0
+    assert stats.evictions > 0
+    for rule in ("admit", "decode", "prefill", "preempt", "finish", "reset_prefix_cache", "drain"):
+        assert stats.rules[rule] > 0, rule
+
+
+@pytest.mark.skipif(optimized_backend() is None, reason="hybridkv.optimized does not import")
+def test_the_optimized_backend_agrees_with_the_reference() -> None:
+    stats = run_differential(backends_named("both"), max_examples=EXAMPLES, steps=STEPS)
+    print("\n".join(stats.lines()))
+    assert stats.backends[1].startswith("optimized")
+    kinds = set("+".join(stats.type_mixes).split("+"))
+    assert kinds == {"full", "sliding_window", "chunked_local", "mamba"}
+    assert set(stats.group_counts) == {1, 2, 3, 4}
+
+
+class _OffByOneUsage(ProtocolAdapter):
+    """An implementation that misreports usage once a block is in use."""
+
+    def usage(self) -> float:
+        used = self.manager.usage
+        return used + 0.5 / self.manager.num_free_blocks if 0 < used < 1 else used
+
+
+class _SkipsFreeQueueOrder(ProtocolAdapter):
+    """An implementation that shows its free queue sorted (a plausible shortcut)."""
+
+    def snapshot(self) -> Snapshot:
+        snap = super().snapshot()
+        return Snapshot(
+            tuple(sorted(snap.free_block_ids)),
+            snap.ref_counts,
+            snap.cached_block_ids,
+            snap.num_cached_keys,
+        )
+
+
+class _ForgetsLookahead(ProtocolAdapter):
+    """An implementation that ignores lookahead slots."""
+
+    def allocate(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        hit: Lookup | None,
+        num_lookahead_tokens: int,
+        delay_cache_blocks: bool,
+    ) -> BlockIds | None:
+        return super().allocate(request, num_new_tokens, hit, 0, delay_cache_blocks)
+
+
+def _backend(cls: type[ProtocolAdapter]) -> Backend:
+    def factory(
+        config: KVCacheConfig, max_model_len: int, caching: bool, events: bool
+    ) -> ProtocolAdapter:
+        manager = KVCacheManager(config, max_model_len, caching, enable_kv_cache_events=events)
+        return cls(cls.__name__, manager, config.groups[0].spec.block_size)
+
+    built: AdapterFactory = factory
+    return cls.__name__, built
+
+
+@pytest.mark.parametrize("cls", [_OffByOneUsage, _SkipsFreeQueueOrder, _ForgetsLookahead])
+def test_a_wrong_implementation_is_caught(cls: type[ProtocolAdapter]) -> None:
+    with pytest.raises(ConformanceError):
+        run_differential(
+            [reference_backend(), _backend(cls)], max_examples=50, steps=30, shrink=False
+        )
+
+
+def test_a_seed_changes_the_examples_and_a_run_is_reproducible() -> None:
+    def run(seed: int | None) -> tuple[int, int]:
+        stats = run_differential([reference_backend()], max_examples=10, steps=10, seed=seed)
+        return stats.steps, stats.allocations
+
+    assert run(None) == run(None)
+    assert run(3) == run(3)
+
+
+def _layout(*specs: Any, num_blocks: int = 10) -> Layout:
+    return Layout(tuple(specs), num_blocks, 32, True, False)
+
+
+SIZES = {"block_size": 2, "num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
+
+
+def test_observable_invariants_reject_inconsistent_states() -> None:
+    layout = _layout(FullAttentionSpec(**SIZES), SlidingWindowSpec(sliding_window=3, **SIZES))
+    tables: dict[str, BlockIds] = {"r": ((1, 2), (0, 3))}
+    good = Snapshot((4, 5, 6, 7, 8, 9), ((1, 1), (2, 1), (3, 1)), ((), ()), 0)
+    check_observable_invariants(layout, good, 6, 1 - 6 / 9, tables, {"r": 4})
+    bad_cases: Sequence[tuple[Snapshot, dict[str, BlockIds], int]] = [
+        (Snapshot((4, 5, 6, 7, 8, 9), ((1, 2), (2, 1), (3, 1)), ((), ()), 0), tables, 4),
+        (Snapshot((4, 4, 6, 7, 8, 9), good.ref_counts, ((), ()), 0), tables, 4),
+        (Snapshot((0, 5, 6, 7, 8, 9), good.ref_counts, ((), ()), 0), tables, 4),
+        (good, {"r": ((1, 2), (3, 0))}, 4),  # a null after a real block
+        (good, {"r": ((1, 2), (0, 3))}, 1),  # a null inside the window
+        (good, {"r": ((1, 0), (2, 3))}, 4),  # a null in full attention
+        (Snapshot((4, 5, 6, 7, 8, 9), good.ref_counts, ((1,), (1,)), 2), tables, 4),
+    ]
+    for snap, bad_tables, computed in bad_cases:
+        with pytest.raises(ConformanceError):
+            check_observable_invariants(layout, snap, 6, 1 - 6 / 9, bad_tables, {"r": computed})
+    with pytest.raises(ConformanceError):
+        check_observable_invariants(layout, good, 6, 0.5, tables, {"r": 4})
+
+
+def test_a_failed_allocation_may_only_release_out_of_window_blocks() -> None:
+    layout = _layout(FullAttentionSpec(**SIZES), SlidingWindowSpec(sliding_window=3, **SIZES))
+    before = Snapshot((5, 6), ((1, 1), (2, 1), (3, 1), (4, 1)), ((), ()), 0)
+    tables = {"r": ((1, 2), (3, 4))}
+    released = Snapshot((3, 5, 6), ((1, 1), (2, 1), (4, 1)), ((), ()), 0)
+    check_failed_allocation(layout, "r", before, released, tables, {"r": ((1, 2), (0, 4))})
+    check_failed_allocation(layout, "r", before, before, tables, tables)
+    reordered = Snapshot((6, 5), before.ref_counts, ((), ()), 0)
+    with pytest.raises(ConformanceError):
+        check_failed_allocation(layout, "r", before, reordered, tables, tables)
+    with pytest.raises(ConformanceError):  # a full-attention position may not change
+        check_failed_allocation(layout, "r", before, released, tables, {"r": ((0, 2), (3, 4))})
+
+
+def test_every_family_is_a_valid_layout() -> None:
+    stats = run_differential([reference_backend()], max_examples=len(FAMILIES) * 4, steps=5)
+    assert stats.examples >= len(FAMILIES) * 4
+    assert isinstance(stats, RunStats)
+
+
+def test_the_command_prints_a_report_and_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    status = command.main(["--backend", "reference", "--examples", "10", "--no-golden"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "stateful differential machine" in out
+    assert "longest hit" in out
+    assert "PASS  differential machine" in out
+
+
+@pytest.mark.skipif(
+    os.environ.get("HYBRIDKV_CROSSHAIR_LANE") != "1",
+    reason="advisory lane (hypothesis-crosshair, ~18× slower): HYBRIDKV_CROSSHAIR_LANE=1",
+)
+def test_advisory_lane_with_the_hypothesis_crosshair_backend() -> None:
+    pytest.importorskip("hypothesis_crosshair_provider")
+    stats = run_differential(
+        [reference_backend(), manager_backend("reference-again", KVCacheManager)],
+        max_examples=10,
+        steps=10,
+        hypothesis_backend="crosshair",
+    )
+    assert stats.examples > 0
+
+
+def test_the_command_rejects_an_unknown_backend(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        command.main(["--backend", "nonsense"])
+    capsys.readouterr()
