@@ -13,8 +13,8 @@ chains through it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import threading
 from collections.abc import Sequence
 from operator import itemgetter
 from typing import NewType
@@ -135,17 +135,15 @@ def hash_full_blocks_cbor2(
 # table in one ``itemgetter`` call for the whole request, and ``map`` joins it block by block.
 # Only SHA-256 runs once per block, as the chain requires.
 #
-# The table holds the encoding of each id below its size (grown on demand up to
-# ``_TABLE_LIMIT``, about 40 bytes per id) followed by as many ``None``s, so that a negative id
-# (which a Python list would wrap around) or an id past the table reaches a ``None`` or an
-# ``IndexError`` and the block takes the checked route below. ``bool`` is not a token id
-# (``Request`` rejects it); larger ids are encoded one by one.
+# The table holds the encoding of every id below a power of two just above the request's largest
+# id (at most ``_TABLE_LIMIT``, about 40 bytes per id); it is a memoised pure function, built once
+# per size. A negative id, or anything that is not an int, takes the definition instead; ids
+# past the limit are encoded one by one. ``bool`` is not a token id (``Request`` rejects it).
 
 _PREFIX = b"\x83\x58\x20"
 _NULL = b"\xf6"
+_TABLE_MIN = 1 << 8
 _TABLE_LIMIT = 1 << 18
-_token_cbor: list[bytes | None] = []
-_table_lock = threading.Lock()
 
 
 def _uint_head(major: int, value: int) -> bytes:
@@ -168,19 +166,20 @@ def encode_token_id(token_id: int) -> bytes:
     return cbor2.dumps(token_id, canonical=True)
 
 
-def _grow_table(size: int) -> None:
-    """Make the table cover ids ``0 … size − 1`` (then as many ``None``s)."""
-    global _token_cbor
-    with _table_lock:
-        old = len(_token_cbor) // 2
-        if old < size:
-            known = _token_cbor[:old]
-            known.extend(_uint_head(0, t) for t in range(old, size))
-            _token_cbor = [*known, *([None] * size)]
+@functools.cache
+def _token_table(size: int) -> tuple[bytes, ...]:
+    """The encodings of token ids ``0 … size − 1``.
+
+    A pure function of ``size`` (a power of two), memoised: each table is built once, from the
+    next smaller one, and never changes.
+    """
+    half = size // 2
+    known = _token_table(half)[:half] if half >= _TABLE_MIN else ()
+    return known + tuple(_uint_head(0, t) for t in range(len(known), size))
 
 
-def _join_blocks(encodings: Sequence[bytes | None], block_size: int) -> list[bytes]:
-    """Each block's token encodings as one ``bytes``; ``TypeError`` on a ``None``."""
+def _join_blocks(encodings: Sequence[bytes], block_size: int) -> list[bytes]:
+    """Each block's token encodings joined into one ``bytes``."""
     groups = zip(*[iter(encodings)] * block_size, strict=True)
     return list(map(b"".join, groups))
 
@@ -195,30 +194,13 @@ def _block_bodies(tokens: Sequence[int], block_size: int) -> list[bytes] | None:
         return []
     try:
         low: object = min(tokens)
-    except TypeError:
-        return None
-    if not isinstance(low, int) or low < 0:
-        return None
-    table = _token_cbor
-    try:
-        found = itemgetter(*tokens)(table) if len(tokens) > 1 else (table[tokens[0]],)
-        return _join_blocks(found, block_size)
-    except (TypeError, IndexError):
-        pass
-    try:
         high: object = max(tokens)
     except TypeError:
         return None
-    if not isinstance(high, int):
+    if not isinstance(low, int) or not isinstance(high, int) or low < 0:
         return None
-    if high < _TABLE_LIMIT:
-        _grow_table(high + 1)
-        table = _token_cbor
-        found = itemgetter(*tokens)(table) if len(tokens) > 1 else (table[tokens[0]],)
-        return _join_blocks(found, block_size)
-    size = len(table) // 2
-    try:
-        encodings = [table[t] if t < size else encode_token_id(t) for t in tokens]
-    except TypeError:
-        return None
-    return _join_blocks(encodings, block_size)
+    if high >= _TABLE_LIMIT:
+        return _join_blocks([encode_token_id(t) for t in tokens], block_size)
+    table = _token_table(max(_TABLE_MIN, 1 << high.bit_length()))
+    found = itemgetter(*tokens)(table) if len(tokens) > 1 else (table[tokens[0]],)
+    return _join_blocks(found, block_size)

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 def cdiv(a: int, b: int) -> int:
     """Ceiling division: the number of ``b``-sized pieces that hold ``a`` items.
 
-    pre: 0 <= a <= 10_000
-    pre: 0 < b <= 64
+    pre: 0 <= a <= 10_000_000
+    pre: 0 < b <= 1_000_000
     post: (__return__ - 1) * b < a <= __return__ * b or (a == 0 and __return__ == 0)
     """
     return -(a // -b)
@@ -199,7 +199,7 @@ def chunked_local_hit_blocks(
     pre: len(cached) <= 8
     pre: 0 < block_size <= 4
     pre: 0 < attention_chunk_size <= 16
-    pre: 0 <= max_length <= len(cached) * block_size
+    pre: 0 <= max_length and max_length // block_size <= len(cached)
     post: __return__[1] == max_length // attention_chunk_size * attention_chunk_size // block_size
     post: __return__[1] <= __return__[0] <= max_length // block_size
     post: all(cached[__return__[1]:__return__[0]])
