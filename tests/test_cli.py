@@ -243,6 +243,21 @@ def test_forward_to_a_missing_module_is_a_user_error() -> None:
         forward("hybridkv.not_a_module", ())
 
 
+@pytest.mark.parametrize(
+    ("command", "usage"),
+    [
+        ("conformance", "usage: python -m hybridkv.conformance"),
+        ("bench", "usage: python -m hybridkv.bench"),
+    ],
+)
+def test_conformance_and_bench_forward_to_their_modules(command: str, usage: str) -> None:
+    script = Path(sys.executable).with_name("hybridkv")
+    argv = [str(script)] if script.exists() else [sys.executable, "-m", "hybridkv"]
+    done = subprocess.run([*argv, command, "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(usage)
+
+
 # --- the installed command --------------------------------------------------------------------
 
 
