@@ -643,9 +643,7 @@ class TorchKVCacheManager:
         if not self.pool.reset_prefix_cache():
             return False
         self._row_src = [-1] * self.max_num_reqs
-        self._stats = PrefixCacheStats(
-            self._stats.requests, self._stats.queries, self._stats.hits, reset=True
-        )
+        self._stats = self._stats.after_reset()
         return True
 
     # --- Observation ------------------------------------------------------------------------

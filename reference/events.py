@@ -55,3 +55,7 @@ class PrefixCacheStats:
         return PrefixCacheStats(
             self.requests + 1, self.queries + num_tokens, self.hits + num_hits, self.reset
         )
+
+    def after_reset(self) -> PrefixCacheStats:
+        """These statistics, marked as spanning a prefix-cache reset."""
+        return PrefixCacheStats(self.requests, self.queries, self.hits, reset=True)

@@ -134,9 +134,7 @@ class KVCacheManager:
         """Forget every cached block; refused (``False``) while any request holds a block."""
         if not self.block_pool.reset_prefix_cache():
             return False
-        self._stats = PrefixCacheStats(
-            self._stats.requests, self._stats.queries, self._stats.hits, reset=True
-        )
+        self._stats = self._stats.after_reset()
         return True
 
     # --- Observation ------------------------------------------------------------------------
