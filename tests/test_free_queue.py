@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
-from hybridkv.reference import KVCacheManager, Request
+from typing import TYPE_CHECKING
+
+from hybridkv.reference import Request
 from hybridkv.reference.free_queue import FreeKVCacheBlockQueue
 from hybridkv.reference.kv_cache_block import KVCacheBlock
 from hybridkv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
 
+if TYPE_CHECKING:
+    from conftest import ManagerFactory
+
 SPEC = FullAttentionSpec(block_size=2, num_kv_heads=1, head_size=1, dtype_bytes=4)
 
 
-def test_released_blocks_go_to_the_tail_if_hashed_else_to_the_head() -> None:
+def test_released_blocks_go_to_the_tail_if_hashed_else_to_the_head(
+    make_manager: ManagerFactory,
+) -> None:
     """Freeing [1,2,3,4] (4 unhashed), then [1,2,3,5] (5 unhashed), from a queue [6 … 10]
     gives [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]."""
-    m = KVCacheManager(KVCacheConfig(11, (KVCacheGroup(("l0",), SPEC),)), max_model_len=64)
+    m = make_manager(KVCacheConfig(11, (KVCacheGroup(("l0",), SPEC),)), max_model_len=64)
     a = Request("a", [1, 2, 3, 4, 5, 6, 7], hash_block_size=2)
     assert m.allocate_slots(a, 7) is not None
     b = Request("b", [1, 2, 3, 4, 5, 6, 8], hash_block_size=2)
@@ -32,6 +39,8 @@ def test_released_blocks_go_to_the_tail_if_hashed_else_to_the_head() -> None:
 
 
 def test_prepend_keeps_the_batch_order_and_remove_is_anywhere() -> None:
+    """Reference only: the reference's linked list itself (the optimized backend keeps its
+    queue in tensors; the test above pins the order the two share)."""
     blocks = [KVCacheBlock(i) for i in range(6)]
     queue = FreeKVCacheBlockQueue(blocks[1:3])
     queue.prepend_n([blocks[4], blocks[3]])

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import pytest
 
-from hybridkv.reference import KVCacheBlocks, KVCacheManager, Request
+from hybridkv.reference import KVCacheBlocks, Request
 from hybridkv.spec import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -21,11 +22,14 @@ SLIDING = SlidingWindowSpec(
 )
 CONFIG = KVCacheConfig(20, (KVCacheGroup(("full",), FULL), KVCacheGroup(("sw",), SLIDING)))
 
+if TYPE_CHECKING:
+    from conftest import BackendManager, ManagerFactory
+
 
 @pytest.fixture
-def manager() -> KVCacheManager:
-    """A manager holding one running request ``a`` and a cached prefix."""
-    m = KVCacheManager(CONFIG, max_model_len=64)
+def manager(make_manager: ManagerFactory) -> BackendManager:
+    """A manager (of each backend) holding one running request ``a`` and a cached prefix."""
+    m = make_manager(CONFIG, max_model_len=64)
     a = Request("a", list(range(10)), hash_block_size=4)
     assert m.allocate_slots(a, 10) is not None
     a.num_computed_tokens = 10
@@ -77,7 +81,7 @@ def request(token_ids: list[int], request_id: str = "b") -> Request:
     ],
 )
 def test_bad_allocation_arguments_raise_and_change_nothing(
-    manager: KVCacheManager, kwargs: dict[str, object], message: str
+    manager: BackendManager, kwargs: dict[str, object], message: str
 ) -> None:
     before = manager.snapshot()
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -87,7 +91,7 @@ def test_bad_allocation_arguments_raise_and_change_nothing(
     manager.check_invariants()
 
 
-def test_a_running_request_cannot_adopt_a_cache_hit(manager: KVCacheManager) -> None:
+def test_a_running_request_cannot_adopt_a_cache_hit(manager: BackendManager) -> None:
     a = request(list(range(10)), "a")
     a.num_computed_tokens = 10
     before = manager.snapshot()
@@ -96,7 +100,7 @@ def test_a_running_request_cannot_adopt_a_cache_hit(manager: KVCacheManager) -> 
     assert manager.snapshot() == before
 
 
-def test_a_request_hashed_at_another_block_size_is_rejected(manager: KVCacheManager) -> None:
+def test_a_request_hashed_at_another_block_size_is_rejected(manager: BackendManager) -> None:
     wrong = Request("b", list(range(10)), hash_block_size=2)
     before = manager.snapshot()
     with pytest.raises(ValueError, match=r"has 5 block_hashes, expected 2 \(hash_block_size"):
@@ -106,14 +110,14 @@ def test_a_request_hashed_at_another_block_size_is_rejected(manager: KVCacheMana
     assert manager.snapshot() == before
 
 
-def test_a_failed_allocation_returns_none_and_changes_nothing(manager: KVCacheManager) -> None:
+def test_a_failed_allocation_returns_none_and_changes_nothing(manager: BackendManager) -> None:
     before = manager.snapshot()
     assert manager.allocate_slots(request(list(range(60))), 60) is None
     assert manager.snapshot() == before
     assert manager.get_block_ids("b") == ([], [])
 
 
-def test_freeing_a_request_that_holds_nothing_is_a_no_op(manager: KVCacheManager) -> None:
+def test_freeing_a_request_that_holds_nothing_is_a_no_op(manager: BackendManager) -> None:
     before = manager.snapshot()
     manager.free(request([1, 2, 3]))
     assert manager.snapshot() == before
@@ -151,9 +155,9 @@ def test_bad_request_settings_are_rejected(kwargs: dict[str, object], message: s
         Request("r", [1], **kwargs)  # type: ignore[arg-type]
 
 
-def test_bad_manager_settings_are_rejected() -> None:
+def test_bad_manager_settings_are_rejected(make_manager: ManagerFactory) -> None:
     with pytest.raises(ValueError, match="max_model_len must be a positive int, got 0"):
-        KVCacheManager(CONFIG, max_model_len=0)
+        make_manager(CONFIG, max_model_len=0)
     mixed = KVCacheConfig(
         8,
         (
@@ -164,12 +168,14 @@ def test_bad_manager_settings_are_rejected() -> None:
         ),
     )
     with pytest.raises(ValueError, match=r"one block size \(one page size\), got \[4, 8\]"):
-        KVCacheManager(mixed, max_model_len=64)
+        make_manager(mixed, max_model_len=64)
     with pytest.raises(ValueError, match="config must be a KVCacheConfig, got 3"):
-        KVCacheManager(3, max_model_len=64)  # type: ignore[arg-type]
+        make_manager(3, max_model_len=64)  # type: ignore[arg-type]
 
 
-def test_prefix_caching_with_a_mamba_group_is_not_supported_yet() -> None:
+def test_prefix_caching_with_a_mamba_group_is_not_supported_yet(
+    make_manager: ManagerFactory,
+) -> None:
     mamba = KVCacheConfig(
         8,
         (
@@ -178,10 +184,10 @@ def test_prefix_caching_with_a_mamba_group_is_not_supported_yet() -> None:
         ),
     )
     with pytest.raises(ValueError, match="enable_caching=True is not supported with a Mamba"):
-        KVCacheManager(mamba, max_model_len=64)
+        make_manager(mamba, max_model_len=64)
 
 
-def test_cache_blocks_beyond_the_request_is_rejected(manager: KVCacheManager) -> None:
+def test_cache_blocks_beyond_the_request_is_rejected(manager: BackendManager) -> None:
     a = request(list(range(10)), "a")
     with pytest.raises(ValueError, match="num_computed_tokens must be at most the request's 10"):
         manager.cache_blocks(a, 11)

@@ -1,17 +1,25 @@
 """The manager's life cycle: events, statistics, Mamba groups, and a stateful model that runs
-the invariant checker after every step."""
+the invariant checker after every step; each on both backends."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from hybridkv.reference import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    KVCacheManager,
     PrefixCacheStats,
     Request,
     hash_block_tokens,
@@ -26,6 +34,9 @@ from hybridkv.spec import (
     SlidingWindowSpec,
 )
 
+if TYPE_CHECKING:
+    from conftest import BackendManager, ManagerFactory
+
 SIZES = {"num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
 
 
@@ -33,9 +44,9 @@ def single_group(spec: KVCacheSpec, num_blocks: int) -> KVCacheConfig:
     return KVCacheConfig(num_blocks, (KVCacheGroup(("layer",), spec),))
 
 
-def test_events_report_stored_removed_and_cleared_blocks() -> None:
+def test_events_report_stored_removed_and_cleared_blocks(make_manager: ManagerFactory) -> None:
     spec = FullAttentionSpec(block_size=2, **SIZES)
-    m = KVCacheManager(single_group(spec, 4), max_model_len=16, enable_kv_cache_events=True)
+    m = make_manager(single_group(spec, 4), max_model_len=16, enable_kv_cache_events=True)
     a = Request("a", [1, 2, 3, 4, 5], hash_block_size=2)
     assert m.allocate_slots(a, 5) is not None
     h0 = hash_block_tokens(None, [1, 2])
@@ -54,9 +65,11 @@ def test_events_report_stored_removed_and_cleared_blocks() -> None:
     assert m.take_events() == [AllBlocksCleared()]
 
 
-def test_prefix_cache_stats_count_lookups_since_the_last_report() -> None:
+def test_prefix_cache_stats_count_lookups_since_the_last_report(
+    make_manager: ManagerFactory,
+) -> None:
     spec = FullAttentionSpec(block_size=2, **SIZES)
-    m = KVCacheManager(single_group(spec, 8), max_model_len=16)
+    m = make_manager(single_group(spec, 8), max_model_len=16)
     a = Request("a", [1, 2, 3, 4, 5], hash_block_size=2)
     assert m.get_computed_blocks(a)[1] == 0
     assert m.allocate_slots(a, 5) is not None
@@ -65,14 +78,14 @@ def test_prefix_cache_stats_count_lookups_since_the_last_report() -> None:
     assert m.make_prefix_cache_stats() == PrefixCacheStats()
 
 
-def test_a_mamba_group_holds_one_state_block_per_request() -> None:
+def test_a_mamba_group_holds_one_state_block_per_request(make_manager: ManagerFactory) -> None:
     """Allocation, Case 4: the Mamba group keeps one block whatever the length."""
     attention = FullAttentionSpec(block_size=4, **SIZES)
     mamba = MambaSpec(block_size=4, state_bytes=16)
     config = KVCacheConfig(
         12, (KVCacheGroup(("attn",), attention), KVCacheGroup(("mamba",), mamba))
     )
-    m = KVCacheManager(config, max_model_len=64, enable_caching=False)
+    m = make_manager(config, max_model_len=64, enable_caching=False)
     r = Request("r", list(range(9)), hash_block_size=4)
     assert m.allocate_slots(r, 9) is not None
     r.num_computed_tokens = 9
@@ -108,6 +121,11 @@ class ManagerLifecycle(RuleBasedStateMachine):
     """A scheduler's calls in any order; the invariants hold after each, and a failed
     allocation leaves the pool as it was apart from window releases."""
 
+    def __init__(self, make_manager: ManagerFactory) -> None:
+        super().__init__()
+        self.make_manager = make_manager
+        self.m: BackendManager
+
     @initialize(
         specs=all_kinds_of_groups(),
         num_blocks=st.integers(2, 24),
@@ -116,7 +134,7 @@ class ManagerLifecycle(RuleBasedStateMachine):
     def setup(self, specs: tuple[KVCacheSpec, ...], num_blocks: int, enable_caching: bool) -> None:
         groups = tuple(KVCacheGroup((f"l{i}",), spec) for i, spec in enumerate(specs))
         self.block_size = specs[0].block_size
-        self.m = KVCacheManager(
+        self.m = self.make_manager(
             KVCacheConfig(num_blocks, groups), max_model_len=40, enable_caching=enable_caching
         )
         self.running: dict[str, Request] = {}
@@ -190,11 +208,17 @@ class ManagerLifecycle(RuleBasedStateMachine):
         assert self.m.reset_prefix_cache()
 
 
-ManagerLifecycle.TestCase.settings = settings(
+LIFECYCLE_SETTINGS = settings(
     max_examples=150,
     stateful_step_count=30,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
-TestManagerLifecycle = ManagerLifecycle.TestCase
+
+
+def test_manager_lifecycle(make_manager: ManagerFactory) -> None:
+    """``ManagerLifecycle`` on the backend under test (the same settings for both)."""
+    run_state_machine_as_test(  # type: ignore[no-untyped-call]
+        lambda: ManagerLifecycle(make_manager), settings=LIFECYCLE_SETTINGS
+    )
