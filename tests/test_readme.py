@@ -12,7 +12,8 @@ README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 
 def test_the_quick_start_runs() -> None:
-    code = README.split("```python\n", 1)[1].split("```", 1)[0]
+    quick_start = README.split("## Quick start", 1)[1]
+    code = quick_start.split("```python\n", 1)[1].split("```", 1)[0]
     namespace: dict[str, object] = {}
     exec(compile(code, "README.md", "exec"), namespace)
     assert namespace["num_hit_tokens"] == 0
