@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 PROJECT_TESTS = (
+    "conftest.py",
     "test_conformance_invariants.py",
     "test_manager_errors.py",
     "test_manager_lifecycle.py",
