@@ -2,7 +2,9 @@
 
 Modules: ``block_pool`` (per-block state: reference counts, free queue, prefix cache),
 ``lookup`` (cache hits with verification), ``manager`` (the scheduler API and the block-table
-tensors) and ``batch`` (whole-step calls). Each explains its data layout at the top.
+tensors), ``batch`` (whole-step calls) and ``hashing`` (block hashes with the CBOR of all blocks
+encoded by tensor operations, for ``Request(..., block_hasher=hash_full_blocks_torch)``). Each
+explains its data layout at the top.
 """
 
 from hybridkv.optimized.manager import TorchKVCacheManager

@@ -12,15 +12,18 @@ One ``Lookup`` lives for one ``get_computed_blocks`` call. Per attention type it
 ``UNKNOWN``) and an int8 buffer of per-position flags (1 when every group of the type has the
 block). Positions are probed in windows: a window of ``VECTOR_MIN`` (position, group) pairs or
 more goes through the tensor hash table for all groups of the type at once (``probe_tensor``:
-one ``index_select`` per chain step, lanes dropped as their chains end), a smaller one through
-the array views. The rule functions of ``hybridkv.spec.rules`` then read the memo; the
-full-attention scan of a long prompt reads it window by window (``array.index``).
+one ``index_select`` per chain step, lanes dropped as their chains end, the last ``TAIL_MAX``
+chains walked on the array views), a smaller one through the array views. The rule functions
+of ``hybridkv.spec.rules`` then read the memo; the full-attention scan of a long prompt reads
+it window by window (``array.index``).
 
 Verification (collision safety): a candidate block is accepted only if its source (see
 ``hybridkv.optimized.block_pool``) has the request's hash at that position, the request's cache
 salt, and the request's tokens up to the end of that block. Token agreement is memoised per
-source as a prefix length, extended by galloping slice comparisons, so a lookup compares each
-token at most about twice whatever the number of blocks. A candidate that fails is skipped and
+source as a prefix length, extended by galloping slice comparisons (after one whole-list
+comparison, without slicing, when the two token lists are as long), so a lookup compares each
+token at most about three times whatever the number of blocks. Hash lists are compared whole
+once per source in the same way before window slices. A candidate that fails is skipped and
 the next block cached under the same key (insertion order) is tried.
 """
 
@@ -40,6 +43,9 @@ UNKNOWN = -2
 MISS = -1
 VECTOR_MIN = 48
 """Windows of at least this many (position, group) pairs are probed with tensor calls."""
+
+TAIL_MAX = 32
+"""A tensor probe walks its last chains, once at most this many remain, in Python."""
 
 PRELOAD_MAX = 4096
 """A prompt with at most this many (position, group) pairs is probed in one tensor call for
@@ -72,6 +78,7 @@ class Lookup:
         self._agree: dict[int, int] = {}
         self._limit: dict[int, int] = {}
         self._keys: torch.Tensor | None = None
+        self._hashes_equal: dict[int, bool] = {}
 
     # --- Verification -----------------------------------------------------------------------
 
@@ -92,10 +99,15 @@ class Lookup:
         if limit is not None and pos >= limit:
             return False
         b = self.block_size
-        cap = min(len(source.tokens), len(self.tokens)) // b
+        ours, theirs = self.tokens, source.tokens
+        cap = min(len(theirs), len(ours)) // b
+        if agree == 0 and len(ours) == len(theirs) and same_items(ours, theirs):
+            # Equal token lists (a repeated prompt): one comparison without slicing, which
+            # stops at the first difference otherwise (then the search below finds it).
+            self._agree[src] = cap
+            return pos < cap
         target = min(max(pos + 1, 2 * agree, agree + 16), cap)
         lo, hi = agree * b, target * b
-        ours, theirs = self.tokens, source.tokens
         whole = lo == 0 and hi == len(ours) == len(theirs)
         if same_items(ours, theirs) if whole else same_items(ours[lo:hi], theirs[lo:hi]):
             self._agree[src] = target
@@ -109,6 +121,16 @@ class Lookup:
                 hi = mid
         self._agree[src] = self._limit[src] = lo // b
         return pos < lo // b
+
+    def hashes_agree(self, src: int, lo: int, hi: int) -> bool:
+        """Whether source ``src`` has the request's block hashes at positions ``lo … hi − 1``."""
+        theirs, ours = self.pool.source(src).hashes, self.hashes
+        if src not in self._hashes_equal:
+            # Equal hash lists (a repeated prompt): one comparison without slicing.
+            self._hashes_equal[src] = len(theirs) == len(ours) and same_items(theirs, ours)
+        if self._hashes_equal[src]:
+            return True
+        return same_items(theirs[lo:hi], ours[lo:hi])
 
     def accepts(self, block: int, pos: int) -> bool:
         """Whether cached ``block`` really holds this request's block ``pos``."""
@@ -175,9 +197,34 @@ class Lookup:
                 current = current.index_select(0, walking)
                 targets = targets.index_select(0, walking)
                 lanes = walking if lanes is None else lanes.index_select(0, walking)
+            if current.shape[0] <= TAIL_MAX:
+                # The few longest chains: walk them on the array views (a tensor call per step
+                # would cost more than the walk).
+                self._walk_tail(current, targets, lanes, found)
+                break
         if bool((found >= 0).any()):
             self._verify_window(best, lo, group_ids)
         return best
+
+    def _walk_tail(
+        self,
+        current: torch.Tensor,
+        targets: torch.Tensor,
+        lanes: torch.Tensor | None,
+        found: torch.Tensor,
+    ) -> None:
+        """Finish ``probe_tensor``'s walk of a few chains: the last match of each is kept."""
+        pool = self.pool
+        hk, hnext, end = pool.hk.a, pool.hnext.a, pool.end
+        lane_ids = range(current.shape[0]) if lanes is None else lanes.tolist()
+        for lane, block, target in zip(lane_ids, current.tolist(), targets.tolist(), strict=True):
+            last = -1
+            while block != end:
+                if hk[block] == target:
+                    last = block
+                block = hnext[block]
+            if last >= 0:
+                found[lane] = last
 
     def _verify_window(self, best: torch.Tensor, lo: int, group_ids: Sequence[int]) -> None:
         """Verify a window's candidates source by source; re-probe exactly the ones that fail."""
@@ -198,8 +245,7 @@ class Lookup:
             # whole span at once, and lane by lane only if that fails.
             at = own % width
             a, b = lo + int(at.min()), lo + int(at.max()) + 1
-            source = pool.source(src)
-            if self.content_agrees(src, b - 1) and same_items(source.hashes[a:b], self.hashes[a:b]):
+            if self.content_agrees(src, b - 1) and self.hashes_agree(src, a, b):
                 continue
             failed.extend(
                 lane

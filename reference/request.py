@@ -34,6 +34,20 @@ class RequestLike(Protocol):
     def block_hashes(self) -> Sequence[BlockHash]: ...
 
 
+class BlockHasher(Protocol):
+    """A function with the signature and results of ``hash_full_blocks``."""
+
+    def __call__(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        *,
+        start_block: int,
+        parent_hash: BlockHash | None,
+        cache_salt: str | None,
+    ) -> list[BlockHash]: ...
+
+
 def check_token_ids(field: str, token_ids: Iterable[object]) -> list[int]:
     """Return the token ids as a list, or raise ``ValueError`` naming the first bad one."""
     checked: list[int] = []
@@ -48,7 +62,10 @@ class Request:
     """A prompt plus the output tokens appended so far, with the hashes of its full blocks.
 
     ``hash_block_size`` is the block size of the KV cache groups; ``cache_salt`` isolates the
-    request's prefix cache entries from requests with another salt.
+    request's prefix cache entries from requests with another salt. ``block_hasher`` computes the
+    hashes of new full blocks: ``hash_full_blocks`` by default; any function with its signature
+    that returns the same hashes may replace it (e.g. the optimized backend's
+    ``hybridkv.optimized.hashing.hash_full_blocks_torch``).
     """
 
     def __init__(
@@ -58,6 +75,7 @@ class Request:
         *,
         hash_block_size: int,
         cache_salt: str | None = None,
+        block_hasher: BlockHasher = hash_full_blocks,
     ) -> None:
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str, got {request_id!r}")
@@ -70,6 +88,7 @@ class Request:
         )
         self.hash_block_size = hash_block_size
         self.cache_salt = cache_salt
+        self.block_hasher = block_hasher
         self.num_computed_tokens = 0
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self._block_hashes: list[BlockHash] = []
@@ -98,7 +117,7 @@ class Request:
     def _hash_new_full_blocks(self) -> None:
         parent = self._block_hashes[-1] if self._block_hashes else None
         self._block_hashes.extend(
-            hash_full_blocks(
+            self.block_hasher(
                 self._all_token_ids,
                 self.hash_block_size,
                 start_block=len(self._block_hashes),

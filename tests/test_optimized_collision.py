@@ -12,6 +12,7 @@ by the same requests, so the test really exercises collisions.
 from __future__ import annotations
 
 import hashlib
+import random
 from collections.abc import Callable, Sequence
 
 from hybridkv.optimized import TorchKVCacheManager
@@ -138,3 +139,44 @@ def test_a_wrong_first_candidate_does_not_hide_a_right_later_one() -> None:
         blocks, hit = m.get_computed_blocks(HashedRequest("c", [5, 6, 7, 8, 1], constant))
         assert hit == 4
         assert blocks.get_block_ids() == (m.get_block_ids("b")[0][:1],)
+
+
+def test_long_prompts_of_equal_length_are_verified_to_the_first_differing_token() -> None:
+    """Long prompts (tensor probes, chains longer than the tail walk) of equal length: one
+    colliding hash for every block, so only the tokens decide where a hit ends."""
+    rng = random.Random(3)
+    base = [rng.randrange(50) for _ in range(400)]
+    cfg = KVCacheConfig(512, (KVCacheGroup(("l0",), FullAttentionSpec(**SIZES)),))
+    for vector_min in (10_000, 1):
+        m = TorchKVCacheManager(cfg, 1024)
+        m.vector_min = vector_min
+        cache(m, HashedRequest("a", base, constant))
+        ids = m.get_block_ids("a")[0]
+        m.free(HashedRequest("a", base, constant))
+        for differ, expected in ((None, 396), (399, 396), (397, 396), (200, 200), (3, 0)):
+            tokens = list(base)
+            if differ is not None:
+                tokens[differ] += 1
+            blocks, hit = m.get_computed_blocks(HashedRequest("p", tokens, constant))
+            assert hit == expected, (differ, hit)
+            assert blocks.get_block_ids() == (ids[: expected // 4],)
+        m.check_invariants()
+
+
+def test_long_prompts_whose_keys_all_collide_match_the_reference() -> None:
+    """Every block in one table chain per group: the tensor probe walks it, then the tail."""
+    rng = random.Random(4)
+    cfg = KVCacheConfig(1024, (KVCacheGroup(("l0",), FullAttentionSpec(**SIZES)),))
+    prompts = [[rng.randrange(9) for _ in range(240)] for _ in range(3)]
+    prompts.append([*prompts[0][:120], *prompts[1][120:]])
+    for vector_min in (10_000, 1):
+        m = TorchKVCacheManager(cfg, 1024)
+        m.vector_min = vector_min
+        ref = KVCacheManager(cfg, 1024)
+        for index, prompt in enumerate(prompts[:3]):
+            for manager in (m, ref):
+                cache(manager, HashedRequest(f"r{index}", prompt, same_key))
+        for index, prompt in enumerate(prompts):
+            probe = HashedRequest(f"p{index}", [*prompt[:-1], 99], same_key)
+            assert m.get_computed_blocks(probe) == ref.get_computed_blocks(probe)
+        m.check_invariants()

@@ -11,7 +11,8 @@ groups, window 1024, block size 16), all in one process:
    block and entering a new one.
 2. lookup of a fully cached 131,072-token prompt: hashing the prompt (the reference column
    hashes by the definition, one ``cbor2`` call per block; the optimized column uses
-   ``Request``'s fast path) and ``get_computed_blocks``.
+   ``hybridkv.optimized.hashing.hash_full_blocks_torch``, the tensor-encoded path that its
+   requests are built with: ``Request(..., block_hasher=...)``) and ``get_computed_blocks``.
 3. admission: 256 requests sharing a 4,096-token system prompt plus 256 own tokens, per request:
    hash + lookup + ``allocate_slots`` of the whole prompt.
 4. host memory of an empty 1,000,000-block pool, per block.
@@ -28,6 +29,7 @@ targets are ratios against vLLM 0.33, whose timings on a 2-core machine it quote
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib.util
 import random
@@ -43,10 +45,11 @@ from typing import Protocol
 import torch
 
 from hybridkv.optimized import TorchKVCacheManager
+from hybridkv.optimized.hashing import hash_full_blocks_torch
 from hybridkv.reference import KVCacheManager, Request
-from hybridkv.reference.block_hash import hash_full_blocks, hash_full_blocks_cbor2
+from hybridkv.reference.block_hash import hash_full_blocks_cbor2
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
-from hybridkv.reference.request import RequestLike
+from hybridkv.reference.request import BlockHasher, RequestLike
 from hybridkv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, SlidingWindowSpec
 
 BLOCK = 16
@@ -105,7 +108,8 @@ def tokens(rng: random.Random, count: int) -> list[int]:
 class Backend:
     name: str
     make: Callable[[KVCacheConfig, int], Manager]
-    request: type[Request]
+    request: Callable[..., Request]
+    hasher: BlockHasher
     batched: bool
 
 
@@ -117,8 +121,14 @@ def backends(device: str, max_num_reqs: int) -> list[Backend]:
         return TorchKVCacheManager(config, max_model_len, device=device, max_num_reqs=max_num_reqs)
 
     return [
-        Backend("reference", reference, DefinitionRequest, batched=False),
-        Backend("optimized", optimized, Request, batched=True),
+        Backend("reference", reference, DefinitionRequest, hash_full_blocks_cbor2, batched=False),
+        Backend(
+            "optimized",
+            optimized,
+            functools.partial(Request, block_hasher=hash_full_blocks_torch),
+            hash_full_blocks_torch,
+            batched=True,
+        ),
     ]
 
 
@@ -167,8 +177,8 @@ def lookup(backend: Backend, length: int, repeat: int) -> tuple[float, float, in
     """µs to hash a ``length``-token prompt and to look it up once fully cached.
 
     Hashing is timed on the hash function alone (the reference column: the definition, one
-    ``cbor2`` call per block; the optimized column: ``hash_full_blocks``, which ``Request``
-    uses); building a ``Request`` also checks every token id, the same work for both.
+    ``cbor2`` call per block; the optimized column: ``hash_full_blocks_torch``, which its
+    requests use); building a ``Request`` also checks every token id, the same work for both.
     """
     rng = random.Random(7)
     prompt = tokens(rng, length)
@@ -176,9 +186,7 @@ def lookup(backend: Backend, length: int, repeat: int) -> tuple[float, float, in
     first = backend.request("a", prompt, hash_block_size=BLOCK)
     assert m.allocate_slots(first, length) is not None
     m.free(first)
-    hash_blocks = (
-        hash_full_blocks_cbor2 if backend.request is DefinitionRequest else hash_full_blocks
-    )
+    hash_blocks = backend.hasher
     hash_times, lookup_times = [], []
     hit = 0
     for i in range(repeat):

@@ -1,0 +1,189 @@
+"""Block hashing with the CBOR of every block encoded at once by tensor operations.
+
+``hash_full_blocks_torch`` has the signature of ``hybridkv.reference.block_hash.hash_full_blocks``
+and returns byte for byte the same hashes (those of ``hash_full_blocks_cbor2``, the definition);
+pass it to ``Request(..., block_hasher=hash_full_blocks_torch)``.
+
+Data layout
+-----------
+Canonical CBOR of ``[parent, token_ids, None]`` with a 32-byte parent is
+``0x83 0x58 0x20 parent | array header | each token id | 0xf6``; everything after the parent
+(a block's "tail") depends on the block alone, so the tails of all blocks are built at once:
+
+- The token ids go into an ``array('Q')`` (plus 16 spare bytes holding the array header and
+  ``0xf6``), viewed without copying as an int64 tensor ``t[n]`` and as its raw bytes.
+- Each id's size class ``c`` (0: below 24, 1: below 2**8, 2: below 2**16, 3: below 2**32) gives
+  its head byte (the id itself, or ``0x17 + c``) and its encoded size (1, 2, 3 or 5 bytes). In
+  the little-endian bytes of an id the byte just above its payload is zero, so the head is
+  written there: the id's encoding is then its raw bytes read downwards from the head.
+- ``source[total]``, the raw byte of every output byte, is the cumulative sum of a step tensor
+  (−1 within an id, +1 within a header, jumps where an id, a header or ``0xf6`` starts), and one
+  ``index_select`` writes all the tails into one ``bytearray``; the block bounds fall out of the
+  cumulative sum of the framed sizes.
+
+Only SHA-256 then runs once per block, as the chain requires: a copy of the state after
+``0x83 0x58 0x20``, updated with the parent digest and a memoryview slice of the block's tail.
+
+The salted first block and a parent that is not 32 bytes take the definition; ids that are
+negative, at least 2**32 or not ints take the reference's path, which encodes or raises exactly
+as ``cbor2`` does. Short inputs (a decode step's new block) also take the reference's path,
+where tensor set-up would cost more than it saves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Sequence
+
+import torch
+
+from hybridkv.reference.block_hash import (
+    NONE_HASH,
+    BlockHash,
+    extra_keys_for_block,
+    hash_block_tokens,
+    hash_full_blocks,
+)
+
+VECTOR_MIN_TOKENS = 1024
+"""Inputs with fewer tokens to encode than this take the reference's table path."""
+
+_PREFIX = b"\x83\x58\x20"
+_NULL = b"\xf6"
+_WIDE = 1 << 32
+
+
+def _array_head(block_size: int) -> bytes:
+    """The canonical CBOR head of an array of ``block_size`` items (major type 4)."""
+    if block_size < 24:
+        return bytes((0x80 | block_size,))
+    for extra, width in ((24, 1), (25, 2), (26, 4), (27, 8)):
+        if block_size < 1 << (8 * width):
+            return bytes((0x80 | extra,)) + block_size.to_bytes(width, "big")
+    raise ValueError(f"block_size too large: {block_size}")
+
+
+def encode_tails(tokens: Sequence[int], block_size: int) -> tuple[bytearray, list[int]] | None:
+    """Per whole block of ``tokens``: array header, the CBOR of each id, ``0xf6``; concatenated.
+
+    This is each block's CBOR after its 35-byte prefix ``0x83 0x58 0x20 parent``. Returns the
+    buffer and the byte offset of each block's start plus the end (``len + 1`` offsets), or
+    ``None`` when some id is not an int in ``[0, 2**32)`` (or the host is big-endian).
+    """
+    try:
+        ids = array("Q", tokens)  # unsigned: converts faster, and refuses negative ids
+    except (TypeError, OverflowError):
+        return None
+    n = len(ids)
+    if n == 0 or sys.byteorder != "little":
+        return None if n else (bytearray(), [0])
+    frame = _array_head(block_size)
+    h = len(frame)
+    ids.extend((0, 0))  # 16 spare bytes after the ids: the array header and 0xf6
+    words = torch.frombuffer(ids, dtype=torch.int64)
+    t = words[:n]
+    if int(t.min()) < 0 or int(t.max()) >= _WIDE:  # ids from 2**63 read as negative
+        return None
+    raw = words.view(torch.uint8)
+    spare = 8 * n
+    raw[spare : spare + h + 1] = torch.tensor(list(frame + _NULL), dtype=torch.uint8)
+    # Size class 0-3 (payload of 0, 1, 2 or 4 bytes), head byte and encoded size of every id.
+    c = (t >= 24).to(torch.uint8)
+    c += t >= 1 << 8
+    c += t >= 1 << 16
+    head = t.clamp(max=23).to(torch.uint8) + c
+    sizes = c.to(torch.int64) + 1
+    sizes += c == 3
+    # In the little-endian bytes of id i (raw 8i … 8i + 7) the payload is bytes size − 2 … 0,
+    # and byte size − 1 is zero (or the id itself, for class 0): write the head there, and the
+    # encoding is bytes size − 1 down to 0.
+    first = torch.arange(0, spare, 8, dtype=torch.int64) + sizes - 1
+    raw[first] = head
+    # Output layout: each block's header, its ids, 0xf6. ``source`` (the raw byte of every
+    # output byte) is the cumulative sum of ``step``: −1 within an id, +1 within a header,
+    # and jumps at the start of each id, header and 0xf6.
+    framed = sizes.clone()
+    framed[::block_size] += h
+    framed[block_size - 1 :: block_size] += 1
+    ends = torch.cumsum(framed, 0)
+    total = int(ends[-1])
+    starts = ends - framed
+    block_starts = starts[::block_size]
+    head_at = starts.clone()
+    head_at[::block_size] += h
+    previous = torch.arange(-8, spare - 8, 8, dtype=torch.int64)
+    previous[::block_size] = spare + h - 1
+    step = torch.full((total,), -1, dtype=torch.int64)
+    step[head_at] = first - previous
+    step[block_starts] = -h
+    for k in range(1, h):
+        step[block_starts + k] = 1
+    block_ends = ends[block_size - 1 :: block_size]
+    step[block_ends - 1] = spare + h - 8 * torch.arange(block_size - 1, n, block_size)
+    step[0] = spare
+    source = torch.cumsum(step, 0)
+    buffer = bytearray(total)
+    torch.index_select(raw, 0, source, out=torch.frombuffer(buffer, dtype=torch.uint8))
+    return buffer, [0, *block_ends.tolist()]
+
+
+def hash_full_blocks_torch(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    start_block: int,
+    parent_hash: BlockHash | None,
+    cache_salt: str | None,
+) -> list[BlockHash]:
+    """``hybridkv.reference.block_hash.hash_full_blocks``, encoding the CBOR with tensors."""
+    num_full_blocks = len(token_ids) // block_size
+    if (num_full_blocks - start_block) * block_size < VECTOR_MIN_TOKENS:
+        return hash_full_blocks(
+            token_ids,
+            block_size,
+            start_block=start_block,
+            parent_hash=parent_hash,
+            cache_salt=cache_salt,
+        )
+    hashes: list[BlockHash] = []
+    parent = parent_hash
+    index = start_block
+    # The salted first block, and a parent that is not a SHA-256 digest, take the definition.
+    while index < num_full_blocks and (
+        extra_keys_for_block(index, cache_salt) is not None
+        or len(NONE_HASH if parent is None else parent) != 32
+    ):
+        tokens = token_ids[index * block_size : (index + 1) * block_size]
+        parent = hash_block_tokens(parent, tokens, extra_keys_for_block(index, cache_salt))
+        hashes.append(parent)
+        index += 1
+    if index >= num_full_blocks:
+        return hashes
+    encoded = encode_tails(token_ids[index * block_size : num_full_blocks * block_size], block_size)
+    if encoded is None:
+        hashes.extend(
+            hash_full_blocks(
+                token_ids,
+                block_size,
+                start_block=index,
+                parent_hash=parent,
+                cache_salt=cache_salt,
+            )
+        )
+        return hashes
+    buffer, offsets = encoded
+    tails = memoryview(buffer)
+    digest = NONE_HASH if parent is None else parent
+    prefix = hashlib.sha256(_PREFIX)
+    append = hashes.append
+    start = offsets[0]
+    for end in offsets[1:]:
+        state = prefix.copy()
+        state.update(digest)
+        state.update(tails[start:end])
+        digest = BlockHash(state.digest())
+        append(digest)
+        start = end
+    return hashes
