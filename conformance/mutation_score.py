@@ -33,6 +33,7 @@ from pathlib import Path
 
 PROJECT_TESTS = (
     "conftest.py",
+    "test_block_hash_fast.py",
     "test_conformance_invariants.py",
     "test_manager_errors.py",
     "test_manager_lifecycle.py",
