@@ -40,29 +40,19 @@ from collections.abc import Sequence
 import torch
 
 from hybridkv.reference.block_hash import (
+    CBOR_NULL,
+    CBOR_PREFIX,
     NONE_HASH,
     BlockHash,
-    extra_keys_for_block,
-    hash_block_tokens,
+    cbor_head,
     hash_full_blocks,
+    hash_leading_special_blocks,
 )
 
 VECTOR_MIN_TOKENS = 1024
 """Inputs with fewer tokens to encode than this take the reference's table path."""
 
-_PREFIX = b"\x83\x58\x20"
-_NULL = b"\xf6"
 _WIDE = 1 << 32
-
-
-def _array_head(block_size: int) -> bytes:
-    """The canonical CBOR head of an array of ``block_size`` items (major type 4)."""
-    if block_size < 24:
-        return bytes((0x80 | block_size,))
-    for extra, width in ((24, 1), (25, 2), (26, 4), (27, 8)):
-        if block_size < 1 << (8 * width):
-            return bytes((0x80 | extra,)) + block_size.to_bytes(width, "big")
-    raise ValueError(f"block_size too large: {block_size}")
 
 
 def encode_tails(tokens: Sequence[int], block_size: int) -> tuple[bytearray, list[int]] | None:
@@ -79,7 +69,7 @@ def encode_tails(tokens: Sequence[int], block_size: int) -> tuple[bytearray, lis
     n = len(ids)
     if n == 0 or sys.byteorder != "little":
         return None if n else (bytearray(), [0])
-    frame = _array_head(block_size)
+    frame = cbor_head(4, block_size)  # the array header
     h = len(frame)
     ids.extend((0, 0))  # 16 spare bytes after the ids: the array header and 0xf6
     words = torch.frombuffer(ids, dtype=torch.int64)
@@ -88,7 +78,7 @@ def encode_tails(tokens: Sequence[int], block_size: int) -> tuple[bytearray, lis
         return None
     raw = words.view(torch.uint8)
     spare = 8 * n
-    raw[spare : spare + h + 1] = torch.tensor(list(frame + _NULL), dtype=torch.uint8)
+    raw[spare : spare + h + 1] = torch.tensor(list(frame + CBOR_NULL), dtype=torch.uint8)
     # Size class 0-3 (payload of 0, 1, 2 or 4 bytes), head byte and encoded size of every id.
     c = (t >= 24).to(torch.uint8)
     c += t >= 1 << 8
@@ -147,18 +137,15 @@ def hash_full_blocks_torch(
             parent_hash=parent_hash,
             cache_salt=cache_salt,
         )
-    hashes: list[BlockHash] = []
-    parent = parent_hash
-    index = start_block
-    # The salted first block, and a parent that is not a SHA-256 digest, take the definition.
-    while index < num_full_blocks and (
-        extra_keys_for_block(index, cache_salt) is not None
-        or len(NONE_HASH if parent is None else parent) != 32
-    ):
-        tokens = token_ids[index * block_size : (index + 1) * block_size]
-        parent = hash_block_tokens(parent, tokens, extra_keys_for_block(index, cache_salt))
-        hashes.append(parent)
-        index += 1
+    hashes = hash_leading_special_blocks(
+        token_ids,
+        block_size,
+        start_block=start_block,
+        parent_hash=parent_hash,
+        cache_salt=cache_salt,
+    )
+    index = start_block + len(hashes)
+    parent = hashes[-1] if hashes else parent_hash
     if index >= num_full_blocks:
         return hashes
     encoded = encode_tails(token_ids[index * block_size : num_full_blocks * block_size], block_size)
@@ -176,7 +163,7 @@ def hash_full_blocks_torch(
     buffer, offsets = encoded
     tails = memoryview(buffer)
     digest = NONE_HASH if parent is None else parent
-    prefix = hashlib.sha256(_PREFIX)
+    prefix = hashlib.sha256(CBOR_PREFIX)
     append = hashes.append
     start = offsets[0]
     for end in offsets[1:]:

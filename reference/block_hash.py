@@ -66,20 +66,15 @@ def hash_full_blocks(
     block), computed by encoding the CBOR of all blocks at once (see "The fast path" below).
     """
     num_full_blocks = len(token_ids) // block_size
-    if start_block >= num_full_blocks:
-        return []
-    hashes: list[BlockHash] = []
-    parent = parent_hash
-    index = start_block
-    # The salted first block, and a parent that is not a SHA-256 digest, take the definition.
-    while index < num_full_blocks and (
-        extra_keys_for_block(index, cache_salt) is not None
-        or len(NONE_HASH if parent is None else parent) != 32
-    ):
-        tokens = token_ids[index * block_size : (index + 1) * block_size]
-        parent = hash_block_tokens(parent, tokens, extra_keys_for_block(index, cache_salt))
-        hashes.append(parent)
-        index += 1
+    hashes = hash_leading_special_blocks(
+        token_ids,
+        block_size,
+        start_block=start_block,
+        parent_hash=parent_hash,
+        cache_salt=cache_salt,
+    )
+    index = start_block + len(hashes)
+    parent = hashes[-1] if hashes else parent_hash
     if index < num_full_blocks:
         tokens = token_ids[index * block_size : num_full_blocks * block_size]
         bodies = _block_bodies(tokens, block_size)
@@ -96,11 +91,43 @@ def hash_full_blocks(
             return hashes
         digest = NONE_HASH if parent is None else parent
         sha256, join = hashlib.sha256, b"".join
-        header = _uint_head(4, block_size)
+        header = cbor_head(4, block_size)
         append = hashes.append
+        prefix, null = CBOR_PREFIX, CBOR_NULL
         for body in bodies:
-            digest = BlockHash(sha256(join((_PREFIX, digest, header, body, _NULL))).digest())
+            digest = BlockHash(sha256(join((prefix, digest, header, body, null))).digest())
             append(digest)
+    return hashes
+
+
+def hash_leading_special_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    start_block: int,
+    parent_hash: BlockHash | None,
+    cache_salt: str | None,
+) -> list[BlockHash]:
+    """Hashes, by the definition, of the leading blocks from ``start_block`` no fast path takes.
+
+    The fast paths (here and in ``hybridkv.optimized.hashing``) encode ``[parent, tokens, None]``
+    with a 32-byte parent. Only the start of a chain can break that: the salted first block has
+    extra keys, and a caller's parent that is not a SHA-256 digest is not 32 bytes. Once one
+    block is hashed, every later parent is a digest and every later block unsalted, so this
+    stops at the first regular block; the caller goes on from ``start_block + len(result)``.
+    """
+    num_full_blocks = len(token_ids) // block_size
+    hashes: list[BlockHash] = []
+    parent = parent_hash
+    index = start_block
+    while index < num_full_blocks and (
+        extra_keys_for_block(index, cache_salt) is not None
+        or len(NONE_HASH if parent is None else parent) != 32
+    ):
+        tokens = token_ids[index * block_size : (index + 1) * block_size]
+        parent = hash_block_tokens(parent, tokens, extra_keys_for_block(index, cache_salt))
+        hashes.append(parent)
+        index += 1
     return hashes
 
 
@@ -140,13 +167,15 @@ def hash_full_blocks_cbor2(
 # per size. A negative id, or anything that is not an int, takes the definition instead; ids
 # past the limit are encoded one by one. ``bool`` is not a token id (``Request`` rejects it).
 
-_PREFIX = b"\x83\x58\x20"
-_NULL = b"\xf6"
+CBOR_PREFIX = b"\x83\x58\x20"
+"""Canonical CBOR of a block up to its parent: an array of 3, then a byte string of 32."""
+CBOR_NULL = b"\xf6"
+"""Canonical CBOR of ``None``: a block's extra keys, after its token ids."""
 _TABLE_MIN = 1 << 8
 _TABLE_LIMIT = 1 << 18
 
 
-def _uint_head(major: int, value: int) -> bytes:
+def cbor_head(major: int, value: int) -> bytes:
     """The canonical CBOR head of a major type with argument ``value`` (0 <= value < 2**64)."""
     if value < 24:
         return bytes((major << 5 | value,))
@@ -162,7 +191,7 @@ def _uint_head(major: int, value: int) -> bytes:
 def encode_token_id(token_id: int) -> bytes:
     """Canonical CBOR of one non-negative int (a bignum, as ``cbor2`` writes it, from 2**64)."""
     if token_id < 1 << 64:
-        return _uint_head(0, token_id)
+        return cbor_head(0, token_id)
     return cbor2.dumps(token_id, canonical=True)
 
 
@@ -175,7 +204,7 @@ def _token_table(size: int) -> tuple[bytes, ...]:
     """
     half = size // 2
     known = _token_table(half)[:half] if half >= _TABLE_MIN else ()
-    return known + tuple(_uint_head(0, t) for t in range(len(known), size))
+    return known + tuple(cbor_head(0, t) for t in range(len(known), size))
 
 
 def _join_blocks(encodings: Sequence[bytes], block_size: int) -> list[bytes]:
