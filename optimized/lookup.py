@@ -30,13 +30,13 @@ the next block cached under the same key (insertion order) is tried.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import overload
 
 import torch
 
 from hybridkv.optimized._buffers import IntBuffer, int32_from_bytes
 from hybridkv.optimized.block_pool import GROUP_MIX, TorchBlockPool, hash_key
 from hybridkv.reference.block_hash import BlockHash
+from hybridkv.reference.lazy_flags import LazyFlags
 from hybridkv.reference.request import RequestLike
 
 UNKNOWN = -2
@@ -333,30 +333,16 @@ class TypeProbe:
         )
 
 
-class LazyFlags(Sequence[bool]):
+class WindowedFlags(LazyFlags):
     """``cached[i]`` for the rule functions, filled in windows in the scan's direction."""
 
     def __init__(self, memo: TypeProbe, length: int, leftwards: bool, span: int) -> None:
+        super().__init__(length)
         self._memo = memo
-        self._length = length
         self._leftwards = leftwards
         self._span = max(span, 8)
 
-    def __len__(self) -> int:
-        return self._length
-
-    @overload
-    def __getitem__(self, index: int) -> bool: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[bool]: ...
-
-    def __getitem__(self, index: int | slice) -> bool | list[bool]:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(self._length))]
-        if not -self._length <= index < self._length:
-            raise IndexError(index)
-        index %= self._length
+    def flag(self, index: int) -> bool:
         flag = self._memo.flags.a[index]
         if flag == UNKNOWN:
             if self._leftwards:

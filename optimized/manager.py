@@ -42,7 +42,7 @@ from hybridkv.optimized import batch
 from hybridkv.optimized._buffers import IntBuffer, int32_from_bytes, tensor_from_ints
 from hybridkv.optimized.batch import BATCH_MIN, BUSY_BATCH_MIN, INSERT_MIN
 from hybridkv.optimized.block_pool import TorchBlockPool, hash_key
-from hybridkv.optimized.lookup import PRELOAD_MAX, VECTOR_MIN, LazyFlags, Lookup, TypeProbe
+from hybridkv.optimized.lookup import PRELOAD_MAX, VECTOR_MIN, Lookup, TypeProbe, WindowedFlags
 from hybridkv.reference.events import BlockStored, KVCacheEvent, PrefixCacheStats
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.kv_cache_manager import validate_manager_config
@@ -276,17 +276,17 @@ class TorchKVCacheManager:
             if length >= self.vector_min:
                 num = memo.leading_hits(length)
             else:
-                flags = LazyFlags(memo, length, leftwards=False, span=length)
+                flags = WindowedFlags(memo, length, leftwards=False, span=length)
                 num = rules.full_attention_hit_blocks(flags, length)
             return memo.blocks(0, num)
         if isinstance(spec, SlidingWindowSpec):
             needed = rules.sliding_window_hit_blocks_needed(spec.sliding_window, b)
-            flags = LazyFlags(memo, length, leftwards=True, span=needed)
+            flags = WindowedFlags(memo, length, leftwards=True, span=needed)
             num, first = rules.sliding_window_hit_blocks(flags, needed)
             return memo.blocks(first, num)
         if isinstance(spec, ChunkedLocalAttentionSpec):
             chunk = spec.attention_chunk_size
-            flags = LazyFlags(memo, length, leftwards=False, span=chunk // b + 1)
+            flags = WindowedFlags(memo, length, leftwards=False, span=chunk // b + 1)
             num, first = rules.chunked_local_hit_blocks(flags, max_length, b, chunk)
             return memo.blocks(first, num)
         return tuple([] for _ in memo.group_ids)  # Mamba never hits

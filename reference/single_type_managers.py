@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import overload
 
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.block_pool import BlockPool
 from hybridkv.reference.kv_cache_block import KVCacheBlock
+from hybridkv.reference.lazy_flags import LazyFlags
 from hybridkv.reference.request import RequestLike
 from hybridkv.spec import (
     ChunkedLocalAttentionSpec,
@@ -32,7 +32,7 @@ from hybridkv.spec import (
 )
 
 
-class CachedFlags(Sequence[bool]):
+class CachedFlags(LazyFlags):
     """``cached[i]``: is block ``i`` of a request cached in every one of ``group_ids``?
 
     A lazy view, so that a scan that stops early (left to right for full attention, right to
@@ -46,26 +46,12 @@ class CachedFlags(Sequence[bool]):
         group_ids: Sequence[int],
         length: int,
     ) -> None:
+        super().__init__(length)
         self._pool = pool
         self._hashes = block_hashes
         self._group_ids = group_ids
-        self._length = length
 
-    def __len__(self) -> int:
-        return self._length
-
-    @overload
-    def __getitem__(self, index: int) -> bool: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[bool]: ...
-
-    def __getitem__(self, index: int | slice) -> bool | list[bool]:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(self._length))]
-        if not -self._length <= index < self._length:
-            raise IndexError(index)
-        index %= self._length
+    def flag(self, index: int) -> bool:
         return self._pool.get_cached_block(self._hashes[index], self._group_ids) is not None
 
 
