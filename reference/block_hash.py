@@ -75,28 +75,23 @@ def hash_full_blocks(
     )
     index = start_block + len(hashes)
     parent = hashes[-1] if hashes else parent_hash
-    if index < num_full_blocks:
-        tokens = token_ids[index * block_size : num_full_blocks * block_size]
-        bodies = _block_bodies(tokens, block_size)
-        if bodies is None:
-            hashes.extend(
-                hash_full_blocks_cbor2(
-                    token_ids,
-                    block_size,
-                    start_block=index,
-                    parent_hash=parent,
-                    cache_salt=cache_salt,
-                )
+    bodies = _block_bodies(token_ids[index * block_size : num_full_blocks * block_size], block_size)
+    if bodies is None:
+        # Only block 0 carries the salt, and it was hashed above if it is in range.
+        hashes.extend(
+            hash_full_blocks_cbor2(
+                token_ids, block_size, start_block=index, parent_hash=parent, cache_salt=None
             )
-            return hashes
-        digest = NONE_HASH if parent is None else parent
-        sha256, join = hashlib.sha256, b"".join
-        header = cbor_head(4, block_size)
-        append = hashes.append
-        prefix, null = CBOR_PREFIX, CBOR_NULL
-        for body in bodies:
-            digest = BlockHash(sha256(join((prefix, digest, header, body, null))).digest())
-            append(digest)
+        )
+        return hashes
+    digest = NONE_HASH if parent is None else parent
+    sha256, join = hashlib.sha256, b"".join
+    header = cbor_head(4, block_size)
+    append = hashes.append
+    prefix, null = CBOR_PREFIX, CBOR_NULL
+    for body in bodies:
+        digest = BlockHash(sha256(join((prefix, digest, header, body, null))).digest())
+        append(digest)
     return hashes
 
 

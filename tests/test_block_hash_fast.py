@@ -10,9 +10,11 @@ from __future__ import annotations
 import hashlib
 
 import cbor2
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridkv.reference import block_hash
 from hybridkv.reference.block_hash import (
     NONE_HASH,
     BlockHash,
@@ -96,3 +98,53 @@ def test_token_ids_outside_the_table_and_negative_ids_still_match() -> None:
         fast = hash_full_blocks(tokens, 2, start_block=0, parent_hash=None, cache_salt=None)
         slow = hash_full_blocks_cbor2(tokens, 2, start_block=0, parent_hash=None, cache_salt=None)
         assert fast == slow == by_definition(tokens, 2, None, None, 0)
+
+
+def test_a_fallback_past_the_first_block_chains_from_its_parent() -> None:
+    """An id the fast path cannot encode sends the rest of the chain to the definition, which
+    must go on from the hash of the block before it (the caller's parent, or the salted
+    first block's hash)."""
+    parent = BlockHash(hashlib.sha256(b"parent").digest())
+    tokens = [1, 2, -3, 4, 5, 6]
+    got = hash_full_blocks(tokens, 2, start_block=0, parent_hash=parent, cache_salt=None)
+    assert got == by_definition(tokens, 2, parent, None, 0)
+    got = hash_full_blocks(tokens, 2, start_block=0, parent_hash=None, cache_salt="salt")
+    assert got == by_definition(tokens, 2, None, "salt", 0)
+    got = hash_full_blocks(tokens, 2, start_block=1, parent_hash=parent, cache_salt="salt")
+    assert got == by_definition(tokens, 2, parent, "salt", 1)
+
+
+def test_ordinary_token_ids_take_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Non-negative ids below 2**64, zero and ids past the table included, never reach the
+    one-block-at-a-time definition (it would give the same hashes, many times slower)."""
+    cases = [
+        [0, 1, 2, 3],
+        [5, 0, 255, 256],
+        [2**18 - 1, 0, 2**18, 2**40],
+        [2**64 - 1, 7, 0, 0],
+    ]
+    expected = [by_definition(tokens, 2, None, None, 0) for tokens in cases]
+
+    def definition(*args: object, **kwargs: object) -> list[BlockHash]:
+        raise AssertionError("the definition was called")
+
+    monkeypatch.setattr(block_hash, "hash_full_blocks_cbor2", definition)
+    monkeypatch.setattr(block_hash, "hash_block_tokens", definition)
+    for tokens, hashes in zip(cases, expected, strict=True):
+        got = hash_full_blocks(tokens, 2, start_block=0, parent_hash=None, cache_salt=None)
+        assert got == hashes
+
+
+def test_the_encoding_table_grows_to_the_power_of_two_above_the_largest_id() -> None:
+    """Tables are built for ids below 256, 512, … 2**18 only as the largest id needs them;
+    ids from 2**18 on are encoded one by one rather than growing the table further."""
+
+    def tables_built_for(largest: int) -> int:
+        block_hash._token_table.cache_clear()
+        hash_full_blocks([0, largest], 2, start_block=0, parent_hash=None, cache_salt=None)
+        return block_hash._token_table.cache_info().currsize
+
+    assert tables_built_for(255) == 1
+    assert tables_built_for(256) == 2
+    assert tables_built_for(2**18 - 1) == 11
+    assert tables_built_for(2**18) == 0
