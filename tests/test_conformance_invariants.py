@@ -66,6 +66,7 @@ def _drop_from_queue(m: KVCacheManager) -> None:
 def _null_in_full_table(m: KVCacheManager) -> None:
     table = m.coordinator.managers[0].req_to_blocks["run"]
     table[1].ref_cnt -= 1
+    m.block_pool.free_block_queue.append_n([table[1]])
     table[1] = m.block_pool.null_block
 
 
@@ -102,35 +103,58 @@ def _hash_without_entry(m: KVCacheManager) -> None:
 
 
 def _hashed_null_block(m: KVCacheManager) -> None:
-    m.block_pool.null_block.block_hash = next(iter(m.block_pool.cached_block_hash_to_block))
+    key = next(iter(m.block_pool.cached_block_hash_to_block))
+    m.block_pool.null_block.block_hash = key
+    m.block_pool.cached_block_hash_to_block[key][0] = m.block_pool.null_block
 
 
 def _negative_count(m: KVCacheManager) -> None:
     block = next(iter(m.block_pool.free_block_queue))
+    m.block_pool.free_block_queue.remove(block)
     block.ref_cnt = -1
 
 
-CORRUPTIONS: list[Callable[[KVCacheManager], None]] = [
-    _corrupt_ref_count,
-    _zero_held_count,
-    _hold_a_free_block,
-    _drop_from_queue,
-    _null_in_full_table,
-    _null_after_real_block,
-    _block_in_two_groups,
-    _cache_entry_wrong_key,
-    _hash_without_entry,
-    _hashed_null_block,
-    _negative_count,
+def _null_block_in_queue(m: KVCacheManager) -> None:
+    m.block_pool.free_block_queue.append_n([m.block_pool.null_block])
+
+
+def _empty_cache_entry(m: KVCacheManager) -> None:
+    key = next(iter(m.block_pool.cached_block_hash_to_block))
+    m.block_pool.cached_block_hash_to_block[(key[0], 1)] = {}
+
+
+FREE = [1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 19, 20, 21, 22, 23]
+"""The free queue of ``_live_manager()``, in order."""
+
+CORRUPTIONS: list[tuple[Callable[[KVCacheManager], None], str]] = [
+    (_corrupt_ref_count, "block 9 has ref_cnt 2 but 1 holders"),
+    (_zero_held_count, f"free queue {FREE} != count-0 blocks {sorted([*FREE, 9])}"),
+    (_hold_a_free_block, "block 19 has ref_cnt 0 but 1 holders"),
+    (_drop_from_queue, f"free queue {FREE[:10] + FREE[11:]} != count-0 blocks {FREE}"),
+    (_null_in_full_table, "request 'run' of a full/Mamba group holds null blocks"),
+    (_null_after_real_block, "request 'run' has null positions [0, 1, 4] after a real block"),
+    (_block_in_two_groups, "block 9 is in groups 0 and 1"),
+    (_cache_entry_wrong_key, "cache entry of group 0 points at block 1 holding another key"),
+    (_hash_without_entry, "18 blocks hold a hash but 17 are in the cache"),
+    (_hashed_null_block, "the null block holds a hash"),
+    (_negative_count, "a negative reference count"),
+    (_null_block_in_queue, "the null block is in the free queue"),
+    (_empty_cache_entry, "an empty cache entry for group 1"),
 ]
 
 
-@pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=[c.__name__.strip("_") for c in CORRUPTIONS])
-def test_check_invariants_reports_the_corruption(corrupt: Callable[[KVCacheManager], None]) -> None:
+@pytest.mark.parametrize(
+    ("corrupt", "message"), CORRUPTIONS, ids=[c.__name__.strip("_") for c, _ in CORRUPTIONS]
+)
+def test_check_invariants_reports_the_corruption(
+    corrupt: Callable[[KVCacheManager], None], message: str
+) -> None:
+    """Each corruption is reported by the check written for it, in words that name it."""
     manager = _live_manager()
     corrupt(manager)
-    with pytest.raises(InvariantError):
+    with pytest.raises(InvariantError) as raised:
         manager.check_invariants()
+    assert str(raised.value) == message
 
 
 def test_the_live_state_is_what_the_corruptions_assume() -> None:
