@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import pytest
+
 from hybridkv.reference import Request
 from hybridkv.reference.free_queue import FreeKVCacheBlockQueue
 from hybridkv.reference.kv_cache_block import KVCacheBlock
@@ -50,3 +52,44 @@ def test_prepend_keeps_the_batch_order_and_remove_is_anywhere() -> None:
     assert [b.block_id for b in queue.popleft_n(2)] == [4, 3]
     assert [b.block_id for b in queue] == [2, 5]
     assert len(queue) == 2
+
+
+def _queue_ids(queue: FreeKVCacheBlockQueue) -> list[int]:
+    return [block.block_id for block in queue]
+
+
+def test_an_empty_free_queue_takes_blocks_at_either_end() -> None:
+    """The two sentinels make the empty queue an ordinary one: prepend and append both work."""
+    queue = FreeKVCacheBlockQueue([])
+    assert (len(queue), _queue_ids(queue)) == (0, [])
+    blocks = [KVCacheBlock(i) for i in range(1, 5)]
+    queue.prepend_n(blocks[:2])
+    queue.append_n(blocks[2:3])
+    queue.prepend_n(blocks[3:])
+    assert (len(queue), _queue_ids(queue)) == (4, [4, 1, 2, 3])
+
+
+def test_taking_more_blocks_than_the_free_queue_holds_is_refused_and_changes_nothing() -> None:
+    blocks = [KVCacheBlock(i) for i in range(1, 4)]
+    queue = FreeKVCacheBlockQueue(blocks)
+    with pytest.raises(ValueError, match=r"^cannot take 4 blocks from a free queue of 3$"):
+        queue.popleft_n(4)
+    assert (len(queue), _queue_ids(queue)) == (3, [1, 2, 3])
+    assert [b.block_id for b in queue.popleft_n(3)] == [1, 2, 3]
+    assert (len(queue), _queue_ids(queue)) == (0, [])
+
+
+def test_removing_a_block_that_is_not_free_is_refused() -> None:
+    queue = FreeKVCacheBlockQueue([KVCacheBlock(1)])
+    with pytest.raises(ValueError, match=r"^block 7 is not in the free queue$"):
+        queue.remove(KVCacheBlock(7))
+    assert (len(queue), _queue_ids(queue)) == (1, [1])
+
+
+def test_a_block_cannot_be_in_the_free_queue_twice() -> None:
+    block = KVCacheBlock(3)
+    queue = FreeKVCacheBlockQueue([KVCacheBlock(1), block])
+    for insert in (queue.append_n, queue.prepend_n):
+        with pytest.raises(ValueError, match=r"^block 3 is already in the free queue$"):
+            insert([block])
+    assert (len(queue), _queue_ids(queue)) == (2, [1, 3])

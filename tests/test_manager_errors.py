@@ -36,6 +36,11 @@ def manager(make_manager: ManagerFactory) -> BackendManager:
     return m
 
 
+def exactly(message: str) -> str:
+    """A ``pytest.raises`` pattern matching the whole message, not a part of it."""
+    return f"^{re.escape(message)}$"
+
+
 def request(token_ids: list[int], request_id: str = "b") -> Request:
     return Request(request_id, token_ids, hash_block_size=4)
 
@@ -44,7 +49,10 @@ def request(token_ids: list[int], request_id: str = "b") -> Request:
     ("kwargs", "message"),
     [
         ({"num_new_tokens": -1}, "num_new_tokens must be a non-negative int, got -1"),
-        ({"num_new_tokens": 0}, "num_new_tokens must be positive when no cache hit is adopted"),
+        (
+            {"num_new_tokens": 0},
+            "num_new_tokens must be positive when no cache hit is adopted, got 0",
+        ),
         ({"num_new_tokens": 2.5}, "num_new_tokens must be a non-negative int, got 2.5"),
         (
             {"num_new_tokens": 1, "num_lookahead_tokens": -2},
@@ -68,7 +76,8 @@ def request(token_ids: list[int], request_id: str = "b") -> Request:
                 "num_new_computed_tokens": 4,
                 "new_computed_blocks": KVCacheBlocks(((1, 2), (0, 6))),
             },
-            "num_new_computed_tokens=4 must be the 2 blocks of new_computed_blocks group 0",
+            "num_new_computed_tokens=4 must be the 2 blocks of new_computed_blocks group 0 "
+            "× block_size 4",
         ),
         (
             {
@@ -78,13 +87,21 @@ def request(token_ids: list[int], request_id: str = "b") -> Request:
             },
             "new_computed_blocks group 0 has invalid ids [99]",
         ),
+        (
+            {
+                "num_new_tokens": 1,
+                "num_new_computed_tokens": 4,
+                "new_computed_blocks": KVCacheBlocks(((20,), (0,))),
+            },
+            "new_computed_blocks group 0 has invalid ids [20]",
+        ),
     ],
 )
 def test_bad_allocation_arguments_raise_and_change_nothing(
     manager: BackendManager, kwargs: dict[str, object], message: str
 ) -> None:
     before = manager.snapshot()
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(ValueError, match=exactly(message)):
         manager.allocate_slots(request([1, 2, 3, 4, 5]), **kwargs)  # type: ignore[arg-type]
     assert manager.snapshot() == before
     assert manager.get_block_ids("b") == ([], [])
@@ -95,7 +112,13 @@ def test_a_running_request_cannot_adopt_a_cache_hit(manager: BackendManager) -> 
     a = request(list(range(10)), "a")
     a.num_computed_tokens = 10
     before = manager.snapshot()
-    with pytest.raises(ValueError, match="request 'a' already holds blocks"):
+    with pytest.raises(
+        ValueError,
+        match=exactly(
+            "request 'a' already holds blocks; only a request being admitted adopts a cache hit "
+            "(new_computed_blocks must be empty)"
+        ),
+    ):
         manager.allocate_slots(a, 1, 4, KVCacheBlocks(((1,), (0,))))
     assert manager.snapshot() == before
 
@@ -103,9 +126,12 @@ def test_a_running_request_cannot_adopt_a_cache_hit(manager: BackendManager) -> 
 def test_a_request_hashed_at_another_block_size_is_rejected(manager: BackendManager) -> None:
     wrong = Request("b", list(range(10)), hash_block_size=2)
     before = manager.snapshot()
-    with pytest.raises(ValueError, match=r"has 5 block_hashes, expected 2 \(hash_block_size"):
+    message = (
+        "request 'b' has 5 block_hashes, expected 2 (hash_block_size must be the block size 4)"
+    )
+    with pytest.raises(ValueError, match=exactly(message)):
         manager.get_computed_blocks(wrong)
-    with pytest.raises(ValueError, match="has 5 block_hashes, expected 2"):
+    with pytest.raises(ValueError, match=exactly(message)):
         manager.allocate_slots(wrong, 10)
     assert manager.snapshot() == before
 
@@ -126,19 +152,21 @@ def test_freeing_a_request_that_holds_nothing_is_a_no_op(manager: BackendManager
 @pytest.mark.parametrize(
     ("token_ids", "message"),
     [
-        ([1, -2], r"prompt_token_ids\[1\] must be a non-negative int, got -2"),
-        ([1, "x"], r"prompt_token_ids\[1\] must be a non-negative int, got 'x'"),
-        ([True], r"prompt_token_ids\[0\] must be a non-negative int, got True"),
+        ([1, -2], "prompt_token_ids[1] must be a non-negative int, got -2"),
+        ([1, "x"], "prompt_token_ids[1] must be a non-negative int, got 'x'"),
+        ([True], "prompt_token_ids[0] must be a non-negative int, got True"),
     ],
 )
 def test_bad_token_ids_are_rejected(token_ids: list[object], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=exactly(message)):
         Request("r", token_ids, hash_block_size=4)  # type: ignore[arg-type]
 
 
 def test_bad_output_tokens_are_rejected_and_the_request_is_unchanged() -> None:
     r = request([1, 2, 3])
-    with pytest.raises(ValueError, match=r"token_ids\[1\] must be a non-negative int, got -1"):
+    with pytest.raises(
+        ValueError, match=exactly("token_ids[1] must be a non-negative int, got -1")
+    ):
         r.append_output_token_ids([4, -1])
     assert list(r.all_token_ids) == [1, 2, 3]
 
@@ -148,15 +176,17 @@ def test_bad_output_tokens_are_rejected_and_the_request_is_unchanged() -> None:
     [
         ({"hash_block_size": 0}, "hash_block_size must be a positive int, got 0"),
         ({"hash_block_size": 4, "cache_salt": 7}, "cache_salt must be a str or None, got 7"),
+        ({"hash_block_size": 4, "request_id": 5}, "request_id must be a str, got 5"),
     ],
 )
 def test_bad_request_settings_are_rejected(kwargs: dict[str, object], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        Request("r", [1], **kwargs)  # type: ignore[arg-type]
+    settings: dict[str, object] = {"request_id": "r", "prompt_token_ids": [1], **kwargs}
+    with pytest.raises(ValueError, match=exactly(message)):
+        Request(**settings)  # type: ignore[arg-type]
 
 
 def test_bad_manager_settings_are_rejected(make_manager: ManagerFactory) -> None:
-    with pytest.raises(ValueError, match="max_model_len must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=exactly("max_model_len must be a positive int, got 0")):
         make_manager(CONFIG, max_model_len=0)
     mixed = KVCacheConfig(
         8,
@@ -167,9 +197,10 @@ def test_bad_manager_settings_are_rejected(make_manager: ManagerFactory) -> None
             ),
         ),
     )
-    with pytest.raises(ValueError, match=r"one block size \(one page size\), got \[4, 8\]"):
+    message = "every KV cache group must share one block size (one page size), got [4, 8]"
+    with pytest.raises(ValueError, match=exactly(message)):
         make_manager(mixed, max_model_len=64)
-    with pytest.raises(ValueError, match="config must be a KVCacheConfig, got 3"):
+    with pytest.raises(ValueError, match=exactly("config must be a KVCacheConfig, got 3")):
         make_manager(3, max_model_len=64)  # type: ignore[arg-type]
 
 
@@ -183,11 +214,32 @@ def test_prefix_caching_with_a_mamba_group_is_not_supported_yet(
             KVCacheGroup(("mamba",), MambaSpec(block_size=4, state_bytes=16)),
         ),
     )
-    with pytest.raises(ValueError, match="enable_caching=True is not supported with a Mamba"):
+    message = (
+        "enable_caching=True is not supported with a Mamba group yet (prefix caching for Mamba "
+        "is a later issue); pass enable_caching=False"
+    )
+    with pytest.raises(ValueError, match=exactly(message)):
         make_manager(mamba, max_model_len=64)
 
 
 def test_cache_blocks_beyond_the_request_is_rejected(manager: BackendManager) -> None:
     a = request(list(range(10)), "a")
-    with pytest.raises(ValueError, match="num_computed_tokens must be at most the request's 10"):
+    before = manager.snapshot()
+    with pytest.raises(
+        ValueError,
+        match=exactly("num_computed_tokens must be at most the request's 10 tokens, got 11"),
+    ):
         manager.cache_blocks(a, 11)
+    with pytest.raises(
+        ValueError, match=exactly("num_computed_tokens must be a non-negative int, got -1")
+    ):
+        manager.cache_blocks(a, -1)
+    assert manager.snapshot() == before
+
+
+def test_cache_blocks_up_to_the_whole_request_is_accepted(manager: BackendManager) -> None:
+    """``num_computed_tokens`` may equal the request's length: every full block is cached."""
+    a = request(list(range(10)), "a")
+    manager.cache_blocks(a, 10)
+    manager.check_invariants()
+    assert manager.get_computed_blocks(request(list(range(9))))[1] == 8
