@@ -187,6 +187,28 @@ def test_prefix_case1_sliding_window_picks_the_longest_hit_14(
     assert [block_id == 0 for block_id in hit_ids] == [True] * 11 + [False] * 3
 
 
+def test_prefix_case1_adopting_the_hit_holds_the_three_blocks_past_the_nulls(
+    make_manager: ManagerFactory,
+) -> None:
+    """Admission adopts the 14-token hit: its 11 null positions hold nothing, its three blocks
+    (tokens 11–13) gain a holder and leave the free queue; freeing returns them to it."""
+    m, _ = sliding_window_example(make_manager)
+    request = Request("r", PROMPT, hash_block_size=1)
+    hit, num_hit_tokens = m.get_computed_blocks(request)
+    (hit_ids,) = hit.get_block_ids()
+    held = hit_ids[11:]
+    free_before = m.num_free_blocks
+    assert m.allocate_slots(request, len(PROMPT) - 14, num_hit_tokens, hit) is not None
+    m.check_invariants()
+    assert m.get_block_ids("r")[0][11:14] == held
+    assert not set(held) & set(m.snapshot().free_block_ids)
+    assert m.num_free_blocks == free_before - len(held) - (len(PROMPT) - 14)
+    m.free(request)
+    m.check_invariants()
+    assert m.num_free_blocks == free_before
+    assert set(held) <= set(m.snapshot().free_block_ids)
+
+
 def test_prefix_case2_full_and_sliding_hits_are_intersected(make_manager: ManagerFactory) -> None:
     """Prefix caching, Case 2: full attention hits 10 tokens; the sliding window (4) then
     searches within those 10 and finds 6 ([3, 4, 5]); the full-attention hit is cut to 6.

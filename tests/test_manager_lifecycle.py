@@ -65,6 +65,50 @@ def test_events_report_stored_removed_and_cleared_blocks(make_manager: ManagerFa
     assert m.take_events() == [AllBlocksCleared()]
 
 
+def test_events_are_off_unless_asked_for(make_manager: ManagerFactory) -> None:
+    spec = FullAttentionSpec(block_size=2, **SIZES)
+    m = make_manager(single_group(spec, 4), max_model_len=16)
+    a = Request("a", [1, 2, 3, 4, 5], hash_block_size=2)
+    assert m.allocate_slots(a, 5) is not None
+    m.free(a)
+    assert m.reset_prefix_cache()
+    assert m.take_events() == []
+
+
+def test_a_request_id_used_again_after_free_caches_its_new_blocks(
+    make_manager: ManagerFactory,
+) -> None:
+    """Freeing forgets everything about the request, how many blocks it had cached included:
+    a new request with the same id (a readmission) caches its blocks from the first."""
+    spec = FullAttentionSpec(block_size=2, **SIZES)
+    m = make_manager(single_group(spec, 8), max_model_len=16)
+    first = Request("a", [1, 2, 3, 4, 5], hash_block_size=2)
+    assert m.allocate_slots(first, 5) is not None
+    m.free(first)
+    assert m.reset_prefix_cache()
+    again = Request("a", [1, 2, 3, 4, 5], hash_block_size=2)
+    assert m.allocate_slots(again, 5) is not None
+    assert m.snapshot().num_cached_keys == 2
+    assert m.get_computed_blocks(Request("b", [1, 2, 3, 4, 6], hash_block_size=2))[1] == 4
+
+
+def test_a_step_within_the_held_blocks_needs_no_free_block(make_manager: ManagerFactory) -> None:
+    """With every block held, tokens that fit in the last block's free slots are admitted."""
+    spec = FullAttentionSpec(block_size=4, **SIZES)
+    m = make_manager(single_group(spec, 3), max_model_len=16)
+    a = Request("a", [1, 2, 3, 4, 5], hash_block_size=4)
+    assert m.allocate_slots(a, 5) is not None
+    assert m.num_free_blocks == 0
+    a.num_computed_tokens = 5
+    a.append_output_token_ids([6, 7])
+    assert m.allocate_slots(a, 2) is not None
+    assert m.get_block_ids("a") == ([1, 2],)
+    a.num_computed_tokens = 7
+    a.append_output_token_ids([8, 9])
+    assert m.allocate_slots(a, 2) is None
+    m.check_invariants()
+
+
 def test_prefix_cache_stats_count_lookups_since_the_last_report(
     make_manager: ManagerFactory,
 ) -> None:
@@ -75,6 +119,25 @@ def test_prefix_cache_stats_count_lookups_since_the_last_report(
     assert m.allocate_slots(a, 5) is not None
     assert m.get_computed_blocks(Request("b", [1, 2, 3, 4, 7], hash_block_size=2))[1] == 4
     assert m.make_prefix_cache_stats() == PrefixCacheStats(requests=2, queries=10, hits=4)
+    assert m.make_prefix_cache_stats() == PrefixCacheStats()
+
+
+def test_prefix_cache_stats_mark_a_reset_and_keep_counting_across_it(
+    make_manager: ManagerFactory,
+) -> None:
+    """A reset is reported with the counts of the interval it falls in, lookups before and
+    after it alike; the next interval starts unmarked."""
+    spec = FullAttentionSpec(block_size=2, **SIZES)
+    m = make_manager(single_group(spec, 8), max_model_len=16)
+    a = Request("a", [1, 2, 3, 4, 5], hash_block_size=2)
+    assert m.allocate_slots(a, 5) is not None
+    assert m.get_computed_blocks(Request("b", [1, 2, 3, 4, 7], hash_block_size=2))[1] == 4
+    m.free(a)
+    assert m.reset_prefix_cache()
+    assert m.get_computed_blocks(Request("c", [1, 2, 3], hash_block_size=2))[1] == 0
+    assert m.make_prefix_cache_stats() == PrefixCacheStats(
+        requests=2, queries=8, hits=4, reset=True
+    )
     assert m.make_prefix_cache_stats() == PrefixCacheStats()
 
 

@@ -94,6 +94,7 @@ def test_case2_report_request_bounds() -> None:
 
 def test_case2_report_against_full_attention() -> None:
     report = plan_report(case2_model(), GiB, max_model_len=112, max_num_batched_tokens=16)
+    assert (report.max_model_len, report.max_num_batched_tokens) == (112, 16)
     assert report.full_attention_bytes_per_token == 30 * 4096
     # Every one of the 30 layers keeps 7 blocks of 65536 bytes.
     assert report.full_attention_bytes_per_request == 30 * 7 * 65536 == 13_762_560
