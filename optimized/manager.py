@@ -45,9 +45,14 @@ from hybridkv.optimized.block_pool import TorchBlockPool, hash_key
 from hybridkv.optimized.lookup import PRELOAD_MAX, VECTOR_MIN, Lookup, TypeProbe, WindowedFlags
 from hybridkv.reference.events import BlockStored, KVCacheEvent, PrefixCacheStats
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
-from hybridkv.reference.kv_cache_manager import validate_manager_config
 from hybridkv.reference.request import RequestLike
 from hybridkv.reference.snapshot import PoolSnapshot
+from hybridkv.reference.validation import (
+    check_allocation,
+    check_block_hashes,
+    check_cache_blocks,
+    validate_manager_config,
+)
 from hybridkv.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -57,10 +62,9 @@ from hybridkv.spec import (
     SlidingWindowSpec,
     rules,
 )
-from hybridkv.spec.errors import check_non_negative, check_positive, require
+from hybridkv.spec.errors import check_positive, require
 
 FULL, SLIDING, CHUNKED, MAMBA = range(4)
-_INT_TYPES = {int, bool}
 _HUGE = 1 << 50
 """Stands for "never" in the row thresholds (and the window of a group that never releases)."""
 BlockIds = tuple[tuple[int, ...], ...]
@@ -248,7 +252,7 @@ class TorchKVCacheManager:
         """The request's longest cache hit: its blocks per group and its length in tokens."""
         if not self.enable_caching:
             return self._no_blocks, 0
-        self._check_block_hashes(request)
+        check_block_hashes(request, self.block_size)
         max_length = request.num_tokens - 1
         lookup = Lookup(self.pool, request, self.block_size, self.vector_min)
         limit = min(max_length // self.block_size, len(request.block_hashes))
@@ -335,10 +339,16 @@ class TorchKVCacheManager:
     ) -> KVCacheBlocks | None:
         """Slots for ``num_new_tokens`` more tokens (and lookahead), or ``None`` if they do not fit
         (``KVCacheManager.allocate_slots``)."""
-        hits = self._validate_allocation(
-            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+        hits = check_allocation(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
             num_lookahead_tokens,
-        )  # fmt: skip
+            config=self.config,
+            enable_caching=self.enable_caching,
+            holds_blocks=self._rows.__contains__,
+        )
         try:
             return self._allocate(
                 request,
@@ -609,15 +619,10 @@ class TorchKVCacheManager:
 
     def cache_blocks(self, request: RequestLike, num_computed_tokens: int) -> None:
         """Enter the request's full blocks up to ``num_computed_tokens`` into the prefix cache."""
-        check_non_negative("num_computed_tokens", num_computed_tokens)
-        if num_computed_tokens > request.num_tokens:
-            raise ValueError(
-                f"num_computed_tokens must be at most the request's {request.num_tokens} tokens, "
-                f"got {num_computed_tokens!r}"
-            )
+        check_cache_blocks(request, num_computed_tokens)
         if not self.enable_caching:
             return
-        self._check_block_hashes(request)
+        check_block_hashes(request, self.block_size)
         row = self._rows.get(request.request_id)
         if row is None:
             if num_computed_tokens // self.block_size > 0:
@@ -734,66 +739,6 @@ class TorchKVCacheManager:
                     source.row_refs == row_sources.get(index, 0),
                     f"source {index} has a wrong row count",
                 )
-
-    # --- Validation (the reference's messages) -----------------------------------------------
-
-    def _validate_allocation(
-        self,
-        request: RequestLike,
-        num_new_tokens: int,
-        num_new_computed_tokens: int,
-        new_computed_blocks: KVCacheBlocks | None,
-        num_lookahead_tokens: int,
-    ) -> BlockIds:
-        check_non_negative("num_new_tokens", num_new_tokens)
-        check_non_negative("num_new_computed_tokens", num_new_computed_tokens)
-        check_non_negative("num_lookahead_tokens", num_lookahead_tokens)
-        if num_new_tokens == 0 and num_new_computed_tokens == 0:
-            raise ValueError("num_new_tokens must be positive when no cache hit is adopted, got 0")
-        if self.enable_caching:
-            self._check_block_hashes(request)
-        if new_computed_blocks is None:
-            if num_new_computed_tokens:
-                raise ValueError(
-                    "new_computed_blocks must be given with num_new_computed_tokens="
-                    f"{num_new_computed_tokens}, got None"
-                )
-            return tuple(() for _ in range(self.num_groups))
-        hits = new_computed_blocks
-        if hits.num_groups != self.num_groups:
-            raise ValueError(
-                f"new_computed_blocks must have one list per KV cache group ({self.num_groups}), "
-                f"got {hits.num_groups}"
-            )
-        expected = num_new_computed_tokens // self.block_size
-        num_blocks = self.config.num_blocks
-        for group_id, ids in enumerate(hits.block_ids):
-            if num_new_computed_tokens % self.block_size or len(ids) != expected:
-                raise ValueError(
-                    f"num_new_computed_tokens={num_new_computed_tokens} must be the "
-                    f"{len(ids)} blocks of new_computed_blocks group {group_id} "
-                    f"× block_size {self.block_size}"
-                )
-            valid = not ids or (
-                set(map(type, ids)) <= _INT_TYPES and min(ids) >= 0 and max(ids) < num_blocks
-            )
-            if not valid:
-                bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < num_blocks]
-                raise ValueError(f"new_computed_blocks group {group_id} has invalid ids {bad!r}")
-        if any(hits.block_ids) and request.request_id in self._rows:
-            raise ValueError(
-                f"request {request.request_id!r} already holds blocks; only a request being "
-                "admitted adopts a cache hit (new_computed_blocks must be empty)"
-            )
-        return tuple(tuple(ids) for ids in hits.block_ids)
-
-    def _check_block_hashes(self, request: RequestLike) -> None:
-        expected = request.num_tokens // self.block_size
-        if len(request.block_hashes) != expected:
-            raise ValueError(
-                f"request {request.request_id!r} has {len(request.block_hashes)} block_hashes, "
-                f"expected {expected} (hash_block_size must be the block size {self.block_size})"
-            )
 
 
 def _int_array(values: Sequence[int]) -> array[int]:

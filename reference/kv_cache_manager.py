@@ -19,8 +19,14 @@ from hybridkv.reference.events import KVCacheEvent, PrefixCacheStats
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import RequestLike
 from hybridkv.reference.snapshot import PoolSnapshot
-from hybridkv.spec import ChunkedLocalAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
-from hybridkv.spec.errors import check_non_negative, check_positive, require
+from hybridkv.reference.validation import (
+    check_allocation,
+    check_block_hashes,
+    check_cache_blocks,
+    validate_manager_config,
+)
+from hybridkv.spec import ChunkedLocalAttentionSpec, KVCacheConfig, SlidingWindowSpec
+from hybridkv.spec.errors import require
 
 
 class KVCacheManager:
@@ -55,7 +61,7 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return KVCacheBlocks.empty(self.num_groups), 0
-        self._check_block_hashes(request)
+        check_block_hashes(request, self.block_size)
         max_cache_hit_length = request.num_tokens - 1
         hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(
             request.block_hashes, max_cache_hit_length
@@ -115,14 +121,9 @@ class KVCacheManager:
     def cache_blocks(self, request: RequestLike, num_computed_tokens: int) -> None:
         """Enter the request's full blocks up to ``num_computed_tokens`` into the prefix cache
         (for callers that delayed caching, e.g. while KV arrives from another engine)."""
-        check_non_negative("num_computed_tokens", num_computed_tokens)
-        if num_computed_tokens > request.num_tokens:
-            raise ValueError(
-                f"num_computed_tokens must be at most the request's {request.num_tokens} tokens, "
-                f"got {num_computed_tokens!r}"
-            )
+        check_cache_blocks(request, num_computed_tokens)
         if self.enable_caching:
-            self._check_block_hashes(request)
+            check_block_hashes(request, self.block_size)
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
@@ -196,7 +197,7 @@ class KVCacheManager:
                 f"block {block.block_id} has ref_cnt {block.ref_cnt} but {count} holders",
             )
 
-    # --- Validation -------------------------------------------------------------------------
+    # --- Validation (hybridkv.reference.validation) ------------------------------------------
 
     def _validate_allocation(
         self,
@@ -207,76 +208,18 @@ class KVCacheManager:
         num_lookahead_tokens: int,
     ) -> BlocksPerGroup:
         """Check every argument; return the adopted hits as blocks per group."""
-        check_non_negative("num_new_tokens", num_new_tokens)
-        check_non_negative("num_new_computed_tokens", num_new_computed_tokens)
-        check_non_negative("num_lookahead_tokens", num_lookahead_tokens)
-        if num_new_tokens == 0 and num_new_computed_tokens == 0:
-            raise ValueError("num_new_tokens must be positive when no cache hit is adopted, got 0")
-        if self.enable_caching:
-            self._check_block_hashes(request)
-        if new_computed_blocks is None:
-            if num_new_computed_tokens:
-                raise ValueError(
-                    "new_computed_blocks must be given with num_new_computed_tokens="
-                    f"{num_new_computed_tokens}, got None"
-                )
-            return tuple([] for _ in range(self.num_groups))
-        return self._resolve_hits(request, num_new_computed_tokens, new_computed_blocks)
-
-    def _resolve_hits(
-        self, request: RequestLike, num_new_computed_tokens: int, hits: KVCacheBlocks
-    ) -> BlocksPerGroup:
-        if hits.num_groups != self.num_groups:
-            raise ValueError(
-                f"new_computed_blocks must have one list per KV cache group ({self.num_groups}), "
-                f"got {hits.num_groups}"
-            )
-        expected = num_new_computed_tokens // self.block_size
+        hit_ids = check_allocation(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            config=self.config,
+            enable_caching=self.enable_caching,
+            holds_blocks=lambda request_id: any(self.get_block_ids(request_id)),
+        )
         blocks = self.block_pool.blocks
-        for group_id, ids in enumerate(hits.block_ids):
-            if num_new_computed_tokens % self.block_size or len(ids) != expected:
-                raise ValueError(
-                    f"num_new_computed_tokens={num_new_computed_tokens} must be the "
-                    f"{len(ids)} blocks of new_computed_blocks group {group_id} "
-                    f"× block_size {self.block_size}"
-                )
-            bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < len(blocks)]
-            if bad:
-                raise ValueError(f"new_computed_blocks group {group_id} has invalid ids {bad!r}")
-        if any(ids for ids in hits.block_ids) and any(self.get_block_ids(request.request_id)):
-            raise ValueError(
-                f"request {request.request_id!r} already holds blocks; only a request being "
-                "admitted adopts a cache hit (new_computed_blocks must be empty)"
-            )
-        return tuple([blocks[i] for i in ids] for ids in hits.block_ids)
-
-    def _check_block_hashes(self, request: RequestLike) -> None:
-        """The request must be hashed at this pool's block size, one hash per full block."""
-        expected = request.num_tokens // self.block_size
-        if len(request.block_hashes) != expected:
-            raise ValueError(
-                f"request {request.request_id!r} has {len(request.block_hashes)} block_hashes, "
-                f"expected {expected} (hash_block_size must be the block size {self.block_size})"
-            )
-
-
-def validate_manager_config(
-    config: KVCacheConfig, max_model_len: int, enable_caching: bool
-) -> None:
-    """Reject configurations the manager does not support, naming the field and the value."""
-    if not isinstance(config, KVCacheConfig):
-        raise ValueError(f"config must be a KVCacheConfig, got {config!r}")
-    check_positive("max_model_len", max_model_len)
-    block_sizes = sorted({group.spec.block_size for group in config.groups})
-    if len(block_sizes) > 1:
-        raise ValueError(
-            f"every KV cache group must share one block size (one page size), got {block_sizes}"
-        )
-    if enable_caching and any(isinstance(g.spec, MambaSpec) for g in config.groups):
-        raise ValueError(
-            "enable_caching=True is not supported with a Mamba group yet (prefix caching for "
-            "Mamba is a later issue); pass enable_caching=False"
-        )
+        return tuple([blocks[i] for i in ids] for ids in hit_ids)
 
 
 def _check_null_prefix(spec: object, request_id: str, table: list[int]) -> None:
