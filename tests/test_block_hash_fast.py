@@ -18,6 +18,7 @@ from hybridkv.reference import block_hash
 from hybridkv.reference.block_hash import (
     NONE_HASH,
     BlockHash,
+    cbor_head,
     encode_token_id,
     hash_full_blocks,
     hash_full_blocks_cbor2,
@@ -148,3 +149,20 @@ def test_the_encoding_table_grows_to_the_power_of_two_above_the_largest_id() -> 
     assert tables_built_for(256) == 2
     assert tables_built_for(2**18 - 1) == 11
     assert tables_built_for(2**18) == 0
+
+
+@given(st.one_of(st.sampled_from(BOUNDARIES[:-2]), st.integers(0, 2**64 - 1)))
+def test_the_cbor_head_of_every_size_class_is_cbor2s(value: int) -> None:
+    """Major type 0 (an unsigned int) and 1 (a negative int, ``-1 - value``): the head is the
+    whole encoding, in each of the five size classes."""
+    assert cbor_head(0, value) == cbor2.dumps(value, canonical=True)
+    assert cbor_head(1, value) == cbor2.dumps(-1 - value, canonical=True)
+
+
+@pytest.mark.parametrize("block_size", [1, 23, 24, 255, 256, 528, 65535, 65536])
+def test_blocks_of_any_size_hash_as_the_definition(block_size: int) -> None:
+    """The array header of a block (major type 4) in every size class a block size reaches,
+    Mamba's raised block sizes (hundreds of tokens) included."""
+    tokens = [i % 300 for i in range(2 * block_size + 1)]
+    got = hash_full_blocks(tokens, block_size, start_block=0, parent_hash=None, cache_salt=None)
+    assert got == by_definition(tokens, block_size, None, None, 0)

@@ -24,8 +24,23 @@ from hybridkv.conformance.harnesses import (
 )
 from hybridkv.conformance.mutants import document_models, random_cache_state, random_models
 from hybridkv.conformance.oracles import GroupCacheState
-from hybridkv.reference import plan_groups, plan_kv_cache, plan_report
-from hybridkv.spec import FullAttentionSpec, KVCacheGroup, KVCacheSpec, SlidingWindowSpec
+from hybridkv.reference import (
+    KVCacheManager,
+    Request,
+    plan_groups,
+    plan_kv_cache,
+    plan_report,
+)
+from hybridkv.spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroup,
+    KVCacheSpec,
+    SlidingWindowSpec,
+)
+
+SIZES = {"block_size": 2, "num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
 
 FAST = settings(max_examples=300, derandomize=True, deadline=None, database=None)
 LONG = os.environ.get("HYBRIDKV_LONG") == "1"
@@ -142,6 +157,45 @@ def test_a_known_chunk_case_where_one_pass_returns_a_longer_hit() -> None:
     assert hit.hit_tokens == 4
     assert hit.block_ids[1] == (0, 0)
     assert hit.brute_force_tokens == 2
+
+
+def test_admitting_the_one_pass_chunk_hit_holds_its_nulls_and_touches_its_blocks() -> None:
+    """The same case through admission: the chunked group's table starts with the two null
+    positions the lookup returned; the blocks after them (full attention's two) gain a holder
+    and leave the free queue; freeing returns every one of them."""
+    block_size, prompt = 2, list(range(11))
+    config = KVCacheConfig(
+        num_blocks=12,
+        groups=(
+            KVCacheGroup(("full",), FullAttentionSpec(**SIZES)),
+            KVCacheGroup(("chunk",), ChunkedLocalAttentionSpec(attention_chunk_size=5, **SIZES)),
+        ),
+    )
+    manager = KVCacheManager(config, 16)
+    request = Request("r", prompt, hash_block_size=block_size)
+    pool = manager.block_pool
+    for group_id, cached in enumerate([(1, 1, 1, 0, 1), (1, 0, 0, 0, 0)]):
+        table = [pool.get_new_blocks(1)[0] if flag else pool.null_block for flag in cached]
+        pool.cache_full_blocks(
+            request,
+            table,
+            num_cached_blocks=0,
+            num_full_blocks=5,
+            block_size=block_size,
+            group_id=group_id,
+        )
+        pool.free_blocks(table[::-1])
+    hit, num_hit_tokens = manager.get_computed_blocks(request)
+    assert (num_hit_tokens, hit.get_block_ids()) == (4, ([1, 2], [0, 0]))
+    assert manager.allocate_slots(request, 7, num_hit_tokens, hit) is not None
+    manager.check_invariants()
+    full_table, chunk_table = manager.get_block_ids("r")
+    assert full_table[:2] == [1, 2]
+    assert chunk_table[:2] == [0, 0]
+    assert manager.snapshot().ref_counts[1] == manager.snapshot().ref_counts[2] == 1
+    manager.free(request)
+    manager.check_invariants()
+    assert manager.num_free_blocks == 11
 
 
 def test_the_harnesses_hold_exhaustively_on_a_small_domain() -> None:
