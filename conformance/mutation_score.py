@@ -39,6 +39,7 @@ PROJECT_TESTS = (
     "test_manager_lifecycle.py",
     "test_free_queue.py",
     "test_lazy_flags.py",
+    "test_oracles.py",
     "test_document_examples.py",
     "test_planner.py",
     "test_plan_report.py",
