@@ -103,27 +103,21 @@ def hash_leading_special_blocks(
     parent_hash: BlockHash | None,
     cache_salt: str | None,
 ) -> list[BlockHash]:
-    """Hashes, by the definition, of the leading blocks from ``start_block`` no fast path takes.
+    """The hash of block ``start_block`` by the definition if no fast path can take it, else none.
 
     The fast paths (here and in ``hybridkv.optimized.hashing``) encode ``[parent, tokens, None]``
     with a 32-byte parent. Only the start of a chain can break that: the salted first block has
     extra keys, and a caller's parent that is not a SHA-256 digest is not 32 bytes. Once one
-    block is hashed, every later parent is a digest and every later block unsalted, so this
-    stops at the first regular block; the caller goes on from ``start_block + len(result)``.
+    block is hashed its digest is the next parent, and only block 0 is salted, so at most one
+    block needs this; the caller goes on from ``start_block + len(result)``.
     """
-    num_full_blocks = len(token_ids) // block_size
-    hashes: list[BlockHash] = []
-    parent = parent_hash
-    index = start_block
-    while index < num_full_blocks and (
-        extra_keys_for_block(index, cache_salt) is not None
-        or len(NONE_HASH if parent is None else parent) != 32
-    ):
-        tokens = token_ids[index * block_size : (index + 1) * block_size]
-        parent = hash_block_tokens(parent, tokens, extra_keys_for_block(index, cache_salt))
-        hashes.append(parent)
-        index += 1
-    return hashes
+    if start_block >= len(token_ids) // block_size:
+        return []
+    extra_keys = extra_keys_for_block(start_block, cache_salt)
+    if extra_keys is None and len(NONE_HASH if parent_hash is None else parent_hash) == 32:
+        return []
+    tokens = token_ids[start_block * block_size : (start_block + 1) * block_size]
+    return [hash_block_tokens(parent_hash, tokens, extra_keys)]
 
 
 def hash_full_blocks_cbor2(
