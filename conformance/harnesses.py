@@ -39,6 +39,29 @@ def sliding_window_scan_equivalence(cached: list[bool], needed: int) -> bool:
     return rules.sliding_window_hit_blocks(cached, needed) == fast
 
 
+def full_window_chunk(
+    full: list[bool],
+    window: list[bool],
+    chunk: list[bool],
+    sliding_window: int,
+    attention_chunk_size: int,
+) -> list[GroupCacheState]:
+    """Three groups, one of each attention type that caches, with these cached-block flags."""
+    return [
+        GroupCacheState("full", 0, tuple(full)),
+        GroupCacheState("sliding_window", sliding_window, tuple(window)),
+        GroupCacheState("chunked_local", attention_chunk_size, tuple(chunk)),
+    ]
+
+
+def hit_is_brute_force(
+    groups: Sequence[GroupCacheState], num_tokens: int, block_size: int, iterate: bool = True
+) -> bool:
+    """The coordinator's hit (its fixed point, or one pass) is the brute-force longest hit."""
+    hit = hybrid_hit_tokens(groups, num_tokens, block_size, iterate=iterate)
+    return hit == block_size * brute_force_hit_blocks(groups, num_tokens, block_size)
+
+
 def hybrid_hit_is_longest_accepted(
     full: list[bool],
     window: list[bool],
@@ -57,13 +80,8 @@ def hybrid_hit_is_longest_accepted(
     pre: len(full) == len(window) == len(chunk) == num_tokens // block_size
     post: __return__
     """
-    groups = [
-        GroupCacheState("full", 0, tuple(full)),
-        GroupCacheState("sliding_window", sliding_window, tuple(window)),
-        GroupCacheState("chunked_local", attention_chunk_size, tuple(chunk)),
-    ]
-    fixed_point = hybrid_hit_tokens(groups, num_tokens, block_size)
-    return fixed_point == block_size * brute_force_hit_blocks(groups, num_tokens, block_size)
+    groups = full_window_chunk(full, window, chunk, sliding_window, attention_chunk_size)
+    return hit_is_brute_force(groups, num_tokens, block_size)
 
 
 def hybrid_hit_without_full_attention(
@@ -91,8 +109,7 @@ def hybrid_hit_without_full_attention(
         GroupCacheState("sliding_window", window_size_b, tuple(window_b)),
         GroupCacheState("chunked_local", attention_chunk_size, tuple(chunk)),
     ]
-    fixed_point = hybrid_hit_tokens(groups, num_tokens, block_size)
-    return fixed_point == block_size * brute_force_hit_blocks(groups, num_tokens, block_size)
+    return hit_is_brute_force(groups, num_tokens, block_size)
 
 
 @dataclass(frozen=True)

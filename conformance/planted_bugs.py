@@ -12,11 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hybridkv.conformance.oracles import (
-    GroupCacheState,
-    brute_force_hit_blocks,
-    hybrid_hit_tokens,
-)
+from hybridkv.conformance.harnesses import full_window_chunk, hit_is_brute_force
 from hybridkv.reference.block_pool import BlockPool
 from hybridkv.reference.kv_cache_block import KVCacheBlock
 from hybridkv.spec import rules
@@ -147,13 +143,8 @@ def hybrid_one_pass_is_longest_accepted(
     pre: len(full) == len(window) == len(chunk) == num_tokens // block_size
     post: __return__
     """
-    groups = [
-        GroupCacheState("full", 0, tuple(full)),
-        GroupCacheState("sliding_window", sliding_window, tuple(window)),
-        GroupCacheState("chunked_local", attention_chunk_size, tuple(chunk)),
-    ]
-    one_pass = hybrid_hit_tokens(groups, num_tokens, block_size, iterate=False)
-    return one_pass == block_size * brute_force_hit_blocks(groups, num_tokens, block_size)
+    groups = full_window_chunk(full, window, chunk, sliding_window, attention_chunk_size)
+    return hit_is_brute_force(groups, num_tokens, block_size, iterate=False)
 
 
 class _TouchKeepsQueuedPool(BlockPool):
