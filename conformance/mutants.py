@@ -563,17 +563,7 @@ def planner_checks(bundle: MutantBundle) -> Iterator[tuple[str, Callable[[], Non
             except ValueError:
                 continue  # a model the document does not cover: the error is the spec
             report = bundle.plan_report(*args, **kw)
-            config = report.config
-            problems = oracles.check_grouping(layers, config.groups, sharing)
-            problems += oracles.check_memory_layout(config, 10**9, sharing)
-            problems += oracles.check_plan_padding(
-                layers,
-                [g.num_padding_slots for g in report.groups],
-                [g.num_own_layers for g in report.groups],
-                report.num_padding_slots,
-                report.layers_per_group,
-                sharing,
-            )
+            problems = oracles.check_plan_report(layers, report, 10**9, sharing)
             if problems:
                 raise AssertionError(f"{problems[0]} (model of {len(layers)} layers)")
 

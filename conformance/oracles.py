@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from hybridkv.spec import (
     ChunkedLocalAttentionSpec,
@@ -31,6 +31,9 @@ from hybridkv.spec import (
     SlidingWindowSpec,
     rules,
 )
+
+if TYPE_CHECKING:
+    from hybridkv.reference.plan_report import PlanReport
 
 Kind = Literal["full", "sliding_window", "chunked_local"]
 
@@ -464,6 +467,26 @@ def _first_needed_block(group: GroupCacheState, num_blocks: int, block_size: int
 # --- Runs for the report -----------------------------------------------------------------------
 
 
+def check_plan_report(
+    layers: Mapping[str, KVCacheSpec],
+    report: PlanReport,
+    available_memory_bytes: int,
+    kv_sharing: Mapping[str, str] | None = None,
+) -> list[str]:
+    """Every planner oracle on one plan: grouping (Cases 1–5), memory layout and padding."""
+    problems = check_grouping(layers, report.config.groups, kv_sharing)
+    problems += check_memory_layout(report.config, available_memory_bytes, kv_sharing)
+    problems += check_plan_padding(
+        layers,
+        [g.num_padding_slots for g in report.groups],
+        [g.num_own_layers for g in report.groups],
+        report.num_padding_slots,
+        report.layers_per_group,
+        kv_sharing,
+    )
+    return problems
+
+
 @dataclass
 class OracleStats:
     """What the oracle runs checked."""
@@ -537,16 +560,7 @@ def run_planner_oracle(
             )
         except ValueError:
             continue
-        problems = check_grouping(layers, report.config.groups, sharing)
-        problems += check_memory_layout(report.config, 10**9, sharing)
-        problems += check_plan_padding(
-            layers,
-            [g.num_padding_slots for g in report.groups],
-            [g.num_own_layers for g in report.groups],
-            report.num_padding_slots,
-            report.layers_per_group,
-            sharing,
-        )
+        problems = check_plan_report(layers, report, 10**9, sharing)
         stats.planner_models += 1
         stats.failures += [f"planner: {p}" for p in problems]
     return stats
