@@ -23,10 +23,15 @@ class KVCacheGroup:
 
     layer_names: tuple[str, ...]
     spec: KVCacheSpec
+    is_eagle_group: bool = False
+    """The group holds a drafter's layers (EAGLE/MTP): its cache hits drop their last block
+    when the manager runs with ``use_eagle``."""
 
     def __post_init__(self) -> None:
         if not self.layer_names:
             raise ValueError(f"layer_names must name at least one layer, got {self.layer_names!r}")
+        if not isinstance(self.is_eagle_group, bool):
+            raise ValueError(f"is_eagle_group must be a bool, got {self.is_eagle_group!r}")
 
 
 @dataclass(frozen=True)
@@ -44,11 +49,18 @@ class KVCacheTensor:
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    """What the manager needs: ``num_blocks`` (the null block included) and the groups."""
+    """What the manager needs: ``num_blocks`` (the null block included) and the groups.
+
+    ``prefix_cache_retention_interval`` says which prefix-cache checkpoints sliding-window and
+    Mamba groups keep: ``None`` every one (dense), ``0`` only the ones a replay or a shared
+    prefix can reach (an engine's default), a positive multiple of the scheduler block size
+    those plus one per interval. Other attention types always cache densely.
+    """
 
     num_blocks: int
     groups: tuple[KVCacheGroup, ...]
     tensors: tuple[KVCacheTensor, ...] = ()
+    prefix_cache_retention_interval: int | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -62,3 +74,7 @@ class KVCacheConfig:
             )
         if not self.groups:
             raise ValueError(f"groups must hold at least one KV cache group, got {self.groups!r}")
+        if self.prefix_cache_retention_interval is not None:
+            check_non_negative(
+                "prefix_cache_retention_interval", self.prefix_cache_retention_interval
+            )

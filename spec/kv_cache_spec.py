@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridkv.spec.errors import check_positive
+from hybridkv.spec.errors import check_non_negative, check_positive
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,26 +72,62 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         check_positive("attention_chunk_size", self.attention_chunk_size)
 
 
+MAMBA_CACHE_MODES = ("none", "align")
+"""``"none"``: one running state per request, no prefix caching. ``"align"``: the states at block
+boundaries are kept as prefix-cache entries (the mode an engine selects with prefix caching)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class MambaSpec:
     """A Mamba (or other recurrent) layer: a fixed-size state per request, whatever its length.
 
     ``state_bytes`` is the state of one layer for one request. The planner pads it to the
     attention page (Allocation, Case 4) and records the padded size in ``page_size_padded``.
+
+    ``block_size`` is the Mamba block in tokens: table position ``i`` covers tokens
+    ``[i·B, (i+1)·B)`` and holds a state only where one lives. With prefix caching the planner
+    gives Mamba the (raised) attention block size; without it, an engine lets one block span
+    ``max_model_len`` so that a request holds one state block.
+
+    ``mamba_cache_mode`` is ``"none"`` or ``"align"`` (required when prefix caching is on);
+    ``num_speculative_blocks`` extra state blocks serve draft tokens (speculative decoding);
+    ``num_prefill_checkpoint_blocks`` (0 or 1) and ``prefill_checkpoint_alignment`` describe
+    kernels that can export the block-boundary state from inside one prefill chunk.
     """
 
     block_size: int
     state_bytes: int
     page_size_padded: int | None = None
+    mamba_cache_mode: str = "none"
+    num_speculative_blocks: int = 0
+    num_prefill_checkpoint_blocks: int = 0
+    prefill_checkpoint_alignment: int | None = None
 
     def __post_init__(self) -> None:
         check_positive("block_size", self.block_size)
         check_positive("state_bytes", self.state_bytes)
-        if self.page_size_padded is not None and self.page_size_padded < self.state_bytes:
+        if self.page_size_padded is not None and (
+            not isinstance(self.page_size_padded, int) or self.page_size_padded < self.state_bytes
+        ):
             raise ValueError(
                 f"page_size_padded must be at least state_bytes ({self.state_bytes}), "
                 f"got {self.page_size_padded!r}"
             )
+        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise ValueError(
+                f"mamba_cache_mode must be one of {MAMBA_CACHE_MODES}, "
+                f"got {self.mamba_cache_mode!r}"
+            )
+        check_non_negative("num_speculative_blocks", self.num_speculative_blocks)
+        if self.num_prefill_checkpoint_blocks not in (0, 1) or isinstance(
+            self.num_prefill_checkpoint_blocks, bool
+        ):
+            raise ValueError(
+                "num_prefill_checkpoint_blocks must be 0 or 1, "
+                f"got {self.num_prefill_checkpoint_blocks!r}"
+            )
+        if self.prefill_checkpoint_alignment is not None:
+            check_positive("prefill_checkpoint_alignment", self.prefill_checkpoint_alignment)
 
     @property
     def page_size_bytes(self) -> int:

@@ -9,6 +9,8 @@ The reference managers call these functions, so the checked rule *is* the implem
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Sequence
 
 
@@ -403,3 +405,213 @@ def sliding_window_hit_blocks_skip(cached: Sequence[bool], needed: int) -> tuple
     while run < end and cached[run]:
         run += 1
     return run, 0
+
+
+# --- Engine features: block sizes, Mamba checkpoints, sparse retention, EAGLE ----------------
+
+
+def scheduler_block_size(block_sizes: Sequence[int]) -> int:
+    """The scheduler's block: the lcm of the groups' block sizes, so every hit ends on a block
+    boundary of every group (groups may have different block sizes).
+
+    pre: 0 < len(block_sizes) <= 3
+    pre: all(0 < b <= 64 for b in block_sizes)
+    post: all(__return__ % b == 0 for b in block_sizes)
+    post: max(block_sizes) <= __return__ <= math.prod(block_sizes)
+    """
+    return functools.reduce(math.lcm, block_sizes)
+
+
+def hash_block_size(block_sizes: Sequence[int], *, lcm_hashing: bool) -> int:
+    """Tokens per block hash: the gcd of the block sizes, so that every group's block is a whole
+    number of hashes; the lcm when nothing will be looked up at a finer grain (caching off, or
+    a Mamba group in ``"none"`` mode).
+
+    pre: 0 < len(block_sizes) <= 3
+    pre: all(0 < b <= 64 for b in block_sizes)
+    post: all(b % __return__ == 0 for b in block_sizes) or lcm_hashing
+    post: not lcm_hashing or all(__return__ % b == 0 for b in block_sizes)
+    """
+    if lcm_hashing:
+        return functools.reduce(math.lcm, block_sizes)
+    return functools.reduce(math.gcd, block_sizes)
+
+
+def replay_boundaries(
+    num_prompt_tokens: int, scheduler_block_size: int, use_eagle: bool
+) -> tuple[int, ...]:
+    """Token positions a later request replaying this prompt can resume at.
+
+    A resend is capped at ``num_prompt_tokens − 1`` (its last token is recomputed for its
+    logits). With the EAGLE drop a hit ends one scheduler block lower, at the resend's or at a
+    longer sibling's aligned length.
+
+    pre: 0 <= num_prompt_tokens <= 1000
+    pre: 0 < scheduler_block_size <= 64
+    post: 0 < len(__return__) <= 2
+    post: use_eagle or __return__ == (num_prompt_tokens - 1,)
+    post: not use_eagle or all(b % scheduler_block_size == 0 and b >= 0 for b in __return__)
+    """
+    if not use_eagle:
+        return (num_prompt_tokens - 1,)
+    block = scheduler_block_size
+    resend = (num_prompt_tokens - 1) // block * block
+    extension = num_prompt_tokens // block * block
+    return tuple(sorted({max(resend - block, 0), max(extension - block, 0)}))
+
+
+def sliding_window_contiguous_blocks(sliding_window: int, block_size: int, use_eagle: bool) -> int:
+    """Cached blocks a sliding-window hit must end with: ``cdiv(window − 1, B)``, one more with
+    the EAGLE drop (the extra block is matched, then dropped so the drafter recomputes it).
+
+    pre: 0 < sliding_window <= 1_000
+    pre: 0 < block_size <= 64
+    post: __return__ == sliding_window_hit_blocks_needed(sliding_window, block_size) + use_eagle
+    """
+    return cdiv(sliding_window - 1, block_size) + (1 if use_eagle else 0)
+
+
+def mamba_prefill_checkpoint_position(
+    num_tokens: int, hash_block_size: int, drop_eagle_block: bool, num_hash_lookahead_tokens: int
+) -> int:
+    """The last hash boundary whose Mamba state a later request can reuse, for a prefill of
+    ``num_tokens`` tokens.
+
+    At least one token is left for its logits (or the lookahead tokens a hash needs); with the
+    EAGLE drop the checkpoint moves one hash block lower instead.
+
+    pre: 0 <= num_tokens <= 1000
+    pre: 0 < hash_block_size <= 64
+    pre: 0 <= num_hash_lookahead_tokens <= 4
+    post: __return__ % hash_block_size == 0
+    post: 0 <= __return__ < max(num_tokens, 1)
+    """
+    proof_limit = num_tokens if drop_eagle_block else num_tokens - max(1, num_hash_lookahead_tokens)
+    position = max(proof_limit, 0) // hash_block_size * hash_block_size
+    if drop_eagle_block:
+        position -= hash_block_size
+    return max(position, 0)
+
+
+def mamba_prefill_checkpoint_valid(
+    query_start: int,
+    query_end: int,
+    checkpoint_position: int,
+    hash_block_size: int,
+    mamba_block_size: int,
+    checkpoint_alignment: int | None,
+) -> bool:
+    """Whether a kernel can export the state at ``checkpoint_position`` from inside the prefill
+    chunk ``[query_start, query_end)``.
+
+    The chunk must start on a hash boundary at least one hash block below the checkpoint, the
+    checkpoint must lie strictly inside it at a multiple of ``checkpoint_alignment`` from its
+    start, and its block must differ from the one that holds the chunk's initial state.
+
+    pre: 0 <= query_start <= query_end <= 1000
+    pre: 0 <= checkpoint_position <= 1000
+    pre: 0 < hash_block_size <= mamba_block_size <= 64
+    pre: checkpoint_alignment is None or 0 < checkpoint_alignment <= 64
+    post: not __return__ or query_start < checkpoint_position < query_end
+    post: not __return__ or checkpoint_alignment is not None
+    """
+    if checkpoint_alignment is None:
+        return False
+    initial_state_col = (query_start - 1) // mamba_block_size
+    checkpoint_col = cdiv(query_end, mamba_block_size) - 2
+    return (
+        query_start % hash_block_size == 0
+        and checkpoint_col > initial_state_col
+        and query_start + hash_block_size <= checkpoint_position
+        and query_start < checkpoint_position < query_end
+        and (checkpoint_position - query_start) % checkpoint_alignment == 0
+    )
+
+
+def sliding_window_retention_mask(
+    start_block: int,
+    end_block: int,
+    *,
+    alignment_tokens: int,
+    block_size: int,
+    contiguous_blocks: int,
+    use_eagle: bool,
+    retention_interval: int | None,
+    reachable_boundaries: Sequence[int],
+) -> tuple[bool, ...] | None:
+    """Which of positions ``start_block … end_block − 1`` a sliding-window group caches
+    (``None``: all of them).
+
+    A hit at an aligned length needs only the ``contiguous_blocks`` ending there, so each
+    aligned segment keeps just its tail: dense retention (``None``) at every
+    ``alignment_tokens`` boundary, a positive interval once per interval, ``0`` none. With any
+    sparse setting the tails ending at the reachable boundaries (a replay, a shared prefix) are
+    kept too. With the EAGLE drop the tail ends one block past the boundary.
+
+    pre: 0 <= start_block <= end_block <= 12
+    pre: 0 < block_size <= 8 and 0 < alignment_tokens <= 32
+    pre: 0 <= contiguous_blocks <= 6
+    pre: retention_interval is None or 0 <= retention_interval <= 64
+    pre: len(reachable_boundaries) <= 3 and all(0 <= b <= 100 for b in reachable_boundaries)
+    post: __return__ is None or len(__return__) == end_block - start_block
+    """
+    if alignment_tokens % block_size != 0:
+        return None
+    shift = 1 if use_eagle else 0
+    mask = [False] * (end_block - start_block)
+    segment_tokens = (
+        alignment_tokens
+        if retention_interval is None
+        else (None if retention_interval == 0 else retention_interval)
+    )
+    if segment_tokens is not None:
+        per_segment = segment_tokens // block_size
+        if contiguous_blocks >= per_segment:
+            return None
+        for i in range(start_block, end_block):
+            if i >= shift and (i - shift) % per_segment >= per_segment - contiguous_blocks:
+                mask[i - start_block] = True
+    if retention_interval is not None:
+        for boundary in reachable_boundaries:
+            end = boundary // alignment_tokens * alignment_tokens // block_size + shift
+            for j in range(max(start_block, end - contiguous_blocks), min(end_block, end)):
+                mask[j - start_block] = True
+    return tuple(mask)
+
+
+def mamba_retention_mask(
+    start_block: int,
+    end_block: int,
+    *,
+    alignment_tokens: int,
+    block_size: int,
+    retention_interval: int | None,
+    reachable_boundaries: Sequence[int],
+) -> tuple[bool, ...] | None:
+    """Which Mamba states of positions ``start_block … end_block − 1`` are cached (``None``:
+    all). Position ``i`` holds the state after ``(i + 1) × block_size`` tokens, and a hit needs
+    that one state only: dense keeps all, ``0`` only those at the reachable boundaries, a
+    positive interval also one per interval.
+
+    pre: 0 <= start_block <= end_block <= 12
+    pre: 0 < block_size <= 8 and 0 < alignment_tokens <= 32
+    pre: retention_interval is None or 0 <= retention_interval <= 64
+    pre: len(reachable_boundaries) <= 3 and all(-8 <= b <= 100 for b in reachable_boundaries)
+    post: __return__ is None or len(__return__) == end_block - start_block
+    post: retention_interval is not None or __return__ is None
+    """
+    if retention_interval is None:
+        return None
+    mask = [False] * (end_block - start_block)
+    if retention_interval > 0:
+        per_segment = retention_interval // block_size
+        if per_segment <= 1:
+            return None
+        first_boundary = (start_block + per_segment) // per_segment * per_segment - 1
+        for i in range(first_boundary - start_block, len(mask), per_segment):
+            mask[i] = True
+    for boundary in reachable_boundaries:
+        boundary_block = boundary // alignment_tokens * alignment_tokens // block_size - 1
+        if start_block <= boundary_block < end_block:
+            mask[boundary_block - start_block] = True
+    return tuple(mask)
