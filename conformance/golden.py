@@ -4,6 +4,10 @@ Each trace is a scenario (KV cache groups, pool size, operations) and what vLLM 
 every operation; ``vectors/README.md`` gives the format. The replay plays the scheduler's part
 exactly as the recorder did (how ``n`` is chosen, how ``num_computed_tokens`` advances) and
 compares every observation field, stopping at the first difference.
+
+Two sets are packaged: ``gen_*`` (189 traces, vLLM's unit-test defaults) and ``eng_*`` (150
+traces, what an engine runs: Mamba prefix caching, different block sizes, sparse retention,
+full-prompt admission, speculative decoding; the README's "Engine features").
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from hybridkv.spec import (
     KVCacheConfig,
     KVCacheGroup,
     KVCacheSpec,
+    MambaSpec,
     SlidingWindowSpec,
+    rules,
 )
 
 Json = dict[str, Any]
@@ -50,13 +56,20 @@ class Divergence:
         )
 
 
-def trace_names() -> list[str]:
-    """Names of the packaged traces, sorted."""
+TRACE_SETS = {"unit": "gen_", "engine": "eng_"}
+"""The packaged trace sets and the prefix of their names."""
+
+
+def trace_names(trace_set: str | None = None) -> list[str]:
+    """Names of the packaged traces of one set (``"unit"`` or ``"engine"``; all by default)."""
+    if trace_set is not None and trace_set not in TRACE_SETS:
+        raise ValueError(f"trace_set must be one of {sorted(TRACE_SETS)}, got {trace_set!r}")
+    prefix = "" if trace_set is None else TRACE_SETS[trace_set]
     folder = resources.files("hybridkv.conformance") / "vectors"
     return sorted(
         entry.name.removesuffix(".json.gz")
         for entry in folder.iterdir()
-        if entry.name.endswith(".json.gz")
+        if entry.name.endswith(".json.gz") and entry.name.startswith(prefix)
     )
 
 
@@ -70,6 +83,15 @@ def load_trace(name: str) -> Json:
 
 def _group_spec(group: Json) -> KVCacheSpec:
     # Layer sizes do not matter to the manager: the recorder used 1 head × size 1 × float32.
+    if group["kind"] == "mamba":
+        return MambaSpec(
+            block_size=group["block_size"],
+            state_bytes=group.get("state_bytes", 64),
+            mamba_cache_mode=group.get("mamba_cache_mode", "none"),
+            num_speculative_blocks=group.get("num_speculative_blocks", 0),
+            num_prefill_checkpoint_blocks=group.get("num_prefill_checkpoint_blocks", 0),
+            prefill_checkpoint_alignment=group.get("prefill_checkpoint_alignment"),
+        )
     common = {
         "block_size": group["block_size"],
         "num_kv_heads": 1,
@@ -91,11 +113,42 @@ def scenario_config(scenario: Json) -> KVCacheConfig:
     """The ``KVCacheConfig`` a scenario describes (groups with equal specs stay separate)."""
     groups = tuple(
         KVCacheGroup(
-            tuple(f"g{gid}.layer{i}" for i in range(group["num_layers"])), _group_spec(group)
+            tuple(f"g{gid}.layer{i}" for i in range(group["num_layers"])),
+            _group_spec(group),
+            is_eagle_group=group.get("is_eagle_group", False),
         )
         for gid, group in enumerate(scenario["groups"])
     )
-    return KVCacheConfig(num_blocks=scenario["num_blocks"], groups=groups)
+    return KVCacheConfig(
+        num_blocks=scenario["num_blocks"],
+        groups=groups,
+        prefix_cache_retention_interval=scenario.get("prefix_cache_retention_interval"),
+    )
+
+
+def engine_options(scenario: Json) -> dict[str, Any]:
+    """The manager keywords a scenario sets (none for the unit-test traces)."""
+    options: dict[str, Any] = {}
+    if scenario.get("max_in_flight_tokens") is not None:
+        options["max_in_flight_tokens"] = scenario["max_in_flight_tokens"]
+    if scenario.get("use_eagle"):
+        options["use_eagle"] = True
+    if scenario.get("num_hash_lookahead_tokens"):
+        options["num_hash_lookahead_tokens"] = scenario["num_hash_lookahead_tokens"]
+    return options
+
+
+def scenario_hash_block_size(scenario: Json) -> int:
+    """The hash block size vLLM resolves for a scenario: one group's block size; several
+    groups' gcd, or their lcm with caching off or a Mamba group in ``"none"`` mode."""
+    sizes = [group["block_size"] for group in scenario["groups"]]
+    if len(sizes) == 1:
+        return int(sizes[0])
+    lcm_hashing = not scenario["enable_caching"] or any(
+        g["kind"] == "mamba" and g.get("mamba_cache_mode", "none") == "none"
+        for g in scenario["groups"]
+    )
+    return rules.hash_block_size(sizes, lcm_hashing=lcm_hashing)
 
 
 @dataclass
@@ -111,11 +164,16 @@ class TraceReplay:
     def __init__(self, trace: Json, factory: ManagerFactory) -> None:
         scenario = trace["scenario"]
         self.trace = trace
-        self.block_size: int = scenario["groups"][0]["block_size"]
+        self.hash_block_size = scenario_hash_block_size(scenario)
         self.max_model_len: int = scenario["max_model_len"]
         self.num_blocks: int = scenario["num_blocks"]
+        self.num_hash_lookahead_tokens: int = scenario.get("num_hash_lookahead_tokens", 0)
+        self.record_boundary: bool = scenario.get("record_shared_prefix_boundary", False)
         self.manager: KVCacheManagerLike = factory(
-            scenario_config(scenario), self.max_model_len, scenario["enable_caching"]
+            scenario_config(scenario),
+            self.max_model_len,
+            scenario["enable_caching"],
+            **engine_options(scenario),
         )
         self.requests: dict[str, _RequestState] = {}
 
@@ -135,20 +193,25 @@ class TraceReplay:
             request = Request(
                 op["rid"],
                 op["prompt"],
-                hash_block_size=self.block_size,
+                hash_block_size=self.hash_block_size,
                 cache_salt=op.get("cache_salt"),
+                skip_reading_prefix_cache=op.get("skip_reading_prefix_cache", False),
+                num_hash_lookahead_tokens=self.num_hash_lookahead_tokens,
             )
             self.requests[op["rid"]] = _RequestState(request)
             return {}
+        if kind == "new_step":
+            m.new_step_starts()
+            return {}
         if kind == "lookup":
-            state = self.requests[op["rid"]]
-            blocks, hit = m.get_computed_blocks(state.request)
-            state.lookup = (blocks, hit)
-            return {"hit_tokens": hit, "hit_block_ids": [list(g) for g in blocks.get_block_ids()]}
+            return self._lookup(op)
         if kind == "allocate":
             return self._allocate(op)
         if kind == "append":
-            self.requests[op["rid"]].request.append_output_token_ids(op["tokens"])
+            request = self.requests[op["rid"]].request
+            request.append_output_token_ids(op["tokens"])
+            # Accepted drafts were computed by the step that proposed them.
+            request.num_computed_tokens += op.get("num_accepted_draft_tokens", 0)
             return {}
         if kind in ("free", "preempt"):
             state = self.requests[op["rid"]]
@@ -173,6 +236,19 @@ class TraceReplay:
             }
         raise ValueError(f"op {kind!r} is not an operation the traces use")
 
+    def _lookup(self, op: Json) -> Json:
+        state = self.requests[op["rid"]]
+        blocks, hit, boundary = self.manager.get_computed_blocks(state.request)
+        state.lookup = (blocks, hit)
+        observed: Json = {
+            "hit_tokens": hit,
+            "hit_block_ids": [list(g) for g in blocks.get_block_ids()],
+        }
+        if self.record_boundary:
+            state.request.shared_prefix_boundary = boundary
+            observed["shared_prefix_boundary"] = boundary
+        return observed
+
     def _allocate(self, op: Json) -> Json:
         state = self.requests[op["rid"]]
         request = state.request
@@ -194,6 +270,7 @@ class TraceReplay:
             num_new_computed_tokens=hit,
             new_computed_blocks=hit_blocks,
             num_lookahead_tokens=op["num_lookahead_tokens"],
+            **({"full_sequence_must_fit": True} if op.get("full_sequence_must_fit") else {}),
         )
         if new is None:
             observed["new_block_ids"] = None

@@ -13,13 +13,14 @@ from hybridkv.reference.events import KVCacheEvent, PrefixCacheStats
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import RequestLike
 from hybridkv.reference.snapshot import PoolSnapshot
-from hybridkv.spec import KVCacheConfig
 
 
 class KVCacheManagerLike(Protocol):
     """The methods the conformance suite calls."""
 
-    def get_computed_blocks(self, request: RequestLike) -> tuple[KVCacheBlocks, int]: ...
+    def get_computed_blocks(self, request: RequestLike) -> tuple[KVCacheBlocks, int, int]: ...
+
+    def new_step_starts(self) -> None: ...
 
     def allocate_slots(
         self,
@@ -29,6 +30,8 @@ class KVCacheManagerLike(Protocol):
         new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
+        *,
+        full_sequence_must_fit: bool = False,
     ) -> KVCacheBlocks | None: ...
 
     def free(self, request: RequestLike) -> None: ...
@@ -54,5 +57,7 @@ class KVCacheManagerLike(Protocol):
     def check_invariants(self) -> None: ...
 
 
-ManagerFactory = Callable[[KVCacheConfig, int, bool], KVCacheManagerLike]
-"""Builds a manager from (config, max_model_len, enable_caching)."""
+ManagerFactory = Callable[..., KVCacheManagerLike]
+"""Builds a manager from ``(config, max_model_len, enable_caching)`` and, for the engine traces,
+the manager's engine keywords (``max_in_flight_tokens``, ``use_eagle``,
+``num_hash_lookahead_tokens``), passed only when a scenario sets them."""

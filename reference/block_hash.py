@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from operator import itemgetter
 from typing import NewType
 
@@ -32,8 +33,19 @@ def sha256_cbor(value: object) -> bytes:
     return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
 
 
-NONE_HASH = BlockHash(sha256_cbor("vllm-none-hash"))
-"""The parent hash of a request's first block."""
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+"""The seed of ``NONE_HASH`` when ``PYTHONHASHSEED`` is not set."""
+
+
+def none_hash_seed(environ: Mapping[str, str] = os.environ) -> str:
+    """The seed ``NONE_HASH`` derives from: ``PYTHONHASHSEED`` when set, as an engine does, so
+    that two processes started with the same seed share prefix-cache keys."""
+    return environ.get("PYTHONHASHSEED", DEFAULT_NONE_HASH_SEED)
+
+
+NONE_HASH = BlockHash(sha256_cbor(none_hash_seed()))
+"""The parent hash of a request's first block: SHA-256 of the CBOR of the seed, read once when
+the module is imported (an engine reads it once at start-up too)."""
 
 
 def extra_keys_for_block(block_index: int, cache_salt: str | None) -> ExtraKeys:
@@ -118,6 +130,40 @@ def hash_leading_special_blocks(
         return []
     tokens = token_ids[start_block * block_size : (start_block + 1) * block_size]
     return [hash_block_tokens(parent_hash, tokens, extra_keys)]
+
+
+def hash_full_blocks_lookahead(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    start_block: int,
+    parent_hash: BlockHash | None,
+    cache_salt: str | None,
+    num_lookahead_tokens: int,
+) -> list[BlockHash]:
+    """Hashes that also cover the ``num_lookahead_tokens`` tokens after each block (EAGLE/MTP
+    drafting with lookahead block hashes).
+
+    A drafter's KV at a block's last position depends on the tokens that follow it, so the hash
+    of block ``i`` is that of ``[parent, tokens, [extra_keys, *next_tokens]]`` and exists only
+    once those tokens do: a 48-token prompt with block size 16 and one lookahead token has two
+    hashes, not three.
+    """
+    hashes: list[BlockHash] = []
+    parent = parent_hash
+    num_hashable = (len(token_ids) - num_lookahead_tokens) // block_size
+    for index in range(start_block, max(num_hashable, start_block)):
+        end = (index + 1) * block_size
+        tokens = token_ids[end - block_size : end]
+        extra = (
+            extra_keys_for_block(index, cache_salt),
+            *token_ids[end : end + num_lookahead_tokens],
+        )
+        parent = BlockHash(
+            sha256_cbor((NONE_HASH if parent is None else parent, tuple(tokens), extra))
+        )
+        hashes.append(parent)
+    return hashes
 
 
 def hash_full_blocks_cbor2(

@@ -22,13 +22,34 @@ from hybridkv.reference.request import RequestLike
 from hybridkv.spec.errors import require
 
 
+def hashes_at_block_size(
+    block_hashes: Sequence[BlockHash], hash_block_size: int, block_size: int
+) -> Sequence[BlockHash]:
+    """The request's hashes viewed at ``block_size``: every hash chains over its whole prefix,
+    so a larger block's key is the hash at its last hash boundary (hash block 16, block 32:
+    hashes 1, 3, 5, …)."""
+    if block_size == hash_block_size:
+        return block_hashes
+    scale = block_size // hash_block_size
+    return block_hashes[scale - 1 :: scale]
+
+
 class BlockPool:
     """Blocks ``0 … num_blocks − 1``; block 0 is the null block and is never free."""
 
     def __init__(
-        self, num_blocks: int, *, enable_caching: bool, enable_kv_cache_events: bool = False
+        self,
+        num_blocks: int,
+        *,
+        enable_caching: bool,
+        enable_kv_cache_events: bool = False,
+        hash_block_size: int = 1,
+        num_hash_lookahead_tokens: int = 0,
     ) -> None:
         self.num_blocks = num_blocks
+        # Tokens per block hash, and the tokens after a block that its hash also covers.
+        self.hash_block_size = hash_block_size
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
@@ -36,6 +57,8 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         # Insertion-ordered: a lookup returns the first block cached under a key.
         self.cached_block_hash_to_block: dict[BlockHashWithGroupId, dict[int, KVCacheBlock]] = {}
+        # Keys of a block beside its primary one (a partial entry next to a full-block key).
+        self.extra_keys_by_block: dict[int, set[BlockHashWithGroupId]] = {}
         self.events: list[KVCacheEvent] = []
 
     # --- Free blocks ------------------------------------------------------------------------
@@ -53,7 +76,7 @@ class BlockPool:
         """Take ``num_blocks`` from the head of the free queue, evicting their cached hashes."""
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
-            self._maybe_evict_cached_block(block)
+            self.maybe_evict_cached_block(block)
             block.ref_cnt += 1
         return blocks
 
@@ -80,7 +103,8 @@ class BlockPool:
                 continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                (keep if block.block_hash is not None else reuse_first).append(block)
+                cached = block.block_hash is not None and self.enable_caching
+                (keep if cached else reuse_first).append(block)
         self.free_block_queue.prepend_n(reuse_first)
         self.free_block_queue.append_n(keep)
 
@@ -111,23 +135,30 @@ class BlockPool:
         num_full_blocks: int,
         block_size: int,
         group_id: int,
+        block_mask: Sequence[bool] | None = None,
     ) -> None:
         """Enter positions ``num_cached_blocks … num_full_blocks − 1`` of a table into the cache.
 
-        Null positions are skipped: they hold no KV. A block whose tokens are already cached
-        under another block is cached too; lookups keep returning the first.
+        Null positions are skipped: they hold no KV; so are positions ``block_mask`` rules out
+        (blocks no cache hit can ever use, under sparse retention). A block whose tokens are
+        already cached under another block is cached too; lookups keep returning the first. A
+        block that already holds a partial entry (a hash boundary inside it) trades it for its
+        full-block key.
         """
+        hashes = hashes_at_block_size(request.block_hashes, self.hash_block_size, block_size)
         new_hashes: list[BlockHash] = []
         for index in range(num_cached_blocks, num_full_blocks):
             block = blocks[index]
-            if block.is_null:
+            if block.is_null or (
+                block_mask is not None and not block_mask[index - num_cached_blocks]
+            ):
                 continue
-            key = (request.block_hashes[index], group_id)
-            block.block_hash = key
-            self.cached_block_hash_to_block.setdefault(key, {})[block.block_id] = block
-            new_hashes.append(key[0])
+            if block.block_hash is not None:
+                self._remove_cached_block_hashes(block)
+            self._insert_block_hash((hashes[index], group_id), block, (index + 1) * block_size)
+            new_hashes.append(hashes[index])
         if self.enable_kv_cache_events:
-            parent = request.block_hashes[num_cached_blocks - 1] if num_cached_blocks else None
+            parent = hashes[num_cached_blocks - 1] if num_cached_blocks else None
             tokens = request.all_token_ids[
                 num_cached_blocks * block_size : num_full_blocks * block_size
             ]
@@ -135,26 +166,95 @@ class BlockPool:
                 BlockStored(tuple(new_hashes), parent, tuple(tokens), block_size, group_id)
             )
 
-    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> None:
-        """A block taken for new tokens forgets its cached hash (this block only)."""
-        key = block.block_hash
-        if key is None:
+    def cache_partial_block(
+        self,
+        request: RequestLike,
+        block: KVCacheBlock,
+        *,
+        num_tokens: int,
+        group_id: int,
+        replace_existing_hashes: bool = False,
+    ) -> BlockHashWithGroupId | None:
+        """Make ``block`` reachable from the hash boundary at ``num_tokens`` inside it.
+
+        The key is the request's hash at that boundary (every hash chains over its whole
+        prefix). A block holding a shorter entry trades it for this one; with
+        ``replace_existing_hashes`` (its contents were replaced) it drops every entry first.
+        Returns the key, or ``None`` for the null block.
+        """
+        if block.is_null:
+            return None
+        key = (request.block_hashes[num_tokens // self.hash_block_size - 1], group_id)
+        entry = self.cached_block_hash_to_block.get(key, {})
+        already = block.block_hash == key or block.block_id in entry
+        if replace_existing_hashes:
+            self._remove_cached_block_hashes(block)
+            already = False
+        elif (
+            not already
+            and block.block_hash_num_tokens is not None
+            and block.block_hash_num_tokens < num_tokens
+        ):
+            self._remove_cached_block_hashes(block)
+        self._insert_block_hash(key, block, num_tokens)
+        if self.enable_kv_cache_events and not already:
+            start = num_tokens - self.hash_block_size
+            parent = request.block_hashes[start // self.hash_block_size - 1] if start else None
+            tokens = tuple(request.all_token_ids[start:num_tokens])
+            self.events.append(
+                BlockStored((key[0],), parent, tokens, self.hash_block_size, group_id)
+            )
+        return key
+
+    def _insert_block_hash(
+        self, key: BlockHashWithGroupId, block: KVCacheBlock, num_tokens: int
+    ) -> None:
+        """Enter ``key → block``: as the block's primary key if it has none, else beside it."""
+        if block.block_hash == key:
             return
+        entry = self.cached_block_hash_to_block.setdefault(key, {})
+        if block.block_id in entry:
+            return
+        if block.block_hash is None:
+            block.block_hash = key
+            block.block_hash_num_tokens = num_tokens
+        else:
+            self.extra_keys_by_block.setdefault(block.block_id, set()).add(key)
+        entry[block.block_id] = block
+
+    def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[BlockHashWithGroupId]:
+        """Drop every key of ``block`` from the cache (announcing each); return them."""
+        keys: list[BlockHashWithGroupId] = []
+        if block.block_hash is not None:
+            keys.append(block.block_hash)
+        keys.extend(self.extra_keys_by_block.pop(block.block_id, ()))
+        removed: list[BlockHashWithGroupId] = []
+        for key in keys:
+            entry = self.cached_block_hash_to_block.get(key)
+            if entry is None or entry.pop(block.block_id, None) is None:
+                continue
+            if not entry:
+                del self.cached_block_hash_to_block[key]
+            removed.append(key)
         block.block_hash = None
-        blocks = self.cached_block_hash_to_block[key]
-        del blocks[block.block_id]
-        if not blocks:
-            del self.cached_block_hash_to_block[key]
+        block.block_hash_num_tokens = None
         if self.enable_kv_cache_events:
-            self.events.append(BlockRemoved((key[0],), key[1]))
+            self.events.extend(BlockRemoved((key[0],), key[1]) for key in removed)
+        return removed
+
+    def maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """Forget every cached key of ``block`` (this block only); whether it held any."""
+        return bool(self._remove_cached_block_hashes(block))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash, only when no request holds a block; keep the queue order."""
         if self.num_free_blocks != self.num_blocks - 1:
             return False
         self.cached_block_hash_to_block = {}
+        self.extra_keys_by_block = {}
         for block in self.blocks:
             block.block_hash = None
+            block.block_hash_num_tokens = None
         if self.enable_kv_cache_events:
             self.events.append(AllBlocksCleared())
         return True
@@ -179,10 +279,14 @@ class BlockPool:
             require(bool(blocks), f"an empty cache entry for group {key[1]}")
             for block_id, block in blocks.items():
                 require(
-                    block.block_id == block_id and block.block_hash == key,
+                    block.block_id == block_id
+                    and (
+                        block.block_hash == key or key in self.extra_keys_by_block.get(block_id, ())
+                    ),
                     f"cache entry of group {key[1]} points at block {block_id} holding another key",
                 )
                 cached += 1
         hashed = sum(1 for b in self.blocks if b.block_hash is not None)
+        hashed += sum(len(keys) for keys in self.extra_keys_by_block.values())
         require(hashed == cached, f"{hashed} blocks hold a hash but {cached} are in the cache")
         require(self.null_block.block_hash is None, "the null block holds a hash")

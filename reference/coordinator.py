@@ -7,45 +7,91 @@ results. Which coordinator runs depends on the configuration:
 - ``UnitaryCoordinator``: one group; its longest hit is the request's.
 - ``HybridCoordinator``: several groups, any mix of types, with or without full attention. A hit
   must be valid for every type, so the groups' hits are intersected (Prefix caching, Case 2).
+
+Groups may have different block sizes: block hashes are computed every ``hash_block_size``
+tokens (their gcd) and hits land on multiples of the ``scheduler_block_size`` (their lcm), the
+boundaries every group can stop at.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.block_pool import BlockPool
+from hybridkv.reference.engine_settings import EngineSettings
 from hybridkv.reference.kv_cache_block import KVCacheBlock
 from hybridkv.reference.request import RequestLike
-from hybridkv.reference.single_type_managers import SingleTypeKVCacheManager, manager_class
-from hybridkv.spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec
-
-BlocksPerGroup = tuple[list[KVCacheBlock], ...]
+from hybridkv.reference.single_type_managers import (
+    BlocksPerGroup,
+    MambaManager,
+    SingleTypeKVCacheManager,
+    manager_class,
+    prompt_tokens,
+)
+from hybridkv.spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    rules,
+)
 
 
 class KVCacheCoordinator(ABC):
     """Operations applied to every group in group order (group 0 first)."""
 
     def __init__(
-        self, config: KVCacheConfig, *, enable_caching: bool, enable_kv_cache_events: bool
+        self,
+        config: KVCacheConfig,
+        settings: EngineSettings,
+        *,
+        enable_caching: bool,
+        enable_kv_cache_events: bool,
     ) -> None:
         self.config = config
+        self.settings = settings
+        self.scheduler_block_size = settings.scheduler_block_size
+        self.retention_interval = config.prefix_cache_retention_interval
         self.block_pool = BlockPool(
             config.num_blocks,
             enable_caching=enable_caching,
             enable_kv_cache_events=enable_kv_cache_events,
+            hash_block_size=settings.hash_block_size,
+            num_hash_lookahead_tokens=settings.num_hash_lookahead_tokens,
         )
         self.managers: list[SingleTypeKVCacheManager] = [
-            manager_class(group.spec)(group.spec, self.block_pool, group_id)
+            manager_class(group.spec)(
+                group.spec,
+                self.block_pool,
+                group_id,
+                scheduler_block_size=settings.scheduler_block_size,
+                enable_caching=enable_caching,
+                max_admission_blocks=_max_admission_blocks(group.spec, settings),
+            )
             for group_id, group in enumerate(config.groups)
         ]
+        # Groups whose hits take the EAGLE last-block drop: the flagged drafter groups, or every
+        # group when none is flagged.
+        eagle_ids = {i for i, group in enumerate(config.groups) if group.is_eagle_group}
+        if settings.use_eagle and not eagle_ids:
+            eagle_ids = set(range(len(config.groups)))
+        self.drop_eagle_group_ids = eagle_ids if settings.use_eagle else set()
+        if settings.use_eagle:
+            for manager in self.managers:
+                if isinstance(manager, MambaManager):
+                    manager.drop_eagle_checkpoint_block = True
 
     @abstractmethod
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
-    ) -> tuple[BlocksPerGroup, int]:
-        """The blocks per group and the length (tokens) of the request's longest cache hit."""
+    ) -> tuple[BlocksPerGroup, int, int]:
+        """The blocks per group and the length (tokens) of the request's longest cache hit, and
+        how far beyond it some type alone found the prefix cached (0 unless hybrid)."""
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         for manager in self.managers:
@@ -56,28 +102,66 @@ class KVCacheCoordinator(ABC):
         request_id: str,
         num_tokens: int,
         new_computed_blocks: BlocksPerGroup,
-        num_computed_tokens: int,
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+        *,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
     ) -> int:
-        """Free blocks the allocation would consume, summed over groups (all checked together)."""
+        """Free blocks the allocation would consume, summed over groups (all checked together).
+
+        Only under the engine's sparse retention (interval 0) does Mamba reserve its prefill
+        checkpoint on the prefill's last chunk alone; otherwise every chunk publishes a state.
+        """
+        if self.retention_interval != 0:
+            prefill_end = 0
         return sum(
-            manager.get_num_blocks_to_allocate(request_id, num_tokens, blocks, num_computed_tokens)
+            manager.get_num_blocks_to_allocate(
+                request_id,
+                num_tokens,
+                blocks,
+                total_computed_tokens,
+                num_tokens_main_model,
+                apply_admission_cap=apply_admission_cap,
+                prefill_end=prefill_end,
+            )
             for manager, blocks in zip(self.managers, new_computed_blocks, strict=True)
         )
 
     def allocate_new_computed_blocks(
         self, request_id: str, new_computed_blocks: BlocksPerGroup, num_computed_tokens: int
     ) -> None:
+        """Adopt an admitted request's hit in every group (a running request adopts none)."""
+        if any(request_id in manager.num_cached_block for manager in self.managers):
+            return
         for manager, blocks in zip(self.managers, new_computed_blocks, strict=True):
-            manager.allocate_new_computed_blocks(request_id, blocks, num_computed_tokens)
+            manager.add_local_computed_blocks(request_id, blocks, num_computed_tokens)
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> BlocksPerGroup:
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int
+    ) -> BlocksPerGroup:
         return tuple(
-            manager.allocate_new_blocks(request_id, num_tokens) for manager in self.managers
+            manager.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+            for manager in self.managers
         )
 
+    def num_cacheable_tokens(self, num_tokens: int, manager: SingleTypeKVCacheManager) -> int:
+        """Tokens of ``num_tokens`` worth caching in this group (all, for one group)."""
+        return num_tokens
+
     def cache_blocks(self, request: RequestLike, num_tokens: int) -> None:
+        """Each caching group caches its blocks; sparse groups keep the replay boundaries."""
+        boundaries = rules.replay_boundaries(
+            prompt_tokens(request), self.scheduler_block_size, bool(self.drop_eagle_group_ids)
+        )
         for manager in self.managers:
-            manager.cache_blocks(request, num_tokens)
+            if manager.enable_caching:
+                manager.cache_blocks(
+                    request,
+                    self.num_cacheable_tokens(num_tokens, manager),
+                    self.retention_interval,
+                    boundaries,
+                )
 
     def free(self, request_id: str) -> None:
         """Each group releases its table as one batch, groups in order."""
@@ -87,25 +171,83 @@ class KVCacheCoordinator(ABC):
     def get_blocks(self, request_id: str) -> BlocksPerGroup:
         return tuple(manager.get_blocks(request_id) for manager in self.managers)
 
+    def new_step_starts(self) -> None:
+        for manager in self.managers:
+            manager.new_step_starts()
+
+
+def _max_admission_blocks(spec: KVCacheSpec, settings: EngineSettings) -> int | None:
+    """A window's reservation in a full-prompt admission: the most it ever holds at once."""
+    if isinstance(spec, SlidingWindowSpec):
+        return rules.max_blocks_sliding_window(
+            settings.max_model_len,
+            spec.block_size,
+            spec.sliding_window,
+            settings.max_in_flight_tokens,
+        )
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return rules.max_blocks_chunked_local(
+            settings.max_model_len,
+            spec.block_size,
+            spec.attention_chunk_size,
+            settings.max_in_flight_tokens,
+        )
+    return None
+
 
 class NoPrefixCacheCoordinator(KVCacheCoordinator):
     """Prefix caching disabled: no request ever hits."""
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
-    ) -> tuple[BlocksPerGroup, int]:
-        return tuple([] for _ in self.managers), 0
+    ) -> tuple[BlocksPerGroup, int, int]:
+        return tuple([] for _ in self.managers), 0, 0
 
 
 class UnitaryCoordinator(KVCacheCoordinator):
     """A single KV cache group: no intersection needed."""
 
+    def __init__(
+        self,
+        config: KVCacheConfig,
+        settings: EngineSettings,
+        *,
+        enable_caching: bool,
+        enable_kv_cache_events: bool,
+    ) -> None:
+        super().__init__(
+            config,
+            settings,
+            enable_caching=enable_caching,
+            enable_kv_cache_events=enable_kv_cache_events,
+        )
+        self.managers[0].use_eagle = 0 in self.drop_eagle_group_ids
+
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
-    ) -> tuple[BlocksPerGroup, int]:
+    ) -> tuple[BlocksPerGroup, int, int]:
         manager = self.managers[0]
-        hits = manager.find_longest_cache_hit(block_hashes, max_cache_hit_length, [0])
-        return hits, len(hits[0]) * manager.block_size
+        hits, hit_length = manager.find_longest_cache_hit(
+            block_hashes,
+            max_cache_hit_length,
+            [0],
+            drop_eagle_block=manager.use_eagle,
+            alignment_tokens=manager.block_size,
+        )
+        return hits, hit_length, 0
+
+
+@dataclass(frozen=True)
+class AttentionType:
+    """Groups with one spec, looked up jointly (Prefix caching, Case 2)."""
+
+    spec: KVCacheSpec
+    group_ids: tuple[int, ...]
+    use_eagle: bool
+
+    @property
+    def is_full_attention(self) -> bool:
+        return isinstance(self.spec, FullAttentionSpec)
 
 
 class HybridCoordinator(KVCacheCoordinator):
@@ -118,65 +260,109 @@ class HybridCoordinator(KVCacheCoordinator):
     """
 
     def __init__(
-        self, config: KVCacheConfig, *, enable_caching: bool, enable_kv_cache_events: bool
+        self,
+        config: KVCacheConfig,
+        settings: EngineSettings,
+        *,
+        enable_caching: bool,
+        enable_kv_cache_events: bool,
     ) -> None:
         super().__init__(
-            config, enable_caching=enable_caching, enable_kv_cache_events=enable_kv_cache_events
+            config,
+            settings,
+            enable_caching=enable_caching,
+            enable_kv_cache_events=enable_kv_cache_events,
         )
+        self.hash_block_size = settings.hash_block_size
         self.attention_types = self._split_attention_types(config)
+        for attention_type in self.attention_types:
+            for group_id in attention_type.group_ids:
+                self.managers[group_id].use_eagle = attention_type.use_eagle
 
-    @staticmethod
-    def _split_attention_types(config: KVCacheConfig) -> list[tuple[KVCacheSpec, list[int]]]:
-        """(spec, group ids) per distinct spec, full attention first, else first appearance."""
+    def _split_attention_types(self, config: KVCacheConfig) -> list[AttentionType]:
+        """One ``AttentionType`` per distinct spec, full attention first, else first appearance."""
         types: dict[KVCacheSpec, list[int]] = {}
         for group_id, group in enumerate(config.groups):
             types.setdefault(group.spec, []).append(group_id)
-        ordered = list(types.items())
-        ordered.sort(key=lambda item: not isinstance(item[0], FullAttentionSpec))
+        ordered = [
+            AttentionType(spec, tuple(ids), any(i in self.drop_eagle_group_ids for i in ids))
+            for spec, ids in types.items()
+        ]
+        ordered.sort(key=lambda t: not t.is_full_attention)
         return ordered
+
+    def num_cacheable_tokens(self, num_tokens: int, manager: SingleTypeKVCacheManager) -> int:
+        """Hits land on scheduler blocks, so cache up to the last one; an EAGLE group also one
+        block past it (it matches that block, then drops it)."""
+        aligned = num_tokens // self.scheduler_block_size * self.scheduler_block_size
+        if manager.use_eagle and aligned > 0:
+            return min(num_tokens, aligned + manager.block_size)
+        return aligned
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
-    ) -> tuple[BlocksPerGroup, int]:
-        hits: list[list[KVCacheBlock]] = [[] for _ in self.managers]
+    ) -> tuple[BlocksPerGroup, int, int]:
+        hits: list[list[KVCacheBlock] | None] = [None] * len(self.managers)
+        type_hit_length = [0] * len(self.managers)
         hit_length = max_cache_hit_length
-        simple_hybrid = len(self.attention_types) == 2 and isinstance(
-            self.attention_types[0][0], FullAttentionSpec
-        )
-        looked_up: set[int] = set()
+        longest = 0
+        simple_hybrid = len(self.attention_types) == 2 and self.attention_types[0].is_full_attention
+        # Types whose EAGLE drop is already applied at the current candidate length.
+        eagle_verified: set[int] = set()
         while True:
             length = hit_length
-            for spec, group_ids in self.attention_types:
-                if isinstance(spec, FullAttentionSpec) and group_ids[0] in looked_up:
+            for index, attention_type in enumerate(self.attention_types):
+                first = attention_type.group_ids[0]
+                if attention_type.is_full_attention and hits[first] is not None:
                     # A full-attention hit is a prefix: a shorter length keeps its first blocks.
-                    num_blocks = length // spec.block_size
-                    length = num_blocks * spec.block_size
-                    for group_id in group_ids:
-                        del hits[group_id][num_blocks:]
+                    length = min(length, type_hit_length[first])
                     continue
-                manager = self.managers[group_ids[0]]
-                found = manager.find_longest_cache_hit(block_hashes, length, group_ids)
-                length = len(found[0]) * spec.block_size
-                for group_id, blocks in zip(group_ids, found, strict=True):
+                drop = attention_type.use_eagle and index not in eagle_verified
+                max_length = length
+                manager = self.managers[first]
+                if drop and not isinstance(attention_type.spec, MambaSpec):
+                    # Match one block beyond the candidate, then drop it.
+                    max_length = min(
+                        length + manager.block_size, len(block_hashes) * self.hash_block_size
+                    )
+                found, found_length = manager.find_longest_cache_hit(
+                    block_hashes,
+                    max_length,
+                    attention_type.group_ids,
+                    drop_eagle_block=drop,
+                    alignment_tokens=self.scheduler_block_size,
+                )
+                if drop:
+                    eagle_verified.add(index)
+                elif found_length < length:
+                    eagle_verified.clear()
+                length = found_length
+                for group_id, blocks in zip(attention_type.group_ids, found, strict=True):
                     hits[group_id] = blocks
-                    looked_up.add(group_id)
+                    type_hit_length[group_id] = found_length
+                longest = max(longest, length)
             if length >= hit_length:
                 break
             hit_length = length
             if simple_hybrid:
                 break
-        self._truncate_full_attention(hits, hit_length)
-        return tuple(hits), hit_length
-
-    def _truncate_full_attention(self, hits: list[list[KVCacheBlock]], hit_length: int) -> None:
-        for spec, group_ids in self.attention_types:
-            if isinstance(spec, FullAttentionSpec):
-                for group_id in group_ids:
-                    del hits[group_id][hit_length // spec.block_size :]
+        for attention_type in self.attention_types:
+            if attention_type.is_full_attention:
+                manager = self.managers[attention_type.group_ids[0]]
+                for group_id in attention_type.group_ids:
+                    group_hits = hits[group_id]
+                    if group_hits is not None:
+                        del group_hits[rules.cdiv(hit_length, manager.block_size) :]
+        result = tuple(blocks if blocks is not None else [] for blocks in hits)
+        return result, hit_length, longest - hit_length
 
 
 def make_coordinator(
-    config: KVCacheConfig, *, enable_caching: bool, enable_kv_cache_events: bool
+    config: KVCacheConfig,
+    settings: EngineSettings,
+    *,
+    enable_caching: bool,
+    enable_kv_cache_events: bool,
 ) -> KVCacheCoordinator:
     """The coordinator the document prescribes for this configuration."""
     if not enable_caching:
@@ -185,4 +371,9 @@ def make_coordinator(
         cls = UnitaryCoordinator
     else:
         cls = HybridCoordinator
-    return cls(config, enable_caching=enable_caching, enable_kv_cache_events=enable_kv_cache_events)
+    return cls(
+        config,
+        settings,
+        enable_caching=enable_caching,
+        enable_kv_cache_events=enable_kv_cache_events,
+    )

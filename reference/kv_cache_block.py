@@ -17,16 +17,29 @@ BlockHashWithGroupId = tuple[BlockHash, int]
 class KVCacheBlock:
     """One block: its id, how many requests hold it, and the cache key it holds, if any.
 
+    ``block_hash`` is the block's primary prefix-cache key and ``block_hash_num_tokens`` the
+    prefix length it names (a full block's right edge, or an earlier hash boundary inside the
+    block for a partial entry: Mamba checkpoints, a prompt tail in a group whose block is
+    larger than the hash block). The pool keeps any further keys of the block beside it.
+
     ``prev_free``/``next_free`` link the block into the free queue while its reference count
     is 0 (an intrusive list, so a cache hit can take a block out of the queue in O(1)).
     """
 
-    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
+    __slots__ = (
+        "block_hash",
+        "block_hash_num_tokens",
+        "block_id",
+        "next_free",
+        "prev_free",
+        "ref_cnt",
+    )
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHashWithGroupId | None = None
+        self.block_hash_num_tokens: int | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 

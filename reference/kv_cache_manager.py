@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hybridkv.reference.coordinator import BlocksPerGroup, make_coordinator
+from hybridkv.reference.coordinator import make_coordinator
 from hybridkv.reference.events import KVCacheEvent, PrefixCacheStats
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import RequestLike
+from hybridkv.reference.single_type_managers import BlocksPerGroup, prompt_tokens
 from hybridkv.reference.snapshot import PoolSnapshot
 from hybridkv.reference.validation import (
     check_allocation,
@@ -25,12 +26,32 @@ from hybridkv.reference.validation import (
     check_cache_blocks,
     validate_manager_config,
 )
-from hybridkv.spec import ChunkedLocalAttentionSpec, KVCacheConfig, SlidingWindowSpec
+from hybridkv.spec import (
+    ChunkedLocalAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 from hybridkv.spec.errors import require
 
 
 class KVCacheManager:
-    """Allocation and prefix caching for every KV cache group of one model."""
+    """Allocation and prefix caching for every KV cache group of one model.
+
+    The keyword-only settings are an engine's (vLLM's names):
+
+    - ``hash_block_size``: tokens per block hash; by default the block size of a single group,
+      else the gcd of the groups' block sizes (their lcm with caching off or a Mamba group in
+      ``"none"`` mode). The scheduler block size, a multiple of every group's block size, is
+      their lcm: hits land on it.
+    - ``max_in_flight_tokens``: tokens scheduled but not yet settled (an engine's
+      ``max_num_batched_tokens``); it sizes a window's reservation in a full-prompt admission.
+    - ``use_eagle``: EAGLE drafting; cache hits drop their last block so the drafter recomputes
+      it (only the groups flagged ``is_eagle_group``, or all when none is).
+    - ``num_hash_lookahead_tokens``: EAGLE/MTP with lookahead block hashes instead; requests
+      must be built with the same value.
+    """
 
     def __init__(
         self,
@@ -38,14 +59,33 @@ class KVCacheManager:
         max_model_len: int,
         enable_caching: bool = True,
         enable_kv_cache_events: bool = False,
+        *,
+        hash_block_size: int | None = None,
+        max_in_flight_tokens: int | None = None,
+        use_eagle: bool = False,
+        num_hash_lookahead_tokens: int = 0,
     ) -> None:
-        validate_manager_config(config, max_model_len, enable_caching)
+        settings = validate_manager_config(
+            config,
+            max_model_len,
+            enable_caching,
+            hash_block_size=hash_block_size,
+            max_in_flight_tokens=max_in_flight_tokens,
+            use_eagle=use_eagle,
+            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+        )
         self.config = config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.block_size = config.groups[0].spec.block_size
+        self.settings = settings
+        self.hash_block_size = settings.hash_block_size
+        self.scheduler_block_size = settings.scheduler_block_size
+        self.block_size = settings.scheduler_block_size
         self.coordinator = make_coordinator(
-            config, enable_caching=enable_caching, enable_kv_cache_events=enable_kv_cache_events
+            config,
+            settings,
+            enable_caching=enable_caching,
+            enable_kv_cache_events=enable_kv_cache_events,
         )
         self.block_pool = self.coordinator.block_pool
         self.num_groups = len(config.groups)
@@ -53,22 +93,33 @@ class KVCacheManager:
 
     # --- The scheduler's calls --------------------------------------------------------------
 
-    def get_computed_blocks(self, request: RequestLike) -> tuple[KVCacheBlocks, int]:
-        """The request's longest cache hit: its blocks per group and its length in tokens.
+    def get_computed_blocks(self, request: RequestLike) -> tuple[KVCacheBlocks, int, int]:
+        """The request's longest cache hit: its blocks per group, its length in tokens, and the
+        shared-prefix boundary.
 
         The last token is always recomputed (its logits are needed), so a hit is at most
-        ``num_tokens − 1`` tokens long.
+        ``num_tokens − 1`` tokens long. The boundary is where some type alone found the prefix
+        cached beyond the hit (the first type looked up, full attention if any): a prefix other
+        requests share but a sparse group has not cached yet. A scheduler stores it on the
+        request (``request.shared_prefix_boundary``) so that the sparse groups cache there too.
+        It is 0 when there is no such prefix, and always with one group.
         """
-        if not self.enable_caching:
-            return KVCacheBlocks.empty(self.num_groups), 0
-        check_block_hashes(request, self.block_size)
+        if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
+            return KVCacheBlocks.empty(self.num_groups), 0, 0
+        check_block_hashes(request, self.hash_block_size, self.settings.num_hash_lookahead_tokens)
         max_cache_hit_length = request.num_tokens - 1
-        hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(
+        hits, num_hit_tokens, num_uncached = self.coordinator.find_longest_cache_hit(
             request.block_hashes, max_cache_hit_length
         )
         self._stats = self._stats.record(request.num_tokens, num_hit_tokens)
         block_ids = tuple(tuple(block.block_id for block in blocks) for blocks in hits)
-        return KVCacheBlocks(block_ids), num_hit_tokens
+        boundary = num_hit_tokens + num_uncached if num_uncached else 0
+        return KVCacheBlocks(block_ids), num_hit_tokens, boundary
+
+    def new_step_starts(self) -> None:
+        """The scheduler begins a step: a Mamba state cached in the previous step may now be
+        adopted (until then its block is still being written; the same-step rule)."""
+        self.coordinator.new_step_starts()
 
     def allocate_slots(
         self,
@@ -78,12 +129,22 @@ class KVCacheManager:
         new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
+        *,
+        full_sequence_must_fit: bool = False,
     ) -> KVCacheBlocks | None:
         """Slots for ``num_new_tokens`` more tokens (and lookahead), or ``None`` if they do not fit.
 
         ``num_new_computed_tokens`` and ``new_computed_blocks`` are a cache hit from
-        ``get_computed_blocks`` that a request being admitted adopts. Returns the new blocks
-        per group.
+        ``get_computed_blocks`` that a request being admitted adopts. With
+        ``full_sequence_must_fit`` (an engine's admission of a waiting request) the whole
+        sequence must fit first, a window counting only what it ever holds at once; if it does
+        not, nothing is released. Returns the new blocks per group.
+
+        Token regions, as the scheduler sees them::
+
+            | computed | new computed (hit) | new | lookahead |
+                       |<------ to be allocated ------------->|
+                       |<-- to be cached -->|
         """
         hits = self._validate_allocation(
             request,
@@ -93,24 +154,46 @@ class KVCacheManager:
             num_lookahead_tokens,
         )
         request_id = request.request_id
-        num_computed_tokens = min(
-            request.num_computed_tokens + num_new_computed_tokens, self.max_model_len
+        num_local_computed = request.num_computed_tokens + num_new_computed_tokens
+        total_computed = min(num_local_computed, self.max_model_len)
+        prefill_end = max(prompt_tokens(request), request.num_tokens - 1)
+        if full_sequence_must_fit:
+            full_length = min(request.num_tokens, self.max_model_len)
+            needed = self.coordinator.get_num_blocks_to_allocate(
+                request_id,
+                full_length,
+                hits,
+                total_computed,
+                full_length,
+                apply_admission_cap=True,
+                prefill_end=prefill_end,
+            )
+            if needed > self.block_pool.num_free_blocks:
+                return None
+        num_tokens_main_model = total_computed + num_new_tokens
+        num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
+        # Release out-of-window blocks first: they may be exactly what this step needs. A step
+        # still in flight reads them, so only processed tokens count.
+        in_flight = int(getattr(request, "num_in_flight_tokens", 0))
+        self.coordinator.remove_skipped_blocks(request_id, max(0, total_computed - in_flight))
+        needed = self.coordinator.get_num_blocks_to_allocate(
+            request_id,
+            num_tokens_need_slot,
+            hits,
+            num_local_computed,
+            num_tokens_main_model,
+            prefill_end=prefill_end,
         )
-        num_tokens_need_slot = min(
-            num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len
-        )
-        # Release out-of-window blocks first: they may be exactly what this step needs.
-        self.coordinator.remove_skipped_blocks(request_id, num_computed_tokens)
-        num_blocks_to_allocate = self.coordinator.get_num_blocks_to_allocate(
-            request_id, num_tokens_need_slot, hits, num_computed_tokens
-        )
-        if num_blocks_to_allocate > self.block_pool.num_free_blocks:
+        if needed > self.block_pool.num_free_blocks:
             return None
-        self.coordinator.allocate_new_computed_blocks(request_id, hits, num_computed_tokens)
-        new_blocks = self.coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
-        if self.enable_caching and not delay_cache_blocks:
+        if any(hits):
+            self.coordinator.allocate_new_computed_blocks(request_id, hits, num_local_computed)
+        new_blocks = self.coordinator.allocate_new_blocks(
+            request_id, num_tokens_need_slot, num_tokens_main_model
+        )
+        if not delay_cache_blocks:
             # Lookahead slots hold tokens that may be rejected: cache only real tokens.
-            num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
+            num_tokens_to_cache = min(total_computed + num_new_tokens, request.num_tokens)
             self.coordinator.cache_blocks(request, num_tokens_to_cache)
         return KVCacheBlocks(tuple(tuple(b.block_id for b in blocks) for blocks in new_blocks))
 
@@ -123,7 +206,9 @@ class KVCacheManager:
         (for callers that delayed caching, e.g. while KV arrives from another engine)."""
         check_cache_blocks(request, num_computed_tokens)
         if self.enable_caching:
-            check_block_hashes(request, self.block_size)
+            check_block_hashes(
+                request, self.hash_block_size, self.settings.num_hash_lookahead_tokens
+            )
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
@@ -161,9 +246,9 @@ class KVCacheManager:
     def snapshot(self) -> PoolSnapshot:
         """The pool's observable state as one comparable value."""
         pool = self.block_pool
-        cached: list[list[int]] = [[] for _ in range(self.num_groups)]
+        cached: list[set[int]] = [set() for _ in range(self.num_groups)]
         for (_, group_id), blocks in pool.cached_block_hash_to_block.items():
-            cached[group_id].extend(blocks)
+            cached[group_id].update(blocks)
         return PoolSnapshot(
             free_block_ids=tuple(block.block_id for block in pool.free_block_queue),
             ref_counts={b.block_id: b.ref_cnt for b in pool.blocks[1:] if b.ref_cnt > 0},
@@ -174,13 +259,13 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` if the pool and the managers disagree (tests call it after
         every step): reference counts equal holders, no block in two groups, nulls only where
-        a window or chunk released them."""
+        the group's type puts them."""
         self.block_pool.check_invariants()
         holders: Counter[int] = Counter()
         owner_group: dict[int, int] = {}
         for manager in self.coordinator.managers:
             for request_id, table in manager.req_to_blocks.items():
-                _check_null_prefix(manager.spec, request_id, [b.block_id for b in table])
+                _check_null_positions(manager.spec, request_id, [b.block_id for b in table])
                 for block in table:
                     if block.is_null:
                         continue
@@ -217,18 +302,26 @@ class KVCacheManager:
             config=self.config,
             enable_caching=self.enable_caching,
             holds_blocks=lambda request_id: any(self.get_block_ids(request_id)),
+            settings=self.settings,
         )
         blocks = self.block_pool.blocks
         return tuple([blocks[i] for i in ids] for ids in hit_ids)
 
 
-def _check_null_prefix(spec: object, request_id: str, table: list[int]) -> None:
-    """Null positions come first: a window or chunk releases from the front only."""
+def _check_null_positions(spec: KVCacheSpec, request_id: str, table: list[int]) -> None:
+    """Nulls only where the type puts them: a window or chunk (or a Mamba state in ``"none"``
+    mode) releases from the front only; full attention keeps every position; an ``"align"``
+    Mamba table holds nulls anywhere but at most a few real blocks (the state, the previous
+    one, a prefill checkpoint and the speculative blocks)."""
     nulls = [i for i, block_id in enumerate(table) if block_id == 0]
-    if isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
+    if isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align":
+        real = len(table) - len(nulls)
+        limit = 3 + spec.num_speculative_blocks
+        require(real <= limit, f"request {request_id!r} holds {real} Mamba blocks (> {limit})")
+    elif isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec | MambaSpec):
         require(
             nulls == list(range(len(nulls))),
             f"request {request_id!r} has null positions {nulls} after a real block",
         )
     else:
-        require(not nulls, f"request {request_id!r} of a full/Mamba group holds null blocks")
+        require(not nulls, f"request {request_id!r} of a full-attention group holds null blocks")

@@ -1,9 +1,12 @@
 """A request as the KV cache manager sees it: token ids, computed tokens and block hashes.
 
 The manager reads only ``request_id``, ``num_tokens``, ``all_token_ids``, ``num_computed_tokens``
-and ``block_hashes``, so a scheduler's own request objects of that shape (``RequestLike``) work
-too. ``num_computed_tokens`` belongs to the scheduler: it advances it after each step, as vLLM's
-scheduler does.
+and ``block_hashes`` (``RequestLike``), and, when present, the engine attributes
+``num_prompt_tokens``, ``shared_prefix_boundary`` and ``skip_reading_prefix_cache`` (``Request``
+has them all), so a scheduler's own request objects of that shape work too.
+``num_computed_tokens`` and ``shared_prefix_boundary`` belong to the scheduler: it advances the
+first after each step and stores the third result of ``get_computed_blocks`` in the second, as
+vLLM's scheduler does.
 """
 
 from __future__ import annotations
@@ -11,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from hybridkv.reference.block_hash import BlockHash, hash_full_blocks
-from hybridkv.spec.errors import check_positive
+from hybridkv.reference.block_hash import BlockHash, hash_full_blocks, hash_full_blocks_lookahead
+from hybridkv.spec.errors import check_non_negative, check_positive
 
 
 class RequestLike(Protocol):
@@ -61,11 +64,18 @@ def check_token_ids(field: str, token_ids: Iterable[object]) -> list[int]:
 class Request:
     """A prompt plus the output tokens appended so far, with the hashes of its full blocks.
 
-    ``hash_block_size`` is the block size of the KV cache groups; ``cache_salt`` isolates the
-    request's prefix cache entries from requests with another salt. ``block_hasher`` computes the
-    hashes of new full blocks: ``hash_full_blocks`` by default; any function with its signature
-    that returns the same hashes may replace it (e.g. the optimized backend's
+    ``hash_block_size`` is the manager's hash block size (the block size of the KV cache
+    groups, their gcd when they differ); ``cache_salt`` isolates the request's prefix cache
+    entries from requests with another salt. ``block_hasher`` computes the hashes of new full
+    blocks: ``hash_full_blocks`` by default; any function with its signature that returns the
+    same hashes may replace it (e.g. the optimized backend's
     ``hybridkv.optimized.hashing.hash_full_blocks_torch``).
+
+    Engine settings: ``skip_reading_prefix_cache`` makes every lookup report no hit (the request
+    still writes the cache: a request that needs prompt logprobs, say);
+    ``num_hash_lookahead_tokens`` (EAGLE/MTP with lookahead hashes) makes each block hash cover
+    the tokens after the block too (``hash_full_blocks_lookahead``). ``shared_prefix_boundary``
+    is the scheduler's copy of the third result of ``get_computed_blocks`` (0 until set).
     """
 
     def __init__(
@@ -75,6 +85,8 @@ class Request:
         *,
         hash_block_size: int,
         cache_salt: str | None = None,
+        skip_reading_prefix_cache: bool = False,
+        num_hash_lookahead_tokens: int = 0,
         block_hasher: BlockHasher = hash_full_blocks,
     ) -> None:
         if not isinstance(request_id, str):
@@ -82,14 +94,22 @@ class Request:
         check_positive("hash_block_size", hash_block_size)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a str or None, got {cache_salt!r}")
+        if not isinstance(skip_reading_prefix_cache, bool):
+            raise ValueError(
+                f"skip_reading_prefix_cache must be a bool, got {skip_reading_prefix_cache!r}"
+            )
+        check_non_negative("num_hash_lookahead_tokens", num_hash_lookahead_tokens)
         self.request_id = request_id
         self.prompt_token_ids: tuple[int, ...] = tuple(
             check_token_ids("prompt_token_ids", prompt_token_ids)
         )
         self.hash_block_size = hash_block_size
         self.cache_salt = cache_salt
+        self.skip_reading_prefix_cache = skip_reading_prefix_cache
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.block_hasher = block_hasher
         self.num_computed_tokens = 0
+        self.shared_prefix_boundary = 0
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self._block_hashes: list[BlockHash] = []
         self._hash_new_full_blocks()
@@ -104,6 +124,10 @@ class Request:
         return len(self._all_token_ids)
 
     @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
     def block_hashes(self) -> Sequence[BlockHash]:
         """One hash per full block of ``all_token_ids``; grows as tokens are appended."""
         return self._block_hashes
@@ -116,6 +140,18 @@ class Request:
 
     def _hash_new_full_blocks(self) -> None:
         parent = self._block_hashes[-1] if self._block_hashes else None
+        if self.num_hash_lookahead_tokens:
+            self._block_hashes.extend(
+                hash_full_blocks_lookahead(
+                    self._all_token_ids,
+                    self.hash_block_size,
+                    start_block=len(self._block_hashes),
+                    parent_hash=parent,
+                    cache_salt=self.cache_salt,
+                    num_lookahead_tokens=self.num_hash_lookahead_tokens,
+                )
+            )
+            return
         self._block_hashes.extend(
             self.block_hasher(
                 self._all_token_ids,

@@ -10,38 +10,155 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from hybridkv.reference.engine_settings import EngineSettings
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import RequestLike
-from hybridkv.spec import KVCacheConfig, MambaSpec
+from hybridkv.spec import (
+    ChunkedLocalAttentionSpec,
+    KVCacheConfig,
+    MambaSpec,
+    SlidingWindowSpec,
+    rules,
+)
 from hybridkv.spec.errors import check_non_negative, check_positive
 
 
 def validate_manager_config(
-    config: KVCacheConfig, max_model_len: int, enable_caching: bool
-) -> None:
-    """Reject configurations the manager does not support, naming the field and the value."""
+    config: KVCacheConfig,
+    max_model_len: int,
+    enable_caching: bool,
+    *,
+    hash_block_size: int | None = None,
+    max_in_flight_tokens: int | None = None,
+    use_eagle: bool = False,
+    num_hash_lookahead_tokens: int = 0,
+) -> EngineSettings:
+    """Reject configurations the manager does not support, naming the field and the value;
+    return the resolved engine settings."""
     if not isinstance(config, KVCacheConfig):
         raise ValueError(f"config must be a KVCacheConfig, got {config!r}")
     check_positive("max_model_len", max_model_len)
-    block_sizes = sorted({group.spec.block_size for group in config.groups})
-    if len(block_sizes) > 1:
-        raise ValueError(
-            f"every KV cache group must share one block size (one page size), got {block_sizes}"
+    if max_in_flight_tokens is not None:
+        check_positive("max_in_flight_tokens", max_in_flight_tokens)
+    if not isinstance(use_eagle, bool):
+        raise ValueError(f"use_eagle must be a bool, got {use_eagle!r}")
+    check_non_negative("num_hash_lookahead_tokens", num_hash_lookahead_tokens)
+    mambas = [g.spec for g in config.groups if isinstance(g.spec, MambaSpec)]
+    if enable_caching:
+        for spec in mambas:
+            if spec.mamba_cache_mode != "align":
+                raise ValueError(
+                    "mamba_cache_mode must be 'align' for a Mamba group when prefix caching is "
+                    f"on (enable_caching=True), got {spec.mamba_cache_mode!r}"
+                )
+    block_sizes = [group.spec.block_size for group in config.groups]
+    scheduler_block_size = rules.scheduler_block_size(block_sizes)
+    resolved = _resolve_hash_block_size(
+        config, block_sizes, enable_caching, hash_block_size, scheduler_block_size
+    )
+    settings = EngineSettings(
+        max_model_len=max_model_len,
+        max_in_flight_tokens=max_model_len
+        if max_in_flight_tokens is None
+        else max_in_flight_tokens,
+        scheduler_block_size=scheduler_block_size,
+        hash_block_size=resolved,
+        use_eagle=use_eagle,
+        num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+    )
+    if enable_caching:
+        _check_caching_layout(config, settings, mambas)
+    return settings
+
+
+def _resolve_hash_block_size(
+    config: KVCacheConfig,
+    block_sizes: list[int],
+    enable_caching: bool,
+    hash_block_size: int | None,
+    scheduler_block_size: int,
+) -> int:
+    """The given hash block size, checked; else one group's block size, else the gcd (the lcm
+    with caching off or a Mamba group in ``"none"`` mode, where nothing is looked up finer)."""
+    if hash_block_size is None:
+        lcm_hashing = not enable_caching or any(
+            isinstance(g.spec, MambaSpec) and g.spec.mamba_cache_mode == "none"
+            for g in config.groups
         )
-    if enable_caching and any(isinstance(g.spec, MambaSpec) for g in config.groups):
+        if len(block_sizes) == 1:
+            return block_sizes[0]
+        return rules.hash_block_size(block_sizes, lcm_hashing=lcm_hashing)
+    check_positive("hash_block_size", hash_block_size)
+    if scheduler_block_size % hash_block_size or (
+        enable_caching and any(size % hash_block_size for size in block_sizes)
+    ):
         raise ValueError(
-            "enable_caching=True is not supported with a Mamba group yet (prefix caching for "
-            "Mamba is a later issue); pass enable_caching=False"
+            "hash_block_size must divide every group's block size "
+            f"{sorted(set(block_sizes))} (and their lcm {scheduler_block_size}), "
+            f"got {hash_block_size!r}"
+        )
+    return hash_block_size
+
+
+def _check_caching_layout(
+    config: KVCacheConfig, settings: EngineSettings, mambas: list[MambaSpec]
+) -> None:
+    """Caching layouts this manager implements exactly as vLLM 0.33 does."""
+    sizes = sorted({group.spec.block_size for group in config.groups})
+    for spec in mambas:
+        if spec.block_size > settings.hash_block_size:
+            raise ValueError(
+                f"a Mamba 'align' group's block_size ({spec.block_size}) must equal the hash "
+                f"block size ({settings.hash_block_size}): hits inside a Mamba block are not "
+                "supported; give every group the Mamba block size"
+            )
+    if len(sizes) > 1 and any(
+        isinstance(group.spec, ChunkedLocalAttentionSpec) for group in config.groups
+    ):
+        raise ValueError(
+            "a chunked local attention group needs every group to share its block size when "
+            f"prefix caching is on, got block sizes {sizes}"
+        )
+    if settings.use_eagle and any(
+        isinstance(g.spec, ChunkedLocalAttentionSpec)
+        and (g.is_eagle_group or not any(h.is_eagle_group for h in config.groups))
+        for g in config.groups
+    ):
+        raise ValueError(
+            "use_eagle=True cannot drop a block from a chunked local attention group; flag the "
+            "drafter's groups with is_eagle_group"
+        )
+    interval = config.prefix_cache_retention_interval
+    if interval is None:
+        return
+    sparse = any(isinstance(g.spec, SlidingWindowSpec | MambaSpec) for g in config.groups)
+    if not sparse and interval != 0:
+        raise ValueError(
+            "prefix_cache_retention_interval applies to sliding-window and Mamba groups only and "
+            f"this layout has none; set it to 0 or None, got {interval!r}"
+        )
+    if sparse and interval % settings.scheduler_block_size:
+        raise ValueError(
+            "prefix_cache_retention_interval must be a multiple of the scheduler block size "
+            f"({settings.scheduler_block_size}), got {interval!r}"
         )
 
 
-def check_block_hashes(request: RequestLike, block_size: int) -> None:
-    """The request must be hashed at the pool's block size, one hash per full block."""
-    expected = request.num_tokens // block_size
+def check_block_hashes(
+    request: RequestLike, hash_block_size: int, num_hash_lookahead_tokens: int = 0
+) -> None:
+    """The request must be hashed at the manager's hash block size, one hash per full block
+    (per full block followed by its lookahead tokens, with lookahead hashing)."""
+    expected = max(request.num_tokens - num_hash_lookahead_tokens, 0) // hash_block_size
     if len(request.block_hashes) != expected:
         raise ValueError(
             f"request {request.request_id!r} has {len(request.block_hashes)} block_hashes, "
-            f"expected {expected} (hash_block_size must be the block size {block_size})"
+            f"expected {expected} (hash_block_size must be {hash_block_size}"
+            + (
+                f" and num_hash_lookahead_tokens {num_hash_lookahead_tokens})"
+                if num_hash_lookahead_tokens
+                else ")"
+            )
         )
 
 
@@ -65,6 +182,7 @@ def check_allocation(
     config: KVCacheConfig,
     enable_caching: bool,
     holds_blocks: Callable[[str], bool],
+    settings: EngineSettings,
 ) -> tuple[tuple[int, ...], ...]:
     """Check every argument of ``allocate_slots``; return the adopted hit's block ids per group.
 
@@ -76,9 +194,8 @@ def check_allocation(
     check_non_negative("num_lookahead_tokens", num_lookahead_tokens)
     if num_new_tokens == 0 and num_new_computed_tokens == 0:
         raise ValueError("num_new_tokens must be positive when no cache hit is adopted, got 0")
-    block_size = config.groups[0].spec.block_size
     if enable_caching:
-        check_block_hashes(request, block_size)
+        check_block_hashes(request, settings.hash_block_size, settings.num_hash_lookahead_tokens)
     if new_computed_blocks is None:
         if num_new_computed_tokens:
             raise ValueError(
@@ -93,6 +210,7 @@ def check_allocation(
             f"got {hits.num_groups}"
         )
     for group_id, ids in enumerate(hits.block_ids):
+        block_size = config.groups[group_id].spec.block_size
         _check_hit_ids(group_id, ids, num_new_computed_tokens, block_size, config.num_blocks)
     if any(hits.block_ids) and holds_blocks(request.request_id):
         raise ValueError(
