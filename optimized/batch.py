@@ -213,11 +213,7 @@ def _allocate_vectorised(
     state = m._state.t.view(3, -1)
     length, nulls, cached = state.index_select(1, pair_index.view(-1)).view(3, n, g_count)
     required = (need + (b - 1)) // b
-    if m._mamba is not None:
-        required = torch.where(m._mamba, (need > 0).to(torch.int64)[:, None], required[:, None])
-        new = (required - length).clamp_(min=0)
-    else:
-        new = (required[:, None] - length).clamp_(min=0)
+    new = (required[:, None] - length).clamp_(min=0)
     if m._releases:
         tokens = (comp[:, None] - m._wm1).clamp_(min=0)
         if m._chunk is not None:

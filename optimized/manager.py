@@ -43,6 +43,7 @@ from hybridkv.optimized._buffers import IntBuffer, int32_from_bytes, tensor_from
 from hybridkv.optimized.batch import BATCH_MIN, BUSY_BATCH_MIN, INSERT_MIN
 from hybridkv.optimized.block_pool import TorchBlockPool, hash_key
 from hybridkv.optimized.lookup import PRELOAD_MAX, VECTOR_MIN, Lookup, TypeProbe, WindowedFlags
+from hybridkv.reference.engine_settings import EngineSettings
 from hybridkv.reference.events import BlockStored, KVCacheEvent, PrefixCacheStats
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import RequestLike
@@ -64,7 +65,7 @@ from hybridkv.spec import (
 )
 from hybridkv.spec.errors import check_positive, require
 
-FULL, SLIDING, CHUNKED, MAMBA = range(4)
+FULL, SLIDING, CHUNKED = range(3)
 _HUGE = 1 << 50
 """Stands for "never" in the row thresholds (and the window of a group that never releases)."""
 BlockIds = tuple[tuple[int, ...], ...]
@@ -85,7 +86,9 @@ class GroupRule:
         if isinstance(spec, ChunkedLocalAttentionSpec):
             return GroupRule(CHUNKED, spec.block_size, spec.attention_chunk_size)
         if isinstance(spec, MambaSpec):
-            return GroupRule(MAMBA, spec.block_size)
+            # One running state ("none" mode): the states before the one holding the last
+            # computed token are released, exactly as a window of two tokens releases.
+            return GroupRule(SLIDING, spec.block_size, 2)
         return GroupRule(FULL, spec.block_size)
 
     def skipped_positions(self, num_computed_tokens: int) -> int:
@@ -94,12 +97,10 @@ class GroupRule:
         elif self.kind == CHUNKED:
             skipped = rules.chunked_local_skipped_tokens(num_computed_tokens, self.span)
         else:
-            return 0  # full attention skips nothing; Mamba's one position is the state
+            return 0  # full attention skips nothing
         return rules.skipped_block_positions(skipped, self.block_size)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
-        if self.kind == MAMBA:
-            return rules.mamba_blocks_for_tokens(num_tokens)
         return rules.attention_blocks_for_tokens(num_tokens, self.block_size)
 
     @property
@@ -120,8 +121,21 @@ class TorchKVCacheManager:
         device: str | torch.device = "cpu",
         max_num_reqs: int = 256,
         max_blocks_per_req: int | None = None,
+        hash_block_size: int | None = None,
+        max_in_flight_tokens: int | None = None,
+        use_eagle: bool = False,
+        num_hash_lookahead_tokens: int = 0,
     ) -> None:
-        validate_manager_config(config, max_model_len, enable_caching)
+        self.settings = validate_manager_config(
+            config,
+            max_model_len,
+            enable_caching,
+            hash_block_size=hash_block_size,
+            max_in_flight_tokens=max_in_flight_tokens,
+            use_eagle=use_eagle,
+            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+        )
+        _refuse_unported(config, self.settings)
         check_positive("max_num_reqs", max_num_reqs)
         self.config = config
         self.max_model_len = max_model_len
@@ -166,8 +180,9 @@ class TorchKVCacheManager:
         chunks = [rule.span if rule.kind == CHUNKED else 0 for rule in self.rules]
         self._chunk = torch.tensor(chunks) if any(chunks) else None
         self._chunk_or_1 = torch.tensor(chunks).clamp(min=1)
-        mamba = [rule.kind == MAMBA for rule in self.rules]
-        self._mamba = torch.tensor(mamba) if any(mamba) else None
+        self._admission_caps = [
+            _admission_cap(group.spec, self.settings) for group in config.groups
+        ]
         # When each row next needs work (see ``_refresh``), for ``allocate_slots_batch``.
         self._next = IntBuffer(3 * r, typecode="q")
         self._rows: dict[str, int] = {}
@@ -248,10 +263,11 @@ class TorchKVCacheManager:
 
     # --- Lookup -----------------------------------------------------------------------------
 
-    def get_computed_blocks(self, request: RequestLike) -> tuple[KVCacheBlocks, int]:
-        """The request's longest cache hit: its blocks per group and its length in tokens."""
-        if not self.enable_caching:
-            return self._no_blocks, 0
+    def get_computed_blocks(self, request: RequestLike) -> tuple[KVCacheBlocks, int, int]:
+        """The request's longest cache hit: its blocks per group, its length in tokens, and the
+        shared-prefix boundary (``KVCacheManager.get_computed_blocks``)."""
+        if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
+            return self._no_blocks, 0, 0
         check_block_hashes(request, self.block_size)
         max_length = request.num_tokens - 1
         lookup = Lookup(self.pool, request, self.block_size, self.vector_min)
@@ -262,13 +278,18 @@ class TorchKVCacheManager:
             for (_, group_ids), memo in zip(self._types, memos, strict=True):
                 memo.preload(best, group_ids)
         hits: Sequence[list[int]]
+        boundary = 0
         if self.num_groups == 1:
             hits = self._type_hit(self._types[0][0], memos[0], max_length)
             hit_length = len(hits[0]) * self.block_size
         else:
-            hits, hit_length = self._hybrid_hit(memos, max_length)
+            hits, hit_length, longest = self._hybrid_hit(memos, max_length)
+            boundary = longest if longest > hit_length else 0
         self._stats = self._stats.record(request.num_tokens, hit_length)
-        return KVCacheBlocks(tuple(tuple(h) for h in hits)), hit_length
+        return KVCacheBlocks(tuple(tuple(h) for h in hits)), hit_length, boundary
+
+    def new_step_starts(self) -> None:
+        """The scheduler begins a step (no per-step state without a Mamba ``"align"`` group)."""
 
     def _type_hit(
         self, spec: KVCacheSpec, memo: TypeProbe, max_length: int
@@ -293,12 +314,16 @@ class TorchKVCacheManager:
             flags = WindowedFlags(memo, length, leftwards=False, span=chunk // b + 1)
             num, first = rules.chunked_local_hit_blocks(flags, max_length, b, chunk)
             return memo.blocks(first, num)
-        return tuple([] for _ in memo.group_ids)  # Mamba never hits
+        raise AssertionError(f"no lookup for {spec!r}")  # Mamba looks up only in "align" mode
 
-    def _hybrid_hit(self, memos: list[TypeProbe], max_length: int) -> tuple[list[list[int]], int]:
-        """``HybridCoordinator.find_longest_cache_hit``, step for step."""
+    def _hybrid_hit(
+        self, memos: list[TypeProbe], max_length: int
+    ) -> tuple[list[list[int]], int, int]:
+        """``HybridCoordinator.find_longest_cache_hit``, step for step; also the longest length
+        one type found on its own."""
         hits: list[list[int]] = [[] for _ in range(self.num_groups)]
         hit_length = max_length
+        longest = 0
         simple_hybrid = len(self._types) == 2 and isinstance(self._types[0][0], FullAttentionSpec)
         looked_up: set[int] = set()
         while True:
@@ -315,6 +340,7 @@ class TorchKVCacheManager:
                 for group_id, blocks in zip(group_ids, found, strict=True):
                     hits[group_id] = blocks
                     looked_up.add(group_id)
+                longest = max(longest, length)
             if length >= hit_length:
                 break
             hit_length = length
@@ -324,7 +350,7 @@ class TorchKVCacheManager:
             if isinstance(spec, FullAttentionSpec):
                 for group_id in group_ids:
                     del hits[group_id][hit_length // spec.block_size :]
-        return hits, hit_length
+        return hits, hit_length, longest
 
     # --- Allocation -------------------------------------------------------------------------
 
@@ -336,6 +362,8 @@ class TorchKVCacheManager:
         new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
+        *,
+        full_sequence_must_fit: bool = False,
     ) -> KVCacheBlocks | None:
         """Slots for ``num_new_tokens`` more tokens (and lookahead), or ``None`` if they do not fit
         (``KVCacheManager.allocate_slots``)."""
@@ -348,7 +376,12 @@ class TorchKVCacheManager:
             config=self.config,
             enable_caching=self.enable_caching,
             holds_blocks=self._rows.__contains__,
+            settings=self.settings,
         )
+        if full_sequence_must_fit and not self._whole_sequence_fits(
+            request, num_new_computed_tokens, hits
+        ):
+            return None
         try:
             return self._allocate(
                 request,
@@ -421,6 +454,30 @@ class TorchKVCacheManager:
         self._refresh(row)
         return KVCacheBlocks(admitted)
 
+    def _whole_sequence_fits(
+        self, request: RequestLike, num_new_computed_tokens: int, hits: BlockIds
+    ) -> bool:
+        """A full-prompt admission's first check: the whole sequence, a window counting only
+        what it ever holds at once, fits in the free blocks (before anything is released)."""
+        computed = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len)
+        full_length = min(request.num_tokens, self.max_model_len)
+        row = self._rows.get(request.request_id)
+        st = self._state.a
+        total = 0
+        ref = self.pool.ref.a
+        for g, rule in enumerate(self.rules):
+            required = rule.blocks_for_tokens(full_length)
+            cap = self._admission_caps[g]
+            if cap is not None:
+                required = min(required, cap)
+            if row is not None:
+                total += max(required - st[row * self.num_groups + g], 0)
+                continue
+            skipped = rule.skipped_positions(computed)
+            total += max(required - max(skipped, len(hits[g])), 0)
+            total += sum(1 for b in hits[g][skipped:] if b != 0 and ref[b] == 0)
+        return total <= self.pool.num_free_blocks
+
     def _extend(self, row: int, required: list[int]) -> tuple[tuple[int, ...], ...]:
         """Take new blocks, group 0 first, until each group holds ``required`` positions."""
         new_blocks: list[tuple[int, ...]] = []
@@ -447,10 +504,7 @@ class TorchKVCacheManager:
         at = row * g_count
         for g, rule in enumerate(self.rules):
             length, nulls, cached = st[at + g], st[rg + at + g], st[2 * rg + at + g]
-            if rule.kind == MAMBA:
-                capacity = min(capacity, huge if length else 0)
-            else:
-                capacity = min(capacity, length * b)
+            capacity = min(capacity, length * b)
             if rule.kind == SLIDING:
                 release = min(release, (nulls + 1) * b + rule.span - 1)
             elif rule.kind == CHUNKED:
@@ -467,9 +521,6 @@ class TorchKVCacheManager:
         pair_index = rows[:, None] * g_count + self._garange
         length, nulls, cached = self._state.t.view(3, -1)[:, pair_index]
         capacity = length * b
-        if self._mamba is not None:
-            mamba_cap = torch.where(length > 0, _HUGE, 0)
-            capacity = torch.where(self._mamba, mamba_cap, capacity)
         nxt = self._next.t.view(3, -1)
         nxt[0, rows] = capacity.amin(1)
         if self._releases:
@@ -707,7 +758,7 @@ class TorchKVCacheManager:
                 )
                 require(
                     nulls == 0 or self.rules[g].releases,
-                    f"request {request_id!r} of a full/Mamba group holds null blocks",
+                    f"request {request_id!r} of a full-attention group holds null blocks",
                 )
                 for block in table:
                     if block == 0:
@@ -739,6 +790,52 @@ class TorchKVCacheManager:
                     source.row_refs == row_sources.get(index, 0),
                     f"source {index} has a wrong row count",
                 )
+
+
+def _refuse_unported(config: KVCacheConfig, settings: EngineSettings) -> None:
+    """Engine features the reference has and this backend does not yet: refused by name."""
+    sizes = sorted({group.spec.block_size for group in config.groups})
+    problems: list[str] = []
+    if len(sizes) > 1:
+        problems.append(f"groups with different block sizes {sizes}")
+    for group in config.groups:
+        spec = group.spec
+        if isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align":
+            problems.append("mamba_cache_mode='align'")
+        if isinstance(spec, MambaSpec) and spec.num_speculative_blocks:
+            problems.append(f"num_speculative_blocks={spec.num_speculative_blocks}")
+    sparse = any(isinstance(g.spec, SlidingWindowSpec | MambaSpec) for g in config.groups)
+    if config.prefix_cache_retention_interval is not None and sparse:
+        problems.append(f"prefix_cache_retention_interval={config.prefix_cache_retention_interval}")
+    if settings.use_eagle:
+        problems.append("use_eagle=True")
+    if settings.num_hash_lookahead_tokens:
+        problems.append(f"num_hash_lookahead_tokens={settings.num_hash_lookahead_tokens}")
+    if problems:
+        raise ValueError(
+            "the optimized backend does not implement "
+            + ", ".join(dict.fromkeys(problems))
+            + " yet; use hybridkv.reference.KVCacheManager"
+        )
+
+
+def _admission_cap(spec: KVCacheSpec, settings: EngineSettings) -> int | None:
+    """A window's reservation in a full-prompt admission (``rules.max_blocks_*``)."""
+    if isinstance(spec, SlidingWindowSpec):
+        return rules.max_blocks_sliding_window(
+            settings.max_model_len,
+            spec.block_size,
+            spec.sliding_window,
+            settings.max_in_flight_tokens,
+        )
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return rules.max_blocks_chunked_local(
+            settings.max_model_len,
+            spec.block_size,
+            spec.attention_chunk_size,
+            settings.max_in_flight_tokens,
+        )
+    return None
 
 
 def _int_array(values: Sequence[int]) -> array[int]:

@@ -58,7 +58,7 @@ VOCAB = 262_144
 
 
 class Manager(Protocol):
-    def get_computed_blocks(self, request: RequestLike) -> tuple[KVCacheBlocks, int]: ...
+    def get_computed_blocks(self, request: RequestLike) -> tuple[KVCacheBlocks, int, int]: ...
 
     def allocate_slots(
         self,
@@ -197,7 +197,7 @@ def lookup(backend: Backend, length: int, repeat: int) -> tuple[float, float, in
         hash_times.append(time.perf_counter() - start)
         r = backend.request(f"b{i}", copy, hash_block_size=BLOCK)
         start = time.perf_counter()
-        _, hit = m.get_computed_blocks(r)
+        _, hit, _ = m.get_computed_blocks(r)
         lookup_times.append(time.perf_counter() - start)
         gc.enable()
     return statistics.median(hash_times) * 1e6, statistics.median(lookup_times) * 1e6, hit
@@ -216,7 +216,7 @@ def admission(backend: Backend, count: int, shared: int, own: int) -> float:
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         r = backend.request(f"r{i}", prompt, hash_block_size=BLOCK)
-        hit_blocks, hit = m.get_computed_blocks(r)
+        hit_blocks, hit, _ = m.get_computed_blocks(r)
         assert hit >= shared
         assert m.allocate_slots(r, r.num_tokens - hit, hit, hit_blocks) is not None
     elapsed = time.perf_counter() - start

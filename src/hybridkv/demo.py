@@ -42,7 +42,7 @@ def main() -> None:
     manager.allocate_slots(first, len(prompt))
     manager.free(first)
     second = Request("second", prompt, hash_block_size=16)
-    hit, num_hit_tokens = manager.get_computed_blocks(second)
+    hit, num_hit_tokens, _ = manager.get_computed_blocks(second)
     manager.allocate_slots(second, 0, num_hit_tokens, hit)
     tables = manager.get_block_ids("second")
     held = [sum(1 for block_id in table if block_id) for table in tables]

@@ -281,7 +281,7 @@ def _is_token(value: object) -> bool:
 class Manager(Protocol):
     """The scheduler-facing calls the loop makes (``KVCacheManager`` and the torch backend)."""
 
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]: ...
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]: ...
 
     def allocate_slots(
         self,
@@ -454,7 +454,8 @@ class Scheduler:
         admitted: list[tuple[Request, int]] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            blocks, num_hits = self._timed(self.manager.get_computed_blocks, request)
+            blocks, num_hits, boundary = self._timed(self.manager.get_computed_blocks, request)
+            request.shared_prefix_boundary = boundary
             num_new = min(request.num_tokens - num_hits, budget)
             new_blocks = self._timed(
                 self.manager.allocate_slots, request, num_new, num_hits, blocks
