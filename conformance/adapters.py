@@ -146,7 +146,7 @@ class ProtocolAdapter:
         request.num_computed_tokens = num_computed_tokens
 
     def lookup(self, request: Request) -> Lookup:
-        blocks, num_hit_tokens = self.manager.get_computed_blocks(request)
+        blocks, num_hit_tokens, _ = self.manager.get_computed_blocks(request)
         return Lookup(_as_ids(blocks), num_hit_tokens, blocks)
 
     def allocate(

@@ -88,8 +88,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a released block holding a cached hash goes to the head (evicted first)",
         "reference.block_pool",
         (
-            "(keep if block.block_hash is not None else reuse_first).append(block)",
-            "(reuse_first if block.block_hash is not None else keep).append(block)",
+            "(keep if cached else reuse_first).append(block)",
+            "(reuse_first if cached else keep).append(block)",
         ),
     ),
     _m(
@@ -116,8 +116,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "the prefix-cache key drops the group id: groups share cache entries",
         "reference.block_pool",
         (
-            "key = (request.block_hashes[index], group_id)",
-            "key = (request.block_hashes[index], 0)",
+            "self._insert_block_hash((hashes[index], group_id), block, (index + 1) * block_size)",
+            "self._insert_block_hash((hashes[index], 0), block, (index + 1) * block_size)",
         ),
         (
             "self.cached_block_hash_to_block.get((block_hash, group_id))",
@@ -129,8 +129,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a lowered length truncates every type's blocks instead of looking sliding windows up",
         "reference.coordinator",
         (
-            "if isinstance(spec, FullAttentionSpec) and group_ids[0] in looked_up:",
-            "if group_ids[0] in looked_up:",
+            "if attention_type.is_full_attention and hits[first] is not None:",
+            "if hits[first] is not None:",
         ),
     ),
     _m(
@@ -147,10 +147,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a block reused for new tokens stays in the prefix-cache mapping",
         "reference.block_pool",
         (
-            "        del blocks[block.block_id]\n"
-            "        if not blocks:\n"
-            "            del self.cached_block_hash_to_block[key]\n",
-            "",
+            "entry.pop(block.block_id, None) is None",
+            "block.block_id not in entry",
         ),
     ),
     _m(
@@ -166,22 +164,26 @@ MUTANTS: tuple[Mutant, ...] = (
         "capacity_ignores_queued_hits",
         "the capacity check does not count adopted hits that sit in the free queue",
         "reference.single_type_managers",
-        ("return num_new + evictable", "return num_new"),
+        (
+            "return num_new + _num_evictable(new_computed_blocks[skipped_hits:])",
+            "return num_new",
+        ),
     ),
     _m(
         "release_after_capacity_check",
         "out-of-window blocks are released only after the capacity check",
         "reference.kv_cache_manager",
         (
-            "        self.coordinator.remove_skipped_blocks(request_id, num_computed_tokens)\n"
-            "        num_blocks_to_allocate",
-            "        num_blocks_to_allocate",
+            "        self.coordinator.remove_skipped_blocks(request_id, max(0, total_computed - "
+            "in_flight))\n",
+            "",
         ),
         (
-            "            return None\n        self.coordinator.allocate_new_computed_blocks",
+            "            return None\n        if any(hits):",
             "            return None\n"
-            "        self.coordinator.remove_skipped_blocks(request_id, num_computed_tokens)\n"
-            "        self.coordinator.allocate_new_computed_blocks",
+            "        self.coordinator.remove_skipped_blocks(request_id, max(0, total_computed - "
+            "in_flight))\n"
+            "        if any(hits):",
         ),
     ),
     _m(
@@ -189,7 +191,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "blocks are cached up to the lookahead slots, not only the computed tokens",
         "reference.kv_cache_manager",
         (
-            "num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)",
+            "num_tokens_to_cache = min(total_computed + num_new_tokens, request.num_tokens)",
             "num_tokens_to_cache = min(num_tokens_need_slot, request.num_tokens)",
         ),
     ),
@@ -228,8 +230,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a sliding-window hit needs the whole window cached, not window − 1 tokens",
         "spec.rules",
         (
-            "return cdiv(sliding_window - 1, block_size)",
-            "return cdiv(sliding_window, block_size)",
+            "return cdiv(sliding_window - 1, block_size) + (1 if use_eagle else 0)",
+            "return cdiv(sliding_window, block_size) + (1 if use_eagle else 0)",
         ),
     ),
     _m(
@@ -237,10 +239,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "slots are not capped at max_model_len (lookahead past the model length)",
         "reference.kv_cache_manager",
         (
-            "num_tokens_need_slot = min(\n"
-            "            num_computed_tokens + num_new_tokens + num_lookahead_tokens, "
-            "self.max_model_len\n        )",
-            "num_tokens_need_slot = num_computed_tokens + num_new_tokens + num_lookahead_tokens",
+            "num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, "
+            "self.max_model_len)",
+            "num_tokens_need_slot = num_tokens_main_model + num_lookahead_tokens",
         ),
     ),
     _m(
@@ -259,12 +260,12 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     _m(
-        "mamba_two_blocks",
-        "a Mamba group holds a block per block of tokens, like attention",
+        "mamba_keeps_old_states",
+        "a Mamba group keeps every state block instead of the last computed token's",
         "reference.single_type_managers",
         (
-            "        return rules.mamba_blocks_for_tokens(num_tokens)",
-            "        return rules.attention_blocks_for_tokens(num_tokens, self.block_size)",
+            "        return rules.mamba_skipped_tokens(num_computed_tokens)",
+            "        return 0",
         ),
     ),
     _p(
@@ -453,7 +454,7 @@ def manager_checks(
         def factory(config: Any, max_model_len: int, caching: bool) -> Any:
             return bundle.KVCacheManager(config, max_model_len, enable_caching=caching)
 
-        for name in trace_names():
+        for name in trace_names("unit"):
             _, divergence = replay_trace(name, factory)
             if divergence is not None:
                 raise AssertionError(str(divergence).splitlines()[0])

@@ -441,7 +441,7 @@ def reference_hit(
         )
         position_block.append({i: b.block_id for i, b in enumerate(table) if not b.is_null})
         pool.free_blocks(table[::-1])
-    blocks, hit_tokens = manager.get_computed_blocks(request)
+    blocks, hit_tokens, _ = manager.get_computed_blocks(request)
     best = brute_force_hit_blocks(groups, len(prompt), block_size)
     expected = []
     for gid, group in enumerate(groups):

@@ -207,6 +207,8 @@ def skipped_block_count(spec: KVCacheSpec, num_computed_tokens: int) -> int:
     """
     if isinstance(spec, SlidingWindowSpec):
         skipped = rules.sliding_window_skipped_tokens(num_computed_tokens, spec.sliding_window)
+    elif isinstance(spec, MambaSpec):
+        skipped = rules.mamba_skipped_tokens(num_computed_tokens)
     elif isinstance(spec, ChunkedLocalAttentionSpec):
         if spec.attention_chunk_size % spec.block_size:
             return rules.cdiv(num_computed_tokens, spec.block_size)
@@ -231,8 +233,10 @@ def check_observable_invariants(
     * usage = 1 − free / (num_blocks − 1), in [0, 1];
     * no block in two groups (tables or cache), nor twice in one table; a block in the tables of
       two requests of one group is shared through the prefix cache (it is a cached block);
-    * full attention and Mamba tables hold no null; sliding-window and chunked-local tables hold
-      nulls only as a prefix, and only before the window (or chunk) of the computed tokens.
+    * full-attention tables hold no null; sliding-window, chunked-local and ``"none"`` Mamba
+      tables hold nulls only as a prefix, and only before the window (or chunk, or state) of the
+      computed tokens; an ``"align"`` Mamba table holds at most its state, the previous one, a
+      prefill checkpoint and its speculative blocks.
     """
     holders: Counter[int] = Counter()
     group_of: dict[int, int] = {}
@@ -240,7 +244,14 @@ def check_observable_invariants(
     for rid, table in tables.items():
         for gid, (spec, ids) in enumerate(zip(layout.specs, table, strict=True)):
             nulls = [i for i, block in enumerate(ids) if block == 0]
-            if isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
+            if isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align":
+                # The state, the previous one, a checkpoint and the speculative blocks.
+                limit = 3 + spec.num_speculative_blocks
+                _require(
+                    len(ids) - len(nulls) <= limit,
+                    f"{rid} g{gid}: a Mamba table of {len(ids) - len(nulls)} blocks (> {limit})",
+                )
+            elif isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec | MambaSpec):
                 _require(
                     nulls == list(range(len(nulls))), f"{rid} g{gid}: nulls {nulls} not a prefix"
                 )
@@ -251,13 +262,10 @@ def check_observable_invariants(
                 )
             else:
                 _require(not nulls, f"{rid} g{gid}: a {spec_kind(spec)} table holds a null block")
-            if isinstance(spec, MambaSpec):
-                _require(len(ids) <= 1, f"{rid} g{gid}: a Mamba table of {len(ids)} blocks")
-            else:
-                _require(
-                    len(ids) * spec.block_size >= computed[rid],
-                    f"{rid} g{gid}: {len(ids)} blocks cannot hold {computed[rid]} computed tokens",
-                )
+            _require(
+                len(ids) * spec.block_size >= computed[rid],
+                f"{rid} g{gid}: {len(ids)} blocks cannot hold {computed[rid]} computed tokens",
+            )
             real = [block for block in ids if block != 0]
             _require(len(real) == len(set(real)), f"{rid} g{gid}: a block twice in one table")
             for block in real:
@@ -308,9 +316,9 @@ def check_failed_allocation(
 ) -> None:
     """A failed allocation changes nothing but the window releases of the request.
 
-    The request's sliding-window and chunked-local positions may have turned null (their blocks
-    released, in either end of the queue); nothing else may differ: other tables, other counts,
-    the relative order of the blocks already free, the prefix cache.
+    The request's sliding-window, chunked-local and Mamba positions may have turned null (their
+    blocks released, in either end of the queue); nothing else may differ: other tables, other
+    counts, the relative order of the blocks already free, the prefix cache.
     """
     for other, table in tables_before.items():
         if other != rid:
@@ -323,7 +331,8 @@ def check_failed_allocation(
                 continue
             spec = layout.specs[gid]
             _require(
-                b == 0 and isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec),
+                b == 0
+                and isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec | MambaSpec),
                 f"failed allocation changed {rid} g{gid} position {position}: {a} -> {b}",
             )
             released[a] += 1

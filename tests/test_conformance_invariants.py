@@ -131,7 +131,7 @@ CORRUPTIONS: list[tuple[Callable[[KVCacheManager], None], str]] = [
     (_zero_held_count, f"free queue {FREE} != count-0 blocks {sorted([*FREE, 9])}"),
     (_hold_a_free_block, "block 19 has ref_cnt 0 but 1 holders"),
     (_drop_from_queue, f"free queue {FREE[:10] + FREE[11:]} != count-0 blocks {FREE}"),
-    (_null_in_full_table, "request 'run' of a full/Mamba group holds null blocks"),
+    (_null_in_full_table, "request 'run' of a full-attention group holds null blocks"),
     (_null_after_real_block, "request 'run' has null positions [0, 1, 4] after a real block"),
     (_block_in_two_groups, "block 9 is in groups 0 and 1"),
     (_cache_entry_wrong_key, "cache entry of group 0 points at block 1 holding another key"),

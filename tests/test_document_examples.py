@@ -87,7 +87,7 @@ def cache_window_example(m: BackendManager) -> Request:
     f.num_computed_tokens = 6
 
     g = Request("g", PROMPT, hash_block_size=1)
-    hit, num_hit_tokens = m.get_computed_blocks(g)
+    hit, num_hit_tokens, _ = m.get_computed_blocks(g)
     assert num_hit_tokens == 6
     assert m.allocate_slots(g, 8, num_hit_tokens, hit, delay_cache_blocks=True) is not None
     g.num_computed_tokens = 14
@@ -117,7 +117,7 @@ def test_case2_a_112_token_request_holds_11_blocks(make_manager: ManagerFactory)
     m.free(first)
 
     second = Request("second", prompt, hash_block_size=16)
-    hit, num_hit_tokens = m.get_computed_blocks(second)
+    hit, num_hit_tokens, _ = m.get_computed_blocks(second)
     assert num_hit_tokens == 112
     assert m.allocate_slots(second, 0, num_hit_tokens, hit) is not None
     table = m.get_block_ids("second")
@@ -148,7 +148,7 @@ def test_prefix_case0_full_attention_hits_the_first_7_tokens(
     m.free(cached)
 
     new = Request("new", [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], hash_block_size=1)
-    hit, num_hit_tokens = m.get_computed_blocks(new)
+    hit, num_hit_tokens, _ = m.get_computed_blocks(new)
     assert num_hit_tokens == 7
     assert hit.get_block_ids() == ([1, 2, 3, 4, 5, 6, 7],)
 
@@ -180,7 +180,7 @@ def test_prefix_case1_sliding_window_picks_the_longest_hit_14(
 ) -> None:
     """Scanning right to left stops at the first valid hit: 14, computing only token 14."""
     m, _ = sliding_window_example(make_manager)
-    hit, num_hit_tokens = m.get_computed_blocks(Request("r", PROMPT, hash_block_size=1))
+    hit, num_hit_tokens, _ = m.get_computed_blocks(Request("r", PROMPT, hash_block_size=1))
     (hit_ids,) = hit.get_block_ids()
     assert num_hit_tokens == 14
     assert len(hit_ids) == 14
@@ -194,7 +194,7 @@ def test_prefix_case1_adopting_the_hit_holds_the_three_blocks_past_the_nulls(
     (tokens 11–13) gain a holder and leave the free queue; freeing returns them to it."""
     m, _ = sliding_window_example(make_manager)
     request = Request("r", PROMPT, hash_block_size=1)
-    hit, num_hit_tokens = m.get_computed_blocks(request)
+    hit, num_hit_tokens, _ = m.get_computed_blocks(request)
     (hit_ids,) = hit.get_block_ids()
     held = hit_ids[11:]
     free_before = m.num_free_blocks
@@ -235,7 +235,7 @@ def test_prefix_case2_full_and_sliding_hits_are_intersected(make_manager: Manage
     assert cached_positions(events, request, group_id=1) == [2, 3, 4, 5, 11, 12, 13]
     assert m.snapshot().num_cached_keys == 17
 
-    hit, num_hit_tokens = m.get_computed_blocks(request)
+    hit, num_hit_tokens, _ = m.get_computed_blocks(request)
     assert num_hit_tokens == 6
     full_ids, sliding_ids = hit.get_block_ids()
     assert full_ids == [1, 2, 3, 4, 5, 6]

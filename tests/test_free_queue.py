@@ -26,7 +26,7 @@ def test_released_blocks_go_to_the_tail_if_hashed_else_to_the_head(
     a = Request("a", [1, 2, 3, 4, 5, 6, 7], hash_block_size=2)
     assert m.allocate_slots(a, 7) is not None
     b = Request("b", [1, 2, 3, 4, 5, 6, 8], hash_block_size=2)
-    hit, num_hit = m.get_computed_blocks(b)
+    hit, num_hit, _ = m.get_computed_blocks(b)
     assert (hit.get_block_ids(), num_hit) == (([1, 2, 3],), 6)
     assert m.allocate_slots(b, 1, num_hit, hit) is not None
     assert m.get_block_ids("a") == ([1, 2, 3, 4],)

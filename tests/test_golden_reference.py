@@ -1,9 +1,12 @@
-"""Every golden trace recorded from vLLM 0.33 replays identically on both backends.
+"""Every golden trace recorded from vLLM 0.33 replays identically.
 
 Each trace is compared operation by operation (hit lengths, block ids per position, free-queue
 order, cached blocks, reference counts), with the backend's invariant checker run after every
 step (the optimized backend's also checks its rows, row thresholds and device tables). The
 optimized backend runs on the CPU here; ``test_optimized_cuda`` replays traces on CUDA.
+
+The 189 unit-test traces run on both backends. The 150 engine traces run on the reference; the
+optimized backend replays those whose features it implements and refuses the others by name.
 """
 
 from __future__ import annotations
@@ -12,17 +15,45 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from hybridkv.conformance.golden import replay_trace, trace_names
+from hybridkv.conformance.golden import load_trace, replay_trace, trace_names
+from hybridkv.optimized import TorchKVCacheManager
+from hybridkv.reference import KVCacheManager
 
 if TYPE_CHECKING:
     from conftest import ManagerFactory
 
 
-def test_all_189_traces_are_packaged() -> None:
-    assert len(trace_names()) == 189
+def test_both_trace_sets_are_packaged() -> None:
+    assert len(trace_names("unit")) == 189
+    assert len(trace_names("engine")) == 150
+    assert trace_names() == sorted(trace_names("unit") + trace_names("engine"))
 
 
-@pytest.mark.parametrize("name", trace_names())
+def test_an_unknown_trace_set_is_refused() -> None:
+    message = r"^trace_set must be one of \['engine', 'unit'\], got 'x'$"
+    with pytest.raises(ValueError, match=message):
+        trace_names("x")
+
+
+@pytest.mark.parametrize("name", trace_names("unit"))
 def test_golden_trace_replays_identically(make_manager: ManagerFactory, name: str) -> None:
     _, divergence = replay_trace(name, make_manager, check_invariants=True)
+    assert divergence is None, str(divergence)
+
+
+@pytest.mark.parametrize("name", trace_names("engine"))
+def test_engine_trace_replays_identically_on_the_reference(name: str) -> None:
+    matched, divergence = replay_trace(name, KVCacheManager, check_invariants=True)
+    assert divergence is None, str(divergence)
+    assert matched == len(load_trace(name)["observations"])
+
+
+@pytest.mark.parametrize("name", trace_names("engine"))
+def test_engine_trace_replays_or_is_refused_by_name_on_the_optimized_backend(name: str) -> None:
+    refusal = ""
+    try:
+        _, divergence = replay_trace(name, TorchKVCacheManager, check_invariants=True)
+    except ValueError as error:
+        refusal, divergence = str(error), None
+    assert refusal == "" or refusal.startswith("the optimized backend does not implement "), refusal
     assert divergence is None, str(divergence)

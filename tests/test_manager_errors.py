@@ -126,9 +126,7 @@ def test_a_running_request_cannot_adopt_a_cache_hit(manager: BackendManager) -> 
 def test_a_request_hashed_at_another_block_size_is_rejected(manager: BackendManager) -> None:
     wrong = Request("b", list(range(10)), hash_block_size=2)
     before = manager.snapshot()
-    message = (
-        "request 'b' has 5 block_hashes, expected 2 (hash_block_size must be the block size 4)"
-    )
+    message = "request 'b' has 5 block_hashes, expected 2 (hash_block_size must be 4)"
     with pytest.raises(ValueError, match=exactly(message)):
         manager.get_computed_blocks(wrong)
     with pytest.raises(ValueError, match=exactly(message)):
@@ -188,23 +186,11 @@ def test_bad_request_settings_are_rejected(kwargs: dict[str, object], message: s
 def test_bad_manager_settings_are_rejected(make_manager: ManagerFactory) -> None:
     with pytest.raises(ValueError, match=exactly("max_model_len must be a positive int, got 0")):
         make_manager(CONFIG, max_model_len=0)
-    mixed = KVCacheConfig(
-        8,
-        (
-            KVCacheGroup(("a",), FULL),
-            KVCacheGroup(
-                ("b",), FullAttentionSpec(block_size=8, num_kv_heads=1, head_size=1, dtype_bytes=4)
-            ),
-        ),
-    )
-    message = "every KV cache group must share one block size (one page size), got [4, 8]"
-    with pytest.raises(ValueError, match=exactly(message)):
-        make_manager(mixed, max_model_len=64)
     with pytest.raises(ValueError, match=exactly("config must be a KVCacheConfig, got 3")):
         make_manager(3, max_model_len=64)  # type: ignore[arg-type]
 
 
-def test_prefix_caching_with_a_mamba_group_is_not_supported_yet(
+def test_prefix_caching_with_a_mamba_group_needs_align_mode(
     make_manager: ManagerFactory,
 ) -> None:
     mamba = KVCacheConfig(
@@ -215,8 +201,8 @@ def test_prefix_caching_with_a_mamba_group_is_not_supported_yet(
         ),
     )
     message = (
-        "enable_caching=True is not supported with a Mamba group yet (prefix caching for Mamba "
-        "is a later issue); pass enable_caching=False"
+        "mamba_cache_mode must be 'align' for a Mamba group when prefix caching is on "
+        "(enable_caching=True), got 'none'"
     )
     with pytest.raises(ValueError, match=exactly(message)):
         make_manager(mamba, max_model_len=64)

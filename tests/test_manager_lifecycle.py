@@ -20,6 +20,7 @@ from hybridkv.reference import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    KVCacheManager,
     PrefixCacheStats,
     Request,
     hash_block_tokens,
@@ -141,15 +142,18 @@ def test_prefix_cache_stats_mark_a_reset_and_keep_counting_across_it(
     assert m.make_prefix_cache_stats() == PrefixCacheStats()
 
 
-def test_a_mamba_group_holds_one_state_block_per_request(make_manager: ManagerFactory) -> None:
-    """Allocation, Case 4: the Mamba group keeps one block whatever the length."""
+def test_a_mamba_block_spanning_max_model_len_is_one_state_block_per_request() -> None:
+    """Allocation, Case 4: without prefix caching an engine gives the Mamba block
+    ``max_model_len`` tokens, so the group keeps one block whatever the length (the reference;
+    the optimized backend does not take groups of different block sizes yet)."""
+    make_manager = KVCacheManager
     attention = FullAttentionSpec(block_size=4, **SIZES)
-    mamba = MambaSpec(block_size=4, state_bytes=16)
+    mamba = MambaSpec(block_size=64, state_bytes=16)
     config = KVCacheConfig(
         12, (KVCacheGroup(("attn",), attention), KVCacheGroup(("mamba",), mamba))
     )
     m = make_manager(config, max_model_len=64, enable_caching=False)
-    r = Request("r", list(range(9)), hash_block_size=4)
+    r = Request("r", list(range(9)), hash_block_size=64)
     assert m.allocate_slots(r, 9) is not None
     r.num_computed_tokens = 9
     assert m.get_block_ids("r") == ([1, 2, 3], [4])
@@ -160,6 +164,29 @@ def test_a_mamba_group_holds_one_state_block_per_request(make_manager: ManagerFa
     assert m.get_block_ids("r") == ([1, 2, 3, 5], [4])
     m.free(r)
     assert m.num_free_blocks == 11
+
+
+def test_a_small_mamba_block_keeps_only_the_state_of_the_last_computed_token(
+    make_manager: ManagerFactory,
+) -> None:
+    """With a Mamba block smaller than the request, ``"none"`` mode behaves like a window of
+    one token: each allocation releases the states before the block of the last computed
+    token (position 2 holds tokens 8–11, so after 9 tokens positions 0 and 1 go)."""
+    attention = FullAttentionSpec(block_size=4, **SIZES)
+    mamba = MambaSpec(block_size=4, state_bytes=16)
+    config = KVCacheConfig(
+        12, (KVCacheGroup(("attn",), attention), KVCacheGroup(("mamba",), mamba))
+    )
+    m = make_manager(config, max_model_len=64, enable_caching=False)
+    r = Request("r", list(range(9)), hash_block_size=4)
+    assert m.allocate_slots(r, 9) is not None
+    assert m.get_block_ids("r") == ([1, 2, 3], [4, 5, 6])
+    r.num_computed_tokens = 9
+    r.append_output_token_ids(9)
+    assert m.allocate_slots(r, 1) is not None
+    assert m.get_block_ids("r") == ([1, 2, 3], [0, 0, 6])
+    assert m.num_free_blocks == 11 - 4
+    m.check_invariants()
 
 
 def all_kinds_of_groups() -> st.SearchStrategy[tuple[KVCacheSpec, ...]]:
@@ -218,7 +245,7 @@ class ManagerLifecycle(RuleBasedStateMachine):
     def admit(self, data: st.DataObject, use_hit: bool) -> None:
         rid = data.draw(st.sampled_from(sorted(self.waiting)))
         request = self.waiting[rid]
-        hit, num_hit = self.m.get_computed_blocks(request)
+        hit, num_hit, _ = self.m.get_computed_blocks(request)
         if not use_hit:
             hit, num_hit = None, 0  # type: ignore[assignment]
         n = request.num_tokens - num_hit

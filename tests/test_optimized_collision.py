@@ -83,9 +83,9 @@ def test_a_hash_shared_by_every_block_never_returns_another_prompts_blocks() -> 
         if cls is KVCacheManager:
             assert m.get_computed_blocks(other)[1] == 8  # the reference is fooled
         else:
-            blocks, hit = m.get_computed_blocks(other)
+            blocks, hit, _ = m.get_computed_blocks(other)
             assert (blocks.get_block_ids(), hit) == (([],), 0)
-            blocks, hit = m.get_computed_blocks(same)
+            blocks, hit, _ = m.get_computed_blocks(same)
             assert hit == 8
             assert blocks.get_block_ids() == (m.get_block_ids("a")[0][:2],)
 
@@ -136,7 +136,7 @@ def test_a_wrong_first_candidate_does_not_hide_a_right_later_one() -> None:
         m.vector_min = vector_min
         cache(m, HashedRequest("a", [1, 2, 3, 4, 0], constant))
         cache(m, HashedRequest("b", [5, 6, 7, 8, 0], constant))
-        blocks, hit = m.get_computed_blocks(HashedRequest("c", [5, 6, 7, 8, 1], constant))
+        blocks, hit, _ = m.get_computed_blocks(HashedRequest("c", [5, 6, 7, 8, 1], constant))
         assert hit == 4
         assert blocks.get_block_ids() == (m.get_block_ids("b")[0][:1],)
 
@@ -157,7 +157,7 @@ def test_long_prompts_of_equal_length_are_verified_to_the_first_differing_token(
             tokens = list(base)
             if differ is not None:
                 tokens[differ] += 1
-            blocks, hit = m.get_computed_blocks(HashedRequest("p", tokens, constant))
+            blocks, hit, _ = m.get_computed_blocks(HashedRequest("p", tokens, constant))
             assert hit == expected, (differ, hit)
             assert blocks.get_block_ids() == (ids[: expected // 4],)
         m.check_invariants()

@@ -51,7 +51,7 @@ def test_cuda_and_cpu_managers_agree_step_by_step() -> None:
     ]
     for m, requests in zip(managers, twins, strict=True):
         for r in requests:
-            blocks, hit = m.get_computed_blocks(r)
+            blocks, hit, _ = m.get_computed_blocks(r)
             assert m.allocate_slots(r, r.num_tokens - hit, hit, blocks) is not None
             r.num_computed_tokens = r.num_tokens
     for _ in range(20):

@@ -106,7 +106,7 @@ def run_traffic(data: st.DataObject, vector_min: int, batched: bool, batch_min: 
             t = twins[data.draw(st.sampled_from(waiting))]
             found = opt.get_computed_blocks(t.opt)
             assert found == ref.get_computed_blocks(t.ref)
-            blocks, hit = found if data.draw(st.booleans()) else (None, 0)
+            blocks, hit = found[:2] if data.draw(st.booleans()) else (None, 0)
             n = t.ref.num_tokens - t.ref.num_computed_tokens - hit
             if n <= 0:
                 continue

@@ -185,7 +185,7 @@ def test_admitting_the_one_pass_chunk_hit_holds_its_nulls_and_touches_its_blocks
             group_id=group_id,
         )
         pool.free_blocks(table[::-1])
-    hit, num_hit_tokens = manager.get_computed_blocks(request)
+    hit, num_hit_tokens, _ = manager.get_computed_blocks(request)
     assert (num_hit_tokens, hit.get_block_ids()) == (4, ([1, 2], [0, 0]))
     assert manager.allocate_slots(request, 7, num_hit_tokens, hit) is not None
     manager.check_invariants()
