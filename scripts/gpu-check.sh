@@ -20,7 +20,10 @@ mkdir -p "$LOGS"
 
 main() {
     local failed=()
-    echo "== gpu-check: $(date -u +%FT%TZ), $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+    # COMMIT: written beside a copy of the tree that travels without its .git
+    local commit
+    commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo '?')
+    echo "== gpu-check: $(date -u +%FT%TZ), commit $commit"
     nvidia-smi -L || echo "nvidia-smi: not available"
     "$PY" -c 'import sys, torch
 print("python", sys.version.split()[0], "| torch", torch.__version__, "| CUDA", torch.version.cuda,
