@@ -96,21 +96,29 @@ def allocate_slots_batch(
     )
     if len(counts) != n:
         raise ValueError(f"num_new_tokens must give one count per request ({n}), got {len(counts)}")
-    if n >= m.batch_min:
-        try:
+    # The single calls made here (a small batch, the few busy requests of a step) leave their
+    # table changes to one flush at the end: one host→device copy per step.
+    outer, m._defer_flush = m._defer_flush, True
+    try:
+        if n >= m.batch_min:
             done = _allocate_vectorised(
                 m, requests, num_new_tokens, num_lookahead_tokens, delay_cache_blocks
             )
-        finally:
+            if done is not None:
+                return done
+        return [
+            m.allocate_slots(
+                r,
+                c,
+                num_lookahead_tokens=num_lookahead_tokens,
+                delay_cache_blocks=delay_cache_blocks,
+            )
+            for r, c in zip(requests, counts, strict=True)
+        ]
+    finally:
+        m._defer_flush = outer
+        if not outer:
             m._flush()
-        if done is not None:
-            return done
-    return [
-        m.allocate_slots(
-            r, c, num_lookahead_tokens=num_lookahead_tokens, delay_cache_blocks=delay_cache_blocks
-        )
-        for r, c in zip(requests, counts, strict=True)
-    ]
 
 
 def _step_fields(

@@ -169,6 +169,7 @@ class TorchKVCacheManager:
             self._device_tables = torch.zeros((g, r, w), dtype=torch.int32, device=self.device)
         self._dirty: list[tuple[int, int]] = []
         self._dirty_index: list[torch.Tensor] = []
+        self._defer_flush = False  # inside ``allocate_slots_batch``: it flushes once at its end
         self._state = IntBuffer(3 * r * g, typecode="q")
         self._rg = r * g  # offset of state[1]; state[2] is at 2 × _rg
         # Per-group constants of the vectorised paths, as [G] int64 tensors.
@@ -234,9 +235,12 @@ class TorchKVCacheManager:
         index = torch.cat(parts + self._dirty_index)
         self._dirty.clear()
         self._dirty_index.clear()
-        values = self._tab.t[index]
+        # Indices and values travel together: one host→device copy, split on the device.
+        n = index.shape[0]
+        packed = torch.cat((index, self._tab.t[index].to(torch.int64)))
+        on_device = packed.to(self.device, non_blocking=True)
         flat = self._device_tables.view(-1)
-        flat[index.to(self.device, non_blocking=True)] = values.to(self.device, non_blocking=True)
+        flat.index_copy_(0, on_device[:n], on_device[n:].to(torch.int32))
 
     def _take_row(self, request_id: str) -> int:
         if not self._free_rows:
@@ -392,7 +396,8 @@ class TorchKVCacheManager:
                 delay_cache_blocks,
             )
         finally:
-            self._flush()
+            if not self._defer_flush:
+                self._flush()
 
     def _allocate(
         self,

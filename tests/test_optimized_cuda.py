@@ -2,24 +2,30 @@
 
 With ``device="cuda"`` the pool's bookkeeping stays on the host and the block tables live on
 the GPU, updated in place after every call; results, state and the tables must match a CPU
-manager driven identically.
+manager driven identically, and a scheduler step (``allocate_slots_batch``) writes its changed
+entries to the device in at most one host→device copy. The last property is also checked
+without a GPU, on a CPU manager given a separate "device" copy of its tables.
 """
 
 from __future__ import annotations
 
 import random
+import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from hybridkv.conformance.golden import replay_trace, trace_names
 from hybridkv.optimized import TorchKVCacheManager
 from hybridkv.reference import Request
 from hybridkv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, SlidingWindowSpec
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+@needs_cuda
 def test_golden_traces_replay_identically_on_cuda() -> None:
     def on_cuda(config: KVCacheConfig, max_model_len: int, caching: bool) -> TorchKVCacheManager:
         return TorchKVCacheManager(config, max_model_len, caching, device="cuda")
@@ -29,6 +35,7 @@ def test_golden_traces_replay_identically_on_cuda() -> None:
         assert divergence is None, str(divergence)
 
 
+@needs_cuda
 def test_cuda_and_cpu_managers_agree_step_by_step() -> None:
     sizes = {"block_size": 4, "num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
     config = KVCacheConfig(
@@ -68,3 +75,100 @@ def test_cuda_and_cpu_managers_agree_step_by_step() -> None:
         for g in range(2):
             assert torch.equal(managers[0].block_table(g), managers[1].block_table(g).cpu())
         managers[1].check_invariants()
+
+
+def _decoding(device: str, batch: int, stagger: int) -> tuple[TorchKVCacheManager, list[Request]]:
+    """A manager with ``batch`` prefilled requests on a full + sliding-window layout, prompt
+    lengths staggered over ``stagger`` tokens (so ``batch / stagger`` cross a block together)."""
+    sizes = {"block_size": 4, "num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
+    config = KVCacheConfig(
+        40 * batch,
+        (
+            KVCacheGroup(("full",), FullAttentionSpec(**sizes)),
+            KVCacheGroup(("sw",), SlidingWindowSpec(sliding_window=9, **sizes)),
+        ),
+    )
+    m = TorchKVCacheManager(config, 128, device=device, max_num_reqs=batch)
+    rng = random.Random(batch)
+    requests = [
+        Request(f"r{i}", [rng.randrange(40) for _ in range(40 - i % stagger)], hash_block_size=4)
+        for i in range(batch)
+    ]
+    for r in requests:
+        assert m.allocate_slots(r, r.num_tokens) is not None
+        r.num_computed_tokens = r.num_tokens
+    return m, requests
+
+
+def _decode_steps(
+    m: TorchKVCacheManager, requests: list[Request], steps: int, run: Callable[[], None]
+) -> None:
+    rng = random.Random(0)
+    for _ in range(steps):
+        for r in requests:
+            r.append_output_token_ids(rng.randrange(40))
+        run()
+        for r in requests:
+            r.num_computed_tokens += 1
+        assert torch.equal(m._device_tables.cpu(), m._tables)
+    m.check_invariants()
+
+
+# Big batches (vectorised, with a few busy requests served one by one) and a small one (below
+# ``batch_min``: the single calls).
+BATCHES = [(64, 4), (8, 2)]
+
+
+@pytest.mark.parametrize(("batch", "stagger"), BATCHES)
+def test_a_step_flushes_its_table_changes_once(batch: int, stagger: int) -> None:
+    m, requests = _decoding("cpu", batch, stagger)
+    m._device_tables = m._tables.clone()  # a separate "device" copy, kept by the flushes
+    flushes: list[int] = []
+    flush = m._flush
+
+    def counting_flush() -> None:
+        flushes.append(bool(m._dirty or m._dirty_index))
+        flush()
+
+    m._flush = counting_flush  # type: ignore[method-assign]
+    writes: list[int] = []
+
+    def step() -> None:
+        flushes.clear()
+        assert all(x is not None for x in m.allocate_slots_batch(requests, 1))
+        writes.append(sum(flushes))
+
+    _decode_steps(m, requests, 12, step)
+    assert max(writes) == 1  # some step changed the tables, and none wrote twice
+
+
+@needs_cuda
+def test_block_tables_are_resident_on_the_device() -> None:
+    m, requests = _decoding("cuda", 4, 1)
+    for g in range(m.num_groups):
+        table = m.block_table(g)
+        assert table.device.type == "cuda"
+        assert table.shape == (m.max_num_reqs, m.max_blocks_per_req)
+    row = m.row_of(requests[0].request_id)
+    assert row is not None
+    for g, ids in enumerate(m.get_block_ids(requests[0].request_id)):
+        assert m.block_table(g)[row, : len(ids)].tolist() == ids
+
+
+@needs_cuda
+@pytest.mark.parametrize(("batch", "stagger"), BATCHES)
+def test_a_step_copies_to_the_device_at_most_once(batch: int, stagger: int) -> None:
+    m, requests = _decoding("cuda", batch, stagger)
+    copies: list[int] = []
+
+    def step() -> None:
+        with warnings.catch_warnings():  # the profiler's own notices are not under test
+            warnings.simplefilter("ignore")
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                assert all(x is not None for x in m.allocate_slots_batch(requests, 1))
+                torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if "memcpy htod" in e.name.lower()]
+        copies.append(len(names))
+
+    _decode_steps(m, requests, 12, step)
+    assert max(copies) == 1, copies
