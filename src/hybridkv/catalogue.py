@@ -264,7 +264,8 @@ def _mapping_notes(facts: ModelFacts) -> tuple[str, ...]:
     if kinds & RECURRENT_KINDS or "hybrid_parallel_attention_mamba2" in kinds:
         notes.append(
             "recurrent layers are planned as MambaSpec: vLLM conv state in bf16 + SSM state in "
-            "the SSM dtype; prefix caching is off for models with recurrent layers"
+            "the SSM dtype; the plan counts two state blocks per request with prefix caching "
+            "(vLLM's align mode), one without; simulate runs them without prefix caching"
         )
     if "hybrid_parallel_attention_mamba2" in kinds:
         notes.append(
