@@ -75,6 +75,13 @@ MANIFEST: tuple[Target, ...] = (
     Target(f"{RULES}.mamba_prefill_checkpoint_valid"),
     Target(f"{RULES}.sliding_window_retention_mask", scale=2.0),
     Target(f"{RULES}.mamba_retention_mask", scale=2.0),
+    Target(f"{RULES}.vllm_group_size"),
+    Target(f"{RULES}.strided_layer_indices"),
+    Target(f"{RULES}.pipeline_stage_sizes"),
+    Target(f"{RULES}.group_slots", scale=2.0),
+    Target(f"{RULES}.min_padding_group_size", scale=2.0),
+    Target(f"{RULES}.max_concurrent_batches"),
+    Target(f"{RULES}.mamba_state_blocks"),
     # --- conformance/harnesses.py: equivalence, oracles, pool state --------------------------
     Target(f"{HARNESSES}.sliding_window_scan_equivalence", scale=3.0),
     Target(f"{HARNESSES}.hybrid_hit_is_longest_accepted", scale=4.0),

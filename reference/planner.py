@@ -9,9 +9,12 @@ One memory pool serves every layer, so every KV cache group must have the same p
    Mamba state, and the state is padded to that page.
 3. Cases 1–3 — layers with equal specs form one attention type; every type is cut into
    consecutive groups of g layers, g being the smallest layer count of any type. A type's last
-   group may be short: its missing slots are *padding*. Full attention comes first.
+   group may be short: its missing slots are *padding*. Full attention comes first. This is
+   the ``"document"`` policy; ``"vllm"`` and ``"min-padding"`` choose g and the layers of each
+   group otherwise (``reference.grouping``).
 4. Memory Layout — g tensors; tensor i is shared by the i-th layer of every group, and a block
-   is one ``page_size_bytes`` slice of every tensor.
+   is one ``page_size_bytes`` slice of every tensor. With pipeline stages, each stage has its
+   own tensors for its own layers (``reference.pipeline``).
 
 Example (the document's): 10 full + 20 sliding-window layers → groups (full.0–full.9),
 (sw.0–sw.9), (sw.10–sw.19); 10 tensors, KVCacheTensor 0 shared by full.0, sw.0 and sw.10.
@@ -23,6 +26,8 @@ import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from hybridkv.reference.grouping import GroupingPolicy, check_policy, split_types
+from hybridkv.reference.pipeline import layer_stages as layer_stages_of
 from hybridkv.spec import rules
 from hybridkv.spec.errors import check_non_negative
 from hybridkv.spec.kv_cache_config import KVCacheConfig, KVCacheGroup, KVCacheTensor
@@ -40,28 +45,36 @@ _SPEC_CLASSES = (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec
 
 
 def plan_groups(
-    layers: Mapping[str, KVCacheSpec], *, kv_sharing: Mapping[str, str] = _NO_SHARING
+    layers: Mapping[str, KVCacheSpec],
+    *,
+    kv_sharing: Mapping[str, str] = _NO_SHARING,
+    policy: GroupingPolicy = "document",
+    pipeline_parallel_size: int = 1,
+    layer_stages: Mapping[str, int] | None = None,
 ) -> tuple[KVCacheGroup, ...]:
     """Split the model's layers into KV cache groups of one attention type and one page size.
 
     ``layers`` maps layer names to specs in model order; ``kv_sharing[layer] = target`` says
-    that ``layer`` reads ``target``'s KV cache (Case 5). Raises ``ValueError`` naming the field
-    and the value for an empty model, a spec that is not a layer spec, a bad ``kv_sharing``
-    entry, or layers that cannot share one page size.
+    that ``layer`` reads ``target``'s KV cache (Case 5). ``policy`` picks the grouping
+    (``reference.grouping``): the document's (the default), vLLM 0.33's, or the one with the
+    fewest padded slots, which looks at the pipeline stages: ``layer_stages`` maps each layer
+    to its stage, else the layers are split over ``pipeline_parallel_size`` stages as vLLM
+    splits decoder layers. Raises ``ValueError`` naming the field and the value for an empty
+    model, a spec that is not a layer spec, a bad ``kv_sharing`` entry, an unknown policy, bad
+    stages, or layers that cannot share one page size.
     """
     _check_layers(layers)
     _check_kv_sharing(layers, kv_sharing)
+    check_policy(policy)
+    stages = layer_stages_of(layers, pipeline_parallel_size, layer_stages)
     own_specs = _unify_page_size(
         {name: spec for name, spec in layers.items() if name not in kv_sharing}
     )
-    types = _attention_types(own_specs)
-    layers_per_group = rules.group_size([len(names) for names in types.values()])
-    groups: list[KVCacheGroup] = []
-    for spec, names in types.items():
-        for start, stop in rules.group_layer_ranges(len(names), layers_per_group):
-            own = names[start:stop]
-            groups.append(KVCacheGroup(own + _readers_of(own, layers, kv_sharing), spec))
-    return tuple(groups)
+    types = _attention_types(own_specs) if policy != "vllm" else _types_in_model_order(own_specs)
+    return tuple(
+        KVCacheGroup(own + _readers_of(own, layers, kv_sharing), spec)
+        for spec, own in split_types(list(types.items()), policy, stages)
+    )
 
 
 def plan_kv_cache(
@@ -69,28 +82,44 @@ def plan_kv_cache(
     available_memory_bytes: int,
     *,
     kv_sharing: Mapping[str, str] = _NO_SHARING,
+    policy: GroupingPolicy = "document",
+    pipeline_parallel_size: int = 1,
+    layer_stages: Mapping[str, int] | None = None,
 ) -> KVCacheConfig:
     """Plan the groups, then lay ``available_memory_bytes`` out as tensors (Memory Layout).
 
     A block is one ``page_size_bytes`` slice of each of the m tensors, so it costs
     m × ``page_size_bytes`` (the document's page size of a group) and
     ``num_blocks = available_memory_bytes // (m × page_size_bytes)``, the null block included.
+    With pipeline stages, each stage has ``available_memory_bytes`` and its own m tensors (the
+    most own layers of one group on that stage); every stage must hold ``num_blocks``, so the
+    fullest stage decides, and ``tensors`` lists stage 0's, then stage 1's, …
     Fewer than 2 blocks leave nothing to hand out: ``ValueError``.
     """
     check_non_negative("available_memory_bytes", available_memory_bytes)
-    groups = plan_groups(layers, kv_sharing=kv_sharing)
-    tensor_layers = _tensor_layers(groups, kv_sharing)
+    groups = plan_groups(
+        layers,
+        kv_sharing=kv_sharing,
+        policy=policy,
+        pipeline_parallel_size=pipeline_parallel_size,
+        layer_stages=layer_stages,
+    )
+    stages = layer_stages_of(layers, pipeline_parallel_size, layer_stages)
+    per_stage = [names for names in stage_tensor_layers(groups, kv_sharing, stages) if names]
+    widest = max(len(names) for names in per_stage)
     layer_page = groups[0].spec.page_size_bytes
-    num_blocks = rules.num_blocks_for_memory(available_memory_bytes, len(tensor_layers), layer_page)
+    num_blocks = rules.num_blocks_for_memory(available_memory_bytes, widest, layer_page)
     if num_blocks < 2:
-        block_bytes = len(tensor_layers) * layer_page
+        block_bytes = widest * layer_page
         raise ValueError(
             "available_memory_bytes is too small for one block: it must hold 2 blocks (the null "
-            f"block plus one) of {len(tensor_layers)} × {layer_page} = {block_bytes} bytes, "
+            f"block plus one) of {widest} × {layer_page} = {block_bytes} bytes, "
             f"i.e. {2 * block_bytes} bytes, got {available_memory_bytes!r}"
         )
     tensors = tuple(
-        KVCacheTensor(size=num_blocks * layer_page, shared_by=names) for names in tensor_layers
+        KVCacheTensor(size=num_blocks * layer_page, shared_by=names)
+        for tensor_layers in per_stage
+        for names in tensor_layers
     )
     return KVCacheConfig(num_blocks=num_blocks, groups=groups, tensors=tensors)
 
@@ -209,11 +238,19 @@ def _attention_types(specs: Mapping[str, KVCacheSpec]) -> dict[KVCacheSpec, tupl
     Gemma-3, whose first layer is sliding window) and the hybrid coordinator, which asks full
     attention for its hit first.
     """
+    types = _types_in_model_order(specs)
+    ordered = sorted(types.items(), key=lambda item: spec_kind(item[0]) != "full")
+    return dict(ordered)
+
+
+def _types_in_model_order(
+    specs: Mapping[str, KVCacheSpec],
+) -> dict[KVCacheSpec, tuple[str, ...]]:
+    """Layers with equal specs, in model order; types in order of their first layer (vLLM's)."""
     types: dict[KVCacheSpec, list[str]] = {}
     for name, spec in specs.items():
         types.setdefault(spec, []).append(name)
-    ordered = sorted(types.items(), key=lambda item: spec_kind(item[0]) != "full")
-    return {spec: tuple(names) for spec, names in ordered}
+    return {spec: tuple(names) for spec, names in types.items()}
 
 
 def _readers_of(
@@ -226,14 +263,26 @@ def _readers_of(
 # --- Memory Layout ----------------------------------------------------------------------------
 
 
-def _tensor_layers(
-    groups: tuple[KVCacheGroup, ...], kv_sharing: Mapping[str, str]
-) -> tuple[tuple[str, ...], ...]:
-    """Tensor i is shared by the i-th own layer of every group that has one (Memory Layout).
+def stage_tensor_layers(
+    groups: tuple[KVCacheGroup, ...],
+    kv_sharing: Mapping[str, str],
+    stages: Mapping[str, int],
+) -> tuple[tuple[tuple[str, ...], ...], ...]:
+    """Per pipeline stage: tensor i is shared by the i-th own layer on that stage of every group
+    that has one (Memory Layout).
 
-    There are m tensors, m being the most own layers of any group; a group with padding simply
-    leaves its last tensors' slices unused.
+    A stage has m tensors, m being the most own layers of any group on it; a group with
+    padding simply leaves its last tensors' slices unused. Without pipeline parallelism there
+    is one stage and m is the most own layers of any group.
     """
-    own = [own_layer_names(group, kv_sharing) for group in groups]
-    num_tensors = max(len(names) for names in own)
-    return tuple(tuple(names[i] for names in own if i < len(names)) for i in range(num_tensors))
+    tensors = []
+    for stage in range(max(stages.values()) + 1):
+        own = [
+            [name for name in own_layer_names(group, kv_sharing) if stages[name] == stage]
+            for group in groups
+        ]
+        num_tensors = max(len(names) for names in own)
+        tensors.append(
+            tuple(tuple(names[i] for names in own if i < len(names)) for i in range(num_tensors))
+        )
+    return tuple(tensors)

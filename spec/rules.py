@@ -615,3 +615,123 @@ def mamba_retention_mask(
         if start_block <= boundary_block < end_block:
             mask[boundary_block - start_block] = True
     return tuple(mask)
+
+
+# --- Grouping policies: vLLM 0.33's rule, and the fewest padded slots ------------------------
+
+
+def vllm_group_size(layer_counts: Sequence[int]) -> int:
+    """Layers per group as vLLM 0.33 picks them: the smallest count of any type, unless the
+    largest is under 1.5× the smallest, then the largest (gpt-oss-20b + an EAGLE layer: 12
+    sliding + 13 full → groups of 13, one padding slot, not 12 and 11).
+
+    pre: 0 < len(layer_counts) <= 4
+    pre: all(0 < c <= 100 for c in layer_counts)
+    post: __return__ in (min(layer_counts), max(layer_counts))
+    post: (__return__ == max(layer_counts)) == (2 * max(layer_counts) < 3 * min(layer_counts))
+    """
+    smallest, largest = min(layer_counts), max(layer_counts)
+    return largest if 2 * largest < 3 * smallest else smallest
+
+
+def strided_layer_indices(num_layers: int, layers_per_group: int) -> tuple[tuple[int, ...], ...]:
+    """vLLM's assignment of one type's layers to its ``cdiv(n, g)`` groups: group i holds
+    layers i, i + k, i + 2k, … (k groups), so every group spans every pipeline stage and the
+    groups differ by at most one layer (3 layers in groups of 2: (0, 2), (1,)).
+
+    pre: 0 < num_layers <= 12
+    pre: 0 < layers_per_group <= 12
+    post: len(__return__) == num_groups_of_type(num_layers, layers_per_group)
+    post: sorted(i for group in __return__ for i in group) == list(range(num_layers))
+    post: all(0 < len(group) <= layers_per_group for group in __return__)
+    post: len(__return__[0]) - len(__return__[-1]) <= 1
+    """
+    num_groups = cdiv(num_layers, layers_per_group)
+    return tuple(tuple(range(i, num_layers, num_groups)) for i in range(num_groups))
+
+
+def pipeline_stage_sizes(num_layers: int, pipeline_parallel_size: int) -> tuple[int, ...]:
+    """Decoder layers per pipeline stage, as vLLM splits them (``get_pp_indices``): evenly,
+    the remainder one each to the stages before the last (which also holds the output head).
+
+    pre: 0 < pipeline_parallel_size <= 8
+    pre: pipeline_parallel_size <= num_layers <= 200
+    post: len(__return__) == pipeline_parallel_size
+    post: sum(__return__) == num_layers
+    post: max(__return__) - min(__return__) <= 1
+    post: __return__[-1] == num_layers // pipeline_parallel_size
+    """
+    base, remainder = divmod(num_layers, pipeline_parallel_size)
+    sizes = [base] * pipeline_parallel_size
+    for i in range(2, remainder + 2):
+        sizes[-i] += 1
+    return tuple(sizes)
+
+
+def group_slots(stages: Sequence[Sequence[int]], layers_per_group: int) -> int:
+    """Layer slots a block costs over all groups, on the fullest pipeline stage: groups × m.
+
+    ``stages[t]`` lists the pipeline stage of each layer of type t in model order. With
+    strided groups of at most ``layers_per_group`` layers, m is the most layers one group has
+    on one stage: every stage's tensors are m pages per block, so the pool's blocks are
+    ``memory // (m × page)`` and each of the G groups gets an equal share when every group
+    holds as many blocks (full attention). Fewer slots: more tokens in the same memory.
+
+    pre: 0 < len(stages) <= 2
+    pre: all(0 < len(of_type) <= 5 for of_type in stages)
+    pre: all(s in (0, 1) for of_type in stages for s in of_type)
+    pre: 0 < layers_per_group <= 5
+    post: sum(map(len, stages)) <= __return__ * 2
+    """
+    num_groups, widest = 0, 0
+    for of_type in stages:
+        for indices in strided_layer_indices(len(of_type), layers_per_group):
+            num_groups += 1
+            per_stage: dict[int, int] = {}
+            for i in indices:
+                per_stage[of_type[i]] = per_stage.get(of_type[i], 0) + 1
+            widest = max(widest, *per_stage.values())
+    return num_groups * widest
+
+
+def min_padding_group_size(stages: Sequence[Sequence[int]]) -> int:
+    """The group size with the fewest slots per block (``group_slots``); ties: fewer groups,
+    then the larger size. Strided groups change only where some type's group count
+    ``cdiv(n, g)`` does, so only the sizes ``cdiv(n, k)`` are tried.
+
+    pre: 0 < len(stages) <= 2
+    pre: all(0 < len(of_type) <= 5 for of_type in stages)
+    pre: all(s in (0, 1) for of_type in stages for s in of_type)
+    post: 0 < __return__ <= max(map(len, stages))
+    post: all(group_slots(stages, __return__) <= group_slots(stages, g) for g in range(1, 6))
+    """
+    counts = [len(of_type) for of_type in stages]
+    candidates = {cdiv(n, k) for n in counts for k in range(1, n + 1)}
+
+    def cost(size: int) -> tuple[int, int, int]:
+        groups = sum(num_groups_of_type(n, size) for n in counts)
+        return group_slots(stages, size), groups, -size
+
+    return min(candidates, key=cost)
+
+
+def max_concurrent_batches(pipeline_parallel_size: int, async_scheduling: bool) -> int:
+    """Scheduler steps in flight at once in vLLM 0.33 (model runner V2, the default on GPUs):
+    one per pipeline stage, and one more with async scheduling, which schedules step n + 1
+    before step n's tokens are settled. A sliding-window or chunked-local group reserves
+    blocks for every in-flight step.
+
+    pre: 0 < pipeline_parallel_size <= 8
+    post: __return__ - pipeline_parallel_size == (1 if async_scheduling else 0)
+    """
+    return pipeline_parallel_size + (1 if async_scheduling else 0)
+
+
+def mamba_state_blocks(enable_prefix_caching: bool) -> int:
+    """State blocks one request holds in a Mamba group: one, or two with prefix caching
+    (vLLM 0.33's ``mamba_cache_mode="align"``: the running state and the last state at a
+    block boundary, which a later request can hit).
+
+    post: __return__ == (2 if enable_prefix_caching else 1)
+    """
+    return 2 if enable_prefix_caching else 1

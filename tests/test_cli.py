@@ -17,13 +17,17 @@ from hybridkv.__main__ import main
 from hybridkv.catalogue import AttentionFacts, MLAFacts, ModelFacts
 from hybridkv.cli.forward import forward
 from hybridkv.cli.options import ModelChoice, UserError
-from hybridkv.cli.plan_cmd import PlanSettings, make_plan
+from hybridkv.cli.plan_data import PlanSettings, make_plan
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 
 
 def run(*args: str) -> Result:
     return CliRunner().invoke(main, list(args))
+
+
+DOCUMENT = ("--policy", "document", "--no-async-scheduling", "--no-prefix-caching")
+"""The design document's plan with one step in flight: the numbers before the engine settings."""
 
 
 def plan_json(*args: str) -> dict[str, Any]:
@@ -61,7 +65,7 @@ def test_plan_of_catalogue_models(
     blocks: int,
     requests: int,
 ) -> None:
-    plan = plan_json(model)
+    plan = plan_json(model, *DOCUMENT)
     assert len(plan["groups"]) == groups
     assert [group["num_padding_slots"] for group in plan["groups"]] == padding
     assert plan["num_padding_slots"] == sum(padding)
@@ -72,36 +76,105 @@ def test_plan_of_catalogue_models(
     assert plan["max_num_requests"] == requests
 
 
-def test_default_plan_is_gemma_3_27b_in_40_gib_at_128k() -> None:
+def test_default_plan_is_gemma_3_27b_in_40_gib_at_128k_as_vllm_runs_it() -> None:
     plan = plan_json()
     assert plan["model"] == "google/gemma-3-27b-it"
-    assert plan["settings"]["memory_bytes"] == 40 * 2**30
-    assert plan["settings"]["max_model_len"] == 131072
-    assert plan["groups"][0]["kind"] == "full"
-    assert plan["groups"][6]["layer_names"] == ["layers.60", "layers.61"]
+    settings = plan["settings"]
+    assert settings["memory_bytes"] == 40 * 2**30
+    assert settings["max_model_len"] == 131072
+    assert (
+        settings["policy"],
+        settings["async_scheduling"],
+        settings["enable_prefix_caching"],
+    ) == (
+        "vllm",
+        True,
+        True,
+    )
+    # vLLM: groups in order of first layer (layer 0 slides), 52 sliding layers strided over 6
+    assert [g["kind"] for g in plan["groups"]] == ["sliding_window"] * 6 + ["full"]
+    first = (0, 7, 14, 21, 28, 36, 43, 50, 57)
+    assert plan["groups"][0]["layer_names"] == [f"layers.{i}" for i in first]
+    assert [g["num_padding_slots"] for g in plan["groups"]] == [1, 1, 1, 1, 2, 2, 0]
     assert plan["tensors"][0]["shared_by"] == [
-        "layers.5", "layers.0", "layers.12", "layers.24", "layers.36", "layers.48", "layers.60"
+        "layers.0", "layers.1", "layers.2", "layers.3", "layers.4", "layers.6", "layers.5"
     ]  # fmt: skip
     assert plan["tensors"][0]["size_bytes"] == 32768 * 16 * 8192
     assert plan["padding_fraction"] == pytest.approx(8 / 70)
+    # async: 2 × 8,192 tokens in flight; sliding cdiv(1,023 + 16,384, 16) + 1 = 1,089 blocks
+    assert plan["max_in_flight_tokens"] == 16384
+    assert [g["max_blocks_per_request"] for g in plan["groups"]] == [1089] * 6 + [8192]
+    assert plan["blocks_per_request"] == 6 * 1089 + 8192
+    assert plan["max_concurrency"] == pytest.approx(32768 / 14726)
     assert plan["max_tokens"] == 2 * 131072
     full_only = plan["full_attention_only"]
     assert full_only["bytes_per_request"] == 62 * 8192 * 131072
     assert full_only["max_num_requests"] == 0
 
 
+def test_plan_compares_the_three_policies_and_marks_the_best() -> None:
+    policies = plan_json()["policies"]
+    assert {
+        p: (v["num_groups"], v["num_padding_slots"], v["num_blocks"]) for p, v in policies.items()
+    } == {
+        "document": (7, 8, 32768),
+        "vllm": (7, 8, 32768),
+        "min-padding": (31, 0, 163840),
+    }
+    assert plan_json()["best_policy"] == "min-padding"
+    result = run("plan")
+    assert "min-padding ★" in result.output
+
+
+def test_sync_scheduling_holds_fewer_sliding_blocks() -> None:
+    """gemma-3-1b at its 32K context: async doubles the sliding groups' in-flight tokens."""
+    sync = plan_json("gemma-3-1b-it", "--no-async-scheduling")
+    default = plan_json("gemma-3-1b-it")
+    assert sync["groups"][0]["max_blocks_per_request"] == -(-(511 + 8192) // 16) + 1 == 545
+    assert default["groups"][0]["max_blocks_per_request"] == -(-(511 + 16384) // 16) + 1 == 1057
+    assert (sync["max_num_requests"], default["max_num_requests"]) == (123, 78)
+
+
+def test_prefix_caching_holds_two_mamba_state_blocks() -> None:
+    on = plan_json("Jamba-v0.1")
+    off = plan_json("Jamba-v0.1", "--no-prefix-caching")
+    mamba = [i for i, g in enumerate(on["groups"]) if g["kind"] == "mamba"]
+    assert {on["groups"][i]["max_blocks_per_request"] for i in mamba} == {2}
+    assert {off["groups"][i]["max_blocks_per_request"] for i in mamba} == {1}
+    assert on["blocks_per_request"] - off["blocks_per_request"] == len(mamba)
+
+
+def test_pipeline_stages_halve_each_gpus_tensors_under_vllm_grouping() -> None:
+    one, two = plan_json(), plan_json("--pp", "2")
+    assert (one["num_blocks"], two["num_blocks"]) == (32768, 65536)
+    assert two["policies"]["document"]["num_blocks"] == 32768
+    assert two["layers_per_group"] == 5
+    assert two["settings"]["pipeline_parallel_size"] == 2
+
+
+def test_a_length_that_does_not_fit_prints_the_longest_that_does() -> None:
+    plan = plan_json("Llama-4-Maverick-17B-128E")
+    assert plan["max_num_requests"] == 0
+    assert 0 < plan["max_fitting_model_len"] < plan["settings"]["max_model_len"]
+    result = run("plan", "Llama-4-Maverick-17B-128E")
+    longest = plan["max_fitting_model_len"]
+    text = " ".join(result.output.split())
+    assert f"the longest max_model_len that fits one request is {longest:,}" in text
+
+
 def test_plan_json_keys_are_stable() -> None:
     assert list(plan_json()) == [
         "model", "source", "status", "settings", "layer_types", "num_layers", "kv_sharing",
-        "groups", "layers_per_group", "block_size", "layer_page_size_bytes", "page_size_bytes",
-        "num_blocks", "num_padding_slots", "padding_fraction", "tensors", "memory_bytes",
-        "blocks_per_request", "bytes_per_request", "max_num_requests", "max_tokens",
-        "full_attention_only", "notes",
+        "policy", "groups", "layers_per_group", "block_size", "layer_page_size_bytes",
+        "page_size_bytes", "num_blocks", "num_padding_slots", "padding_fraction", "tensors",
+        "memory_bytes", "max_in_flight_tokens", "blocks_per_request", "bytes_per_request",
+        "max_num_requests", "max_concurrency", "max_fitting_model_len", "max_tokens",
+        "full_attention_only", "policies", "best_policy", "notes",
     ]  # fmt: skip
 
 
 def test_gemma_3n_readers_are_listed_in_their_targets_group() -> None:
-    plan = plan_json("gemma-3n-E4B-it")
+    plan = plan_json("gemma-3n-E4B-it", *DOCUMENT)
     assert plan["groups"][0]["layer_names"] == [
         "layers.4", "layers.9", "layers.14", "layers.19", "layers.24", "layers.29", "layers.34"
     ]  # fmt: skip
@@ -127,7 +200,8 @@ def test_kv_dtype_sets_the_bytes_per_element() -> None:
 
 def test_plan_options_reach_the_report() -> None:
     plan = plan_json("gpt-oss-20b", "--max-model-len", "4096", "--max-num-batched-tokens", "512",
-                     "--block-size", "32")  # fmt: skip
+                     "--block-size", "32", "--policy", "document",
+                     "--no-async-scheduling")  # fmt: skip
     assert plan["block_size"] == 32
     # full: 4096 / 32 = 128 blocks; sliding 128: cdiv(127 + 512, 32) + 1 = 21
     assert [group["max_blocks_per_request"] for group in plan["groups"]] == [128, 21]
@@ -141,7 +215,7 @@ def test_plan_of_a_config_file() -> None:
 
 
 def test_plan_table_shows_groups_padding_layout_and_saving() -> None:
-    result = run("plan")
+    result = run("plan", *DOCUMENT)
     assert result.exit_code == 0, result.output
     for text in (
         "52 sliding_attention, 10 full_attention",

@@ -42,8 +42,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
+try:
+    import torch
+except ModuleNotFoundError as missing:  # the benchmark drives the torch backend
+    raise SystemExit("hybridkv bench needs torch: pip install 'hybridkv[torch]'") from missing
 
+from hybridkv.cli.devices import device_problem
 from hybridkv.optimized import TorchKVCacheManager
 from hybridkv.optimized.hashing import hash_full_blocks_torch
 from hybridkv.reference import KVCacheManager, Request
@@ -256,6 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="device of the optimized backend")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     args = parser.parse_args(argv)
+    if (problem := device_problem(args.device)) is not None:
+        parser.exit(2, f"{parser.prog}: {problem}\n")
     if torch.device(args.device).type == "cpu":
         # The backend's host tensors are small: intra-op threads only add synchronisation,
         # which costs milliseconds when another process holds a core.

@@ -39,6 +39,7 @@ from hybridkv.spec import (
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
+    rules,
 )
 
 _T = TypeVar("_T")
@@ -165,6 +166,23 @@ def model_layers(
     return ModelLayers(layers, sharing, facts.notes + _mapping_notes(facts))
 
 
+def decoder_layer_stages(
+    facts: ModelFacts, layers: ModelLayers, pipeline_parallel_size: int
+) -> dict[str, int]:
+    """The pipeline stage of every planned layer, as vLLM places it: the decoder layers (MLP-only
+    ones included) split evenly over the stages, the remainder to the stages before the last;
+    ``layers.i`` and ``layers.i.attn`` / ``layers.i.mamba`` go with decoder layer i."""
+    num_decoder_layers = len(facts.layer_kinds)
+    if pipeline_parallel_size > num_decoder_layers:
+        raise ModelError(
+            f"{facts.name}: {pipeline_parallel_size} pipeline stages need at least as many "
+            f"decoder layers, it has {num_decoder_layers}"
+        )
+    sizes = rules.pipeline_stage_sizes(num_decoder_layers, pipeline_parallel_size)
+    stage_of = [stage for stage, size in enumerate(sizes) for _ in range(size)]
+    return {name: stage_of[int(name.split(".")[1])] for name in layers.layers}
+
+
 def _decoder_layer(
     facts: ModelFacts,
     index: int,
@@ -246,7 +264,8 @@ def _mapping_notes(facts: ModelFacts) -> tuple[str, ...]:
     if kinds & RECURRENT_KINDS or "hybrid_parallel_attention_mamba2" in kinds:
         notes.append(
             "recurrent layers are planned as MambaSpec: vLLM conv state in bf16 + SSM state in "
-            "the SSM dtype; prefix caching is off for models with recurrent layers"
+            "the SSM dtype; the plan counts two state blocks per request with prefix caching "
+            "(vLLM's align mode), one without; simulate runs them without prefix caching"
         )
     if "hybrid_parallel_attention_mamba2" in kinds:
         notes.append(
@@ -305,6 +324,35 @@ def find_model(name: str) -> CatalogueEntry:
         if wanted in (known.lower() for known in entry.names):
             return entry
     raise UnknownModelError(f"unknown model {name!r}; {_suggestions(wanted)}")
+
+
+_VARIANT_SUFFIXES = ("-instruct", "-it", "-thinking", "-base")
+
+
+def find_variant(name: str) -> CatalogueEntry | None:
+    """The one catalogue model that ``name`` is a variant of, or ``None``.
+
+    Hub ids of one model differ by a suffix (``google/gemma-3-27b`` and ``-it``,
+    ``Qwen3-Next-80B-A3B-Thinking`` and ``-Instruct``, ``Falcon-H1-7B-Base`` and
+    ``-Instruct``): names match when they are equal, organisation aside, once such a suffix is
+    dropped from each. ``None`` when no model, or more than one, matches.
+    """
+    stem = _variant_stem(name.strip().lower().split("/")[-1])
+    found = {
+        entry.model_id: entry
+        for entry in load_catalogue()
+        for known in entry.names
+        if _variant_stem(known.lower().split("/")[-1]) == stem
+    }
+    return next(iter(found.values())) if len(found) == 1 else None
+
+
+def _variant_stem(name: str) -> str:
+    """``name`` without one trailing variant suffix."""
+    for suffix in _VARIANT_SUFFIXES:
+        if name.endswith(suffix):
+            return name.removesuffix(suffix)
+    return name
 
 
 def _suggestions(wanted: str) -> str:

@@ -43,6 +43,8 @@ _DEFAULTS: Mapping[str, Mapping[str, Any]] = {
     "jamba": {"attn_layer_period": 8, "attn_layer_offset": 4},
     "bamba": {"max_position_embeddings": 262144},
     "qwen3_next": {"full_attention_interval": 4},
+    "mamba": {"expand": 2, "conv_kernel": 4, "state_size": 16},
+    "mamba2": {"expand": 2, "conv_kernel": 4, "state_size": 128, "n_groups": 8, "head_dim": 64},
 }
 
 # model_type (top level or text_config) → the family whose rules read it.
@@ -125,6 +127,12 @@ def load_config(path: str | Path) -> ModelFacts:
         text = Path(path).read_text("utf-8")
     except OSError as error:
         raise ConfigError(f"cannot read {path}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"{path} is not UTF-8 text (byte 0x{error.object[error.start]:02x} at offset "
+            f"{error.start}): a config.json is UTF-8 JSON; give the file from the model's "
+            "snapshot, or re-save it as UTF-8"
+        ) from None
     try:
         config = json.loads(text)
     except json.JSONDecodeError as error:
@@ -338,6 +346,8 @@ _RULES: Mapping[str, Callable[[Fields, int], tuple[str, ...]]] = {
     "minimax": _minimax,
     "falcon_h1": lambda f, n: ("hybrid_parallel_attention_mamba2",) * n,
     "deepseek": lambda f, n: ("full_attention_mla",) * n,
+    "mamba": lambda f, n: ("mamba",) * n,
+    "mamba2": lambda f, n: ("mamba2",) * n,
 }
 
 
@@ -388,7 +398,17 @@ def _recurrent(fields: Fields, kinds: tuple[str, ...]) -> RecurrentFacts | None:
 
 
 def _mamba1(fields: Fields) -> RecurrentFacts:
-    """Jamba: d_inner = expand × hidden; conv (d_conv − 1) × d_inner; SSM d_inner × d_state."""
+    """Mamba-1: d_inner = expand × hidden; conv (d_conv − 1) × d_inner; SSM d_inner × d_state.
+
+    Jamba prefixes the keys with ``mamba_``; a pure Mamba config (``model_type: mamba``) names
+    them ``expand``, ``conv_kernel``, ``state_size`` and may give ``intermediate_size``.
+    """
+    if fields.family == "mamba":
+        d_inner = fields.integer(
+            "intermediate_size", fields.integer("expand") * fields.integer("hidden_size")
+        )
+        conv = (fields.integer("conv_kernel") - 1) * d_inner
+        return RecurrentFacts("mamba1", conv, d_inner * fields.integer("state_size"))
     d_inner = fields.integer("mamba_expand") * fields.integer("hidden_size")
     conv = (fields.integer("mamba_d_conv") - 1) * d_inner
     return RecurrentFacts("mamba1", conv, d_inner * fields.integer("mamba_d_state"))
@@ -402,6 +422,8 @@ def _mamba2(fields: Fields) -> RecurrentFacts:
     """
     if fields.family == "nemotron_h":
         keys = ("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel")
+    elif fields.family == "mamba2":
+        keys = ("num_heads", "head_dim", "n_groups", "state_size", "conv_kernel")
     else:
         keys = ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv")
     heads = fields.integer(keys[0])

@@ -207,10 +207,17 @@ def load_trace(path: str | Path, *, seed: int, max_model_len: int) -> tuple[Requ
         lines = Path(path).read_text("utf-8").splitlines()
     except OSError as error:
         raise TraceError(f"cannot read {path}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise TraceError(
+            f"{path} is not UTF-8 text (offset {error.start}): a trace is UTF-8 JSON lines"
+        ) from None
     requests = []
+    first_line: dict[str, int] = {}
     for number, line in enumerate(lines, start=1):
         if line.strip():
-            requests.append(_trace_request(line, number, rng, seed, max_model_len))
+            request = _trace_request(line, number, rng, seed, max_model_len)
+            _check_unique_id(request.request_id, number, first_line)
+            requests.append(request)
     if not requests:
         raise TraceError(f"{path} holds no requests")
     return tuple(sorted(requests, key=lambda request: request.arrival_step))
@@ -238,7 +245,26 @@ def _trace_request(
         raise TraceError(
             f"trace line {number}: 'arrival_step' must be an int >= 0, got {arrival!r}"
         )
-    return RequestSpec(str(record.get("id", f"t{number}")), prompt, output, arrival)
+    return RequestSpec(_trace_id(record, number), prompt, output, arrival)
+
+
+def _trace_id(record: Mapping[str, Any], number: int) -> str:
+    """The request id: a string or an int as written, ``t<line>`` when absent."""
+    value = record.get("id", f"t{number}")
+    if not isinstance(value, str | int) or isinstance(value, bool):
+        raise TraceError(f"trace line {number}: 'id' must be a string or an int, got {value!r}")
+    return str(value)
+
+
+def _check_unique_id(request_id: str, number: int, first_line: dict[str, int]) -> None:
+    """Two lines with one id would be one request to the manager (``1`` and ``"1"`` too)."""
+    if request_id in first_line:
+        raise TraceError(
+            f"trace line {number}: id {request_id!r} is already the id of line "
+            f'{first_line[request_id]} (ids 1 and "1" are the same request); give every '
+            "line its own id"
+        )
+    first_line[request_id] = number
 
 
 def _trace_prompt(

@@ -30,8 +30,28 @@ def forward(module: str, args: tuple[str, ...]) -> None:
     sys.argv = [f"python -m {module}", *args]
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except ModuleNotFoundError as error:
+        missing = (error.name or "").split(".")[0]
+        if missing not in _EXTRAS:
+            raise
+        command = module.rsplit(".", 1)[-1]
+        raise UserError(
+            f"`hybridkv {command}` needs {missing}, which is not installed: "
+            f"pip install 'hybridkv[{_EXTRAS[missing]}]'"
+        ) from None
     finally:
         sys.argv = saved
+
+
+# Optional dependencies and the extra that installs each.
+_EXTRAS = {
+    "torch": "torch",
+    "hypothesis": "dev",
+    "crosshair": "crosshair",
+    "matplotlib": "plot",
+    "mutmut": "dev",
+    "pytest": "dev",
+}
 
 
 def _has_module(module: str) -> bool:

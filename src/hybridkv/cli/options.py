@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +18,27 @@ DEFAULT_MAX_MODEL_LEN = 131072
 _UNITS = {
     "": 1,
     "b": 1,
+    "k": 10**3,
     "kb": 10**3,
+    "m": 10**6,
     "mb": 10**6,
+    "g": 10**9,
     "gb": 10**9,
+    "t": 10**12,
     "tb": 10**12,
+    "ki": 2**10,
     "kib": 2**10,
+    "mi": 2**20,
     "mib": 2**20,
+    "gi": 2**30,
     "gib": 2**30,
+    "ti": 2**40,
     "tib": 2**40,
 }
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?)\s*([a-zA-Z]*)\s*")
+
+BLOCK_SIZE_MULTIPLE = 16
+"""vLLM 0.33's GPU attention kernels (FlashAttention, Triton) take blocks of 16k tokens."""
 
 
 class UserError(click.ClickException):
@@ -42,16 +55,29 @@ class MemorySize(click.ParamType[int]):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         if isinstance(value, int):
             return value
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+        match = _SIZE.fullmatch(str(value))
         unit = match.group(2).lower() if match else ""
         if match is None or unit not in _UNITS:
             self.fail(
-                f"{value!r} is not a memory size: use a number with B, KiB, MiB, GiB, TiB, "
-                "KB, MB, GB or TB (40GiB, 512MiB, 1.5GB) or a plain number of bytes",
+                f"{value!r} is not a memory size: use a number with B, K, M, G, T (powers of "
+                "1000, also KB … TB) or Ki, Mi, Gi, Ti (powers of 1024, also KiB … TiB): "
+                "40GiB, 40Gi, 40G, 512M, 4.2e10",
                 param,
                 ctx,
             )
-        return int(float(match.group(1)) * _UNITS[unit])
+        return int(Decimal(match.group(1)) * _UNITS[unit])
+
+
+def check_block_size(ctx: click.Context, param: click.Parameter, value: int) -> int:
+    """``--block-size``: what vLLM's paged-attention layout on GPUs accepts."""
+    if value % BLOCK_SIZE_MULTIPLE:
+        raise click.BadParameter(
+            f"must be a multiple of {BLOCK_SIZE_MULTIPLE} (16, 32, 48, …): vLLM's GPU attention "
+            f"kernels page the KV cache in blocks of 16 tokens, got {value}",
+            ctx,
+            param,
+        )
+    return value
 
 
 def format_bytes(size: float) -> str:
@@ -71,23 +97,57 @@ class ModelChoice:
     status: str
     unconfirmed: tuple[str, ...]
     facts: ModelFacts
+    notes: tuple[str, ...] = ()
 
 
 def resolve_model(name_or_path: str | None) -> ModelChoice:
-    """A catalogue name (``gemma-3-27b-it``) or a path to a config.json; ``UserError`` otherwise."""
-    from hybridkv.catalogue import ModelError, find_model
+    """A catalogue name or Hub id (``gemma-3-27b-it``, also ``google/gemma-3-27b``: a variant
+    suffix finds its catalogue entry), a config.json, or a Hugging Face snapshot directory
+    holding one; ``UserError`` otherwise."""
+    from hybridkv.catalogue import ModelError, UnknownModelError, find_model, find_variant
 
     target = name_or_path or DEFAULT_MODEL
     try:
-        if target.endswith(".json") or Path(target).is_file():
-            from hybridkv.hf_config import load_config
-
-            facts = load_config(target)
-            return ModelChoice(target, f"config file {target}", "config.json", (), facts)
-        entry = find_model(target)
+        path = Path(target)
+        if path.is_dir():
+            return _from_config(_snapshot_config(path))
+        if target.endswith(".json") or path.is_file():
+            return _from_config(target)
+        try:
+            entry = find_model(target)
+            notes: tuple[str, ...] = ()
+        except UnknownModelError:
+            variant = find_variant(target)
+            if variant is None:
+                raise
+            entry = variant
+            notes = (
+                f"{target!r} is planned as the catalogue's {entry.model_id}: the -it, "
+                "-Instruct, -Thinking and -Base variants of a model share its layers",
+            )
     except ModelError as error:
         raise UserError(str(error)) from None
-    return ModelChoice(entry.model_id, entry.source, entry.status, entry.unconfirmed, entry.facts)
+    return ModelChoice(
+        entry.model_id, entry.source, entry.status, entry.unconfirmed, entry.facts, notes
+    )
+
+
+def _snapshot_config(directory: Path) -> str:
+    """A Hugging Face snapshot directory's ``config.json``; ``UserError`` without one."""
+    config = directory / "config.json"
+    if not config.is_file():
+        raise UserError(
+            f"{directory} is a directory without a config.json: give a Hugging Face snapshot "
+            "directory (it holds config.json), a config.json file or a catalogue name"
+        )
+    return str(config)
+
+
+def _from_config(path: str) -> ModelChoice:
+    """The model a config.json describes."""
+    from hybridkv.hf_config import load_config
+
+    return ModelChoice(path, f"config file {path}", "config.json", (), load_config(path))
 
 
 def default_max_model_len(choice: ModelChoice) -> int:

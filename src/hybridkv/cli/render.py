@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from hybridkv.cli.options import format_bytes
-from hybridkv.cli.plan_cmd import Plan, layer_type_counts
+from hybridkv.cli.plan_data import POLICIES, Plan, layer_type_counts
 from hybridkv.spec import (
     ChunkedLocalAttentionSpec,
     KVCacheSpec,
@@ -49,6 +49,7 @@ def render_plan(plan: Plan, *, svg_path: str | None = None, console: Console | N
     """Print every part of the plan, the layout picture last but one, the caveats last."""
     out = console or Console(highlight=False)
     out.print(_header(plan))
+    out.print(_policy_table(plan))
     out.print(_layer_table(plan))
     out.print(_group_table(plan))
     out.print(_summary_table(plan))
@@ -73,9 +74,49 @@ def _header(plan: Plan) -> Text:
     text.append(
         f"{format_bytes(settings.memory_bytes)} for KV cache · {settings.kv_dtype} KV · "
         f"block size {settings.block_size} · max_model_len {settings.max_model_len:,} · "
-        f"{settings.max_num_batched_tokens:,} batched tokens per step"
+        f"{settings.max_num_batched_tokens:,} batched tokens per step\n"
+    )
+    text.append(
+        f"engine: async scheduling {_on(settings.async_scheduling)} · prefix caching "
+        f"{_on(settings.enable_prefix_caching)} · {settings.pipeline_parallel_size} pipeline "
+        f"stage{'s' if settings.pipeline_parallel_size > 1 else ''} · "
+        f"{plan.report.max_in_flight_tokens:,} tokens in flight · policy {settings.policy}"
     )
     return text
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+def _policy_table(plan: Plan) -> Table:
+    """The three grouping policies side by side; ★ marks the most requests that fit."""
+    table = Table(
+        title="Grouping policies (★ fits the most requests; width: layer slots per group)",
+        box=box.SIMPLE_HEAD,
+        title_justify="left",
+    )
+    table.add_column("policy", no_wrap=True)
+    for column in ("groups", "width", "padding", "blocks", "requests", "concurrency"):
+        table.add_column(column, justify="right", no_wrap=True)
+    best = plan.best_policy
+    for policy in POLICIES:
+        report = plan.by_policy[policy]
+        mark = policy + (" ★" if policy == best else "")
+        label = Text(mark, style="bold" if policy == plan.settings.policy else "")
+        if isinstance(report, str):
+            table.add_row(label, Text(report, style="red"), "", "", "", "", "")
+            continue
+        table.add_row(
+            label,
+            str(len(report.groups)),
+            str(report.layers_per_group),
+            str(report.num_padding_slots),
+            f"{report.num_blocks:,}",
+            f"{report.max_num_requests:,}",
+            f"{report.max_concurrency:.2f}x",
+        )
+    return table
 
 
 def _layer_table(plan: Plan) -> Table:
@@ -166,16 +207,32 @@ def _summary_table(plan: Plan) -> Table:
         f"{report.blocks_per_request:,} blocks = {format_bytes(report.bytes_per_request)} "
         f"at {report.max_model_len:,} tokens",
     )
-    table.add_row(
-        "fits",
-        f"{report.max_num_requests:,} requests at once = {report.max_tokens:,} tokens",
-    )
+    table.add_row("fits", _fits_line(plan))
     table.add_row("full attention only", _full_attention_line(plan))
     table.add_row(
         "memory used",
         f"{format_bytes(report.memory_bytes)} of {format_bytes(settings.memory_bytes)}",
     )
     return table
+
+
+def _fits_line(plan: Plan) -> Text:
+    """Requests that fit, vLLM's maximum concurrency, and the longest length that fits."""
+    report = plan.report
+    text = Text(
+        f"{report.max_num_requests:,} requests at once = {report.max_tokens:,} tokens "
+        f"(maximum concurrency {report.max_concurrency:.2f}x at {report.max_model_len:,} tokens)"
+    )
+    if report.max_num_requests == 0:
+        if report.max_fitting_model_len == 0:
+            text.append("; not even one token fits: add --memory", "red")
+        else:
+            text.append(
+                f"; the longest max_model_len that fits one request is "
+                f"{report.max_fitting_model_len:,} (vLLM's auto-fit)",
+                "red",
+            )
+    return text
 
 
 def _full_attention_line(plan: Plan) -> Text:
@@ -188,7 +245,9 @@ def _full_attention_line(plan: Plan) -> Text:
     )
     if report.max_num_requests == 0:
         text.append(
-            "No request of max_model_len fits: lower --max-model-len or add --memory", "red"
+            f"No request of max_model_len fits: use --max-model-len "
+            f"{report.max_fitting_model_len:,} or less, or add --memory",
+            "red",
         )
         return text
     saved = report.memory_saved_bytes
@@ -222,26 +281,36 @@ def _layout_caption(plan: Plan) -> Text:
 
 
 def _layout_table(plan: Plan) -> Table:
-    """The document's figure: tensors (rows) × groups (columns), layer names in the cells."""
+    """The document's figure: tensors (rows) × groups (columns), layer names in the cells.
+
+    With pipeline stages every stage has its own tensors, listed stage by stage.
+    """
     report = plan.report
     table = Table(box=box.SQUARE)
     table.add_column("tensor", style="dim", justify="right")
     for group in report.groups:
         label = f"G{group.group_id} {KIND_LABELS[group.kind]}"
         table.add_column(Text(label, style=KIND_STYLES[group.kind]), justify="center")
-    own = [group.layer_names[: group.num_own_layers] for group in report.groups]
-    for row in _visible_rows(len(report.config.tensors)):
+    own = [set(group.layer_names[: group.num_own_layers]) for group in report.groups]
+    tensors = report.config.tensors
+    for row in _visible_rows(len(tensors)):
         if row is None:
             table.add_row("⋮", *("⋮" for _ in own))
             continue
         cells = [
-            Text(short_name(names[row]), style=KIND_STYLES[group.kind])
-            if row < len(names)
-            else Text("pad", style="red dim")
+            _layout_cell(tensors[row].shared_by, names, group.kind)
             for group, names in zip(report.groups, own, strict=True)
         ]
         table.add_row(str(row), *cells)
     return table
+
+
+def _layout_cell(shared_by: tuple[str, ...], own: set[str], kind: str) -> Text:
+    """The group's layer in this tensor, or ``pad`` when the group leaves its slice unused."""
+    for name in shared_by:
+        if name in own:
+            return Text(short_name(name), style=KIND_STYLES[kind])
+    return Text("pad", style="red dim")
 
 
 def _visible_rows(num_rows: int) -> Sequence[int | None]:

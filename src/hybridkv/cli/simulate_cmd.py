@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from hybridkv.cli.options import MemorySize, UserError, resolve_model
-from hybridkv.cli.plan_cmd import Plan, PlanSettings, make_plan, model_options
+from hybridkv.cli.plan_cmd import model_options
+from hybridkv.cli.plan_data import Plan, PlanSettings, make_plan
 
 if TYPE_CHECKING:
     from hybridkv.simulate import Manager, RequestSpec, SimulationResult
@@ -39,7 +40,11 @@ if TYPE_CHECKING:
     default="reference",
     show_default=True,
 )
-@click.option("--device", default="cpu", show_default=True, help="Torch device (optimized only).")
+@click.option(
+    "--device",
+    default=None,
+    help="Torch device of the optimized backend: cpu, cuda, cuda:N  [default: cpu]",
+)
 @click.option(
     "--memory",
     type=MemorySize(),
@@ -71,7 +76,7 @@ def simulate(
     trace: str | None,
     num_requests: int,
     backend: str,
-    device: str,
+    device: str | None,
     memory: int,
     max_model_len: int,
     max_num_batched_tokens: int,
@@ -94,13 +99,19 @@ def simulate(
         raise UserError("give --workload or --trace, not both")
     if plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise UserError("--plot needs matplotlib: pip install 'hybridkv[plot]'")
+    if device is not None and backend == "reference":
+        click.echo(
+            f"note: --device {device} is ignored: the reference backend is pure Python on the "
+            "CPU (--backend optimized puts its tensors on a device)",
+            err=True,
+        )
     settings = PlanSettings(
         memory, max_model_len, max_num_batched_tokens, block_size, kv_dtype, mamba_ssm_dtype
     )
     plan = make_plan(resolve_model(model), settings)
     caching = prefix_caching and not any(g.kind == "mamba" for g in plan.report.groups)
     requests = _requests(workload or "mixed", trace, num_requests, seed, max_model_len)
-    manager = _manager(backend, plan, caching, device)
+    manager = _build_manager(backend, plan, caching, device or "cpu", output_format == "table")
     result = _run(manager, requests, plan, max_num_seqs, show_progress=output_format == "table")
     header = {
         "model": plan.choice.name,
@@ -133,6 +144,21 @@ def _requests(
         raise UserError(str(error)) from None
 
 
+def _build_manager(
+    backend: str, plan: Plan, caching: bool, device: str, show_progress: bool
+) -> Manager:
+    """The manager, with a spinner on a terminal: a large pool takes seconds to build."""
+    if not show_progress:
+        return _manager(backend, plan, caching, device)
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        return _manager(backend, plan, caching, device)
+    with console.status(f"building a pool of {plan.report.num_blocks:,} blocks"):
+        return _manager(backend, plan, caching, device)
+
+
 def _manager(backend: str, plan: Plan, caching: bool, device: str) -> Manager:
     """The reference manager, or the torch backend; ``UserError`` when torch is missing."""
     config, max_model_len = plan.report.config, plan.settings.max_model_len
@@ -148,6 +174,10 @@ def _manager(backend: str, plan: Plan, caching: bool, device: str) -> Manager:
                 "--backend optimized needs torch: pip install 'hybridkv[torch]'"
             ) from None
         raise
+    from hybridkv.cli.devices import device_problem
+
+    if (problem := device_problem(device)) is not None:
+        raise UserError(problem)
     try:
         manager: Manager = TorchKVCacheManager(
             config, max_model_len, enable_caching=caching, device=device
@@ -174,9 +204,10 @@ def _run(
         max_model_len=plan.settings.max_model_len,
     )
     scheduler = Scheduler(manager, requests, block_size=plan.report.block_size, config=config)
-    if not show_progress:
-        return scheduler.run()
     from rich.console import Console
+
+    if not show_progress or not Console(stderr=True).is_terminal:
+        return scheduler.run()
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (
