@@ -286,3 +286,16 @@ def stage_tensor_layers(
             tuple(tuple(names[i] for names in own if i < len(names)) for i in range(num_tensors))
         )
     return tuple(tensors)
+
+
+def with_mamba_cache_mode(config: KVCacheConfig, enable_caching: bool) -> KVCacheConfig:
+    """The plan as an engine runs it: with prefix caching every Mamba group caches its states
+    in ``"align"`` mode (Prefix caching, Case 3); without it they keep ``"none"``."""
+    mode = "align" if enable_caching else "none"
+    groups = tuple(
+        dataclasses.replace(group, spec=dataclasses.replace(group.spec, mamba_cache_mode=mode))
+        if isinstance(group.spec, MambaSpec)
+        else group
+        for group in config.groups
+    )
+    return dataclasses.replace(config, groups=groups)

@@ -309,6 +309,8 @@ class Manager(Protocol):
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]: ...
 
+    def new_step_starts(self) -> None: ...
+
     def allocate_slots(
         self,
         request: Request,
@@ -399,10 +401,14 @@ class Scheduler:
         *,
         block_size: int,
         config: SchedulerConfig,
+        mamba_block_size: int | None = None,
     ) -> None:
         self.manager = manager
         self.config = config
         self.block_size = block_size
+        # With a Mamba "align" group a state is cached only where a chunk ends on its block
+        # boundary, so prefill chunks end there (as an engine's scheduler ends them).
+        self.mamba_block_size = mamba_block_size
         self.specs = {spec.request_id: spec for spec in requests}
         self.pending = list(requests)
         self.waiting: deque[Request] = deque()
@@ -424,6 +430,7 @@ class Scheduler:
                 self.step = self._next_arrival_step()
                 continue
             self._clock = 0.0
+            self._timed(self.manager.new_step_starts)
             scheduled = self._schedule()
             self._advance(scheduled)
             self._record()
@@ -441,7 +448,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(
+                request,
+                request.num_computed_tokens,
+                min(request.num_tokens - request.num_computed_tokens, budget),
+            )
             allocated, preempted_now = self._allocate_or_preempt(request, num_new)
             preempted = preempted or preempted_now
             if not allocated:
@@ -452,6 +463,21 @@ class Scheduler:
         if not preempted:
             scheduled += self._admit(budget)
         return scheduled
+
+    def _chunk(self, request: Request, start: int, num_new: int) -> int:
+        """A prefill chunk of a Mamba "align" model ends on a Mamba block boundary, and the
+        prompt's last chunk stops at the last boundary before the prompt's end, so that the
+        states there are cached; other models (and decode) take ``num_new`` as it is."""
+        block = self.mamba_block_size
+        if block is None or start >= request.num_prompt_tokens:
+            return num_new
+        end = start + num_new
+        last_boundary = (request.num_prompt_tokens - 1) // block * block
+        if start < last_boundary < end:
+            return last_boundary - start
+        if end < request.num_tokens and end // block * block > start:
+            return end // block * block - start
+        return num_new
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> tuple[bool, bool]:
         """Slots for a running request, preempting the latest-admitted ones until they fit.
@@ -482,7 +508,7 @@ class Scheduler:
             request = self.waiting[0]
             blocks, num_hits, boundary = self._timed(self.manager.get_computed_blocks, request)
             request.shared_prefix_boundary = boundary
-            num_new = min(request.num_tokens - num_hits, budget)
+            num_new = self._chunk(request, num_hits, min(request.num_tokens - num_hits, budget))
             new_blocks = self._timed(
                 self.manager.allocate_slots, request, num_new, num_hits, blocks
             )

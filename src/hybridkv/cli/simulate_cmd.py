@@ -109,10 +109,17 @@ def simulate(
         memory, max_model_len, max_num_batched_tokens, block_size, kv_dtype, mamba_ssm_dtype
     )
     plan = make_plan(resolve_model(model), settings)
-    caching = prefix_caching and not any(g.kind == "mamba" for g in plan.report.groups)
+    caching = prefix_caching
     requests = _requests(workload or "mixed", trace, num_requests, seed, max_model_len)
     manager = _build_manager(backend, plan, caching, device or "cpu", output_format == "table")
-    result = _run(manager, requests, plan, max_num_seqs, show_progress=output_format == "table")
+    result = _run(
+        manager,
+        requests,
+        plan,
+        max_num_seqs,
+        show_progress=output_format == "table",
+        caching=caching,
+    )
     header = {
         "model": plan.choice.name,
         "workload": f"trace {trace}" if trace else workload or "mixed",
@@ -127,7 +134,7 @@ def simulate(
     if output_format == "json":
         click.echo(json.dumps({**header, **result.summary()}, indent=2))
     else:
-        _print_result(header, result, prefix_caching and not caching, plot)
+        _print_result(header, result, plot)
 
 
 def _requests(
@@ -161,7 +168,10 @@ def _build_manager(
 
 def _manager(backend: str, plan: Plan, caching: bool, device: str) -> Manager:
     """The reference manager, or the torch backend; ``UserError`` when torch is missing."""
-    config, max_model_len = plan.report.config, plan.settings.max_model_len
+    from hybridkv.reference.planner import with_mamba_cache_mode
+
+    config = with_mamba_cache_mode(plan.report.config, caching)
+    max_model_len = plan.settings.max_model_len
     if backend == "reference":
         from hybridkv.reference import KVCacheManager
 
@@ -194,6 +204,7 @@ def _run(
     max_num_seqs: int,
     *,
     show_progress: bool,
+    caching: bool,
 ) -> SimulationResult:
     """Run the scheduler loop, with a progress bar on stderr for people."""
     from hybridkv.simulate import Scheduler, SchedulerConfig
@@ -203,7 +214,16 @@ def _run(
         max_num_seqs=max_num_seqs,
         max_model_len=plan.settings.max_model_len,
     )
-    scheduler = Scheduler(manager, requests, block_size=plan.report.block_size, config=config)
+    from hybridkv.spec import MambaSpec
+
+    mamba = [g.spec.block_size for g in plan.report.config.groups if isinstance(g.spec, MambaSpec)]
+    scheduler = Scheduler(
+        manager,
+        requests,
+        block_size=plan.report.block_size,
+        config=config,
+        mamba_block_size=mamba[0] if mamba and caching else None,
+    )
     from rich.console import Console
 
     if not show_progress or not Console(stderr=True).is_terminal:
@@ -227,9 +247,7 @@ def _run(
         return scheduler.run(on_step)
 
 
-def _print_result(
-    header: dict[str, Any], result: SimulationResult, caching_off: bool, plot: str | None
-) -> None:
+def _print_result(header: dict[str, Any], result: SimulationResult, plot: str | None) -> None:
     """The numbers as a two-column table."""
     from rich import box
     from rich.console import Console
@@ -247,8 +265,6 @@ def _print_result(
     for label, value in _result_rows(result):
         table.add_row(label, value)
     console.print(table)
-    if caching_off:
-        console.print("[dim]note: prefix caching is off: the model has Mamba layers[/dim]")
     if plot is not None:
         console.print(f"plot written to [bold]{plot}[/bold]")
 
