@@ -63,9 +63,7 @@ def chunked(block_size: int, chunk: int) -> ChunkedLocalAttentionSpec:
 
 
 def mamba(block_size: int, **fields: int) -> MambaSpec:
-    return MambaSpec(
-        block_size=block_size, state_bytes=64, mamba_cache_mode="align", **fields
-    )
+    return MambaSpec(block_size=block_size, state_bytes=64, mamba_cache_mode="align", **fields)
 
 
 def config(
@@ -162,9 +160,7 @@ def test_mamba_align_hit_of_a_state_cached_this_step_waits_for_the_next_step() -
     manager.check_invariants()
 
 
-def test_mamba_prefill_checkpoint_block_caches_the_state_after_48_in_one_55_token_prefill() -> (
-    None
-):
+def test_mamba_checkpoint_block_caches_the_state_after_48_in_one_55_token_prefill() -> None:
     spec = mamba(16, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1)
     manager = KVCacheManager(config(full(16), spec), 256)
     prefill(manager, "a", PROMPT[:55], [55], hash_block_size=16)
@@ -644,20 +640,21 @@ def test_sliding_window_retention_mask_keeps_segment_tails(
 
 
 def test_sliding_window_retention_mask_of_dense_and_sparse_segments() -> None:
-    kwargs: dict[str, object] = {
-        "alignment_tokens": 16,
-        "block_size": 4,
-        "contiguous_blocks": 2,
-        "use_eagle": False,
-    }
-    dense = rules.sliding_window_retention_mask(
-        0, 8, retention_interval=None, reachable_boundaries=[30], **kwargs  # type: ignore[arg-type]
-    )
-    assert dense == (False, False, True, True) * 2
-    sparse = rules.sliding_window_retention_mask(
-        0, 8, retention_interval=0, reachable_boundaries=[30], **kwargs  # type: ignore[arg-type]
-    )
-    assert sparse == (False, False, True, True, False, False, False, False)
+    def mask(retention: int | None) -> tuple[bool, ...] | None:
+        return rules.sliding_window_retention_mask(
+            0,
+            8,
+            alignment_tokens=16,
+            block_size=4,
+            contiguous_blocks=2,
+            use_eagle=False,
+            retention_interval=retention,
+            reachable_boundaries=[30],
+        )
+
+    assert mask(None) == (False, False, True, True) * 2  # the tail of every 16-token segment
+    assert mask(0) == (False, False, True, True, False, False, False, False)  # only 16's tail
+    assert mask(32) == (False, False, True, True, False, False, True, True)  # and 32's
 
 
 @SETTINGS
