@@ -185,6 +185,14 @@ def test_mamba_dense_retention_keeps_the_states_after_16_32_and_40() -> None:
     assert hits == {17: 16, 33: 32, 41: 40}
 
 
+def test_mamba_retention_interval_16_adds_the_state_after_16_to_the_replay_state() -> None:
+    manager = KVCacheManager(config(full(8), mamba(8), retention=16), 256)
+    prefill(manager, "a", PROMPT[:40], [16, 16, 8], hash_block_size=8)
+    assert manager.snapshot().cached_block_ids[1] == (3, 6)  # after 16 and 32, not 40
+    hits = {n: lookup(manager, PROMPT[:n], hash_block_size=8)[0] for n in (17, 33, 41)}
+    assert hits == {17: 16, 33: 32, 41: 32}
+
+
 # --- Speculative decoding ------------------------------------------------------------------------
 
 
