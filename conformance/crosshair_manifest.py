@@ -75,6 +75,7 @@ MANIFEST: tuple[Target, ...] = (
     Target(f"{RULES}.mamba_prefill_checkpoint_valid"),
     Target(f"{RULES}.sliding_window_retention_mask", scale=2.0),
     Target(f"{RULES}.mamba_retention_mask", scale=2.0),
+    Target(f"{RULES}.hybrid_hit_length", scale=2.0),
     Target(f"{RULES}.vllm_group_size"),
     Target(f"{RULES}.strided_layer_indices"),
     Target(f"{RULES}.pipeline_stage_sizes"),
@@ -86,6 +87,7 @@ MANIFEST: tuple[Target, ...] = (
     Target(f"{HARNESSES}.sliding_window_scan_equivalence", scale=3.0),
     Target(f"{HARNESSES}.hybrid_hit_is_longest_accepted", scale=4.0),
     Target(f"{HARNESSES}.hybrid_hit_without_full_attention", scale=4.0),
+    Target(f"{HARNESSES}.hybrid_hit_length_is_longest_accepted", scale=4.0),
     Target(f"{HARNESSES}.block_pool_operations_keep_invariants", scale=4.0),
     # --- conformance/planted_bugs.py: the checker must catch each ----------------------------
     Target(f"{PLANTED}.sliding_window_skipped_tokens_off_by_one", "counterexample"),

@@ -127,10 +127,14 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "truncate_window_hit",
         "a lowered length truncates every type's blocks instead of looking sliding windows up",
-        "reference.coordinator",
+        "spec.rules",
         (
-            "if attention_type.is_full_attention and hits[first] is not None:",
-            "if hits[first] is not None:",
+            "            if full_attention[t] and t in full_found:",
+            "            if t in full_found:",
+        ),
+        (
+            "            if full_attention[t]:\n                full_found[t] = found\n",
+            "            full_found[t] = found\n",
         ),
     ),
     _m(
@@ -247,8 +251,11 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "hybrid_one_pass",
         "the hybrid coordinator stops after one pass even with three or more types",
-        "reference.coordinator",
-        ("            if simple_hybrid:\n                break\n", "            break\n"),
+        "spec.rules",
+        (
+            "        if simple_hybrid:\n            return hit_length, longest\n",
+            "        return hit_length, longest\n",
+        ),
     ),
     _m(
         "chunk_keeps_previous",

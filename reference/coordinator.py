@@ -302,59 +302,42 @@ class HybridCoordinator(KVCacheCoordinator):
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
     ) -> tuple[BlocksPerGroup, int, int]:
-        hits: list[list[KVCacheBlock] | None] = [None] * len(self.managers)
-        type_hit_length = [0] * len(self.managers)
-        hit_length = max_cache_hit_length
-        longest = 0
-        simple_hybrid = len(self.attention_types) == 2 and self.attention_types[0].is_full_attention
-        # Types whose EAGLE drop is already applied at the current candidate length.
-        eagle_verified: set[int] = set()
-        while True:
-            length = hit_length
-            for index, attention_type in enumerate(self.attention_types):
-                first = attention_type.group_ids[0]
-                if attention_type.is_full_attention and hits[first] is not None:
-                    # A full-attention hit is a prefix: a shorter length keeps its first blocks.
-                    length = min(length, type_hit_length[first])
-                    continue
-                drop = attention_type.use_eagle and index not in eagle_verified
-                max_length = length
-                manager = self.managers[first]
-                if drop and not isinstance(attention_type.spec, MambaSpec):
-                    # Match one block beyond the candidate, then drop it.
-                    max_length = min(
-                        length + manager.block_size, len(block_hashes) * self.hash_block_size
-                    )
-                found, found_length = manager.find_longest_cache_hit(
-                    block_hashes,
-                    max_length,
-                    attention_type.group_ids,
-                    drop_eagle_block=drop,
-                    alignment_tokens=self.scheduler_block_size,
+        """``rules.hybrid_hit_length`` over the attention types; each type's lookup keeps its
+        blocks, and full attention is cut to the final length."""
+        hits: list[list[KVCacheBlock]] = [[] for _ in self.managers]
+
+        def lookup(index: int, length: int, drop: bool) -> int:
+            attention_type = self.attention_types[index]
+            manager = self.managers[attention_type.group_ids[0]]
+            max_length = length
+            if drop and not isinstance(attention_type.spec, MambaSpec):
+                # Match one block beyond the candidate, then drop it.
+                max_length = min(
+                    length + manager.block_size, len(block_hashes) * self.hash_block_size
                 )
-                if drop:
-                    eagle_verified.add(index)
-                elif found_length < length:
-                    eagle_verified.clear()
-                length = found_length
-                for group_id, blocks in zip(attention_type.group_ids, found, strict=True):
-                    hits[group_id] = blocks
-                    type_hit_length[group_id] = found_length
-                longest = max(longest, length)
-            if length >= hit_length:
-                break
-            hit_length = length
-            if simple_hybrid:
-                break
+            found, found_length = manager.find_longest_cache_hit(
+                block_hashes,
+                max_length,
+                attention_type.group_ids,
+                drop_eagle_block=drop,
+                alignment_tokens=self.scheduler_block_size,
+            )
+            for group_id, blocks in zip(attention_type.group_ids, found, strict=True):
+                hits[group_id] = blocks
+            return found_length
+
+        hit_length, longest = rules.hybrid_hit_length(
+            lookup,
+            [t.is_full_attention for t in self.attention_types],
+            [t.use_eagle for t in self.attention_types],
+            max_cache_hit_length,
+        )
         for attention_type in self.attention_types:
             if attention_type.is_full_attention:
-                manager = self.managers[attention_type.group_ids[0]]
+                block_size = self.managers[attention_type.group_ids[0]].block_size
                 for group_id in attention_type.group_ids:
-                    group_hits = hits[group_id]
-                    if group_hits is not None:
-                        del group_hits[rules.cdiv(hit_length, manager.block_size) :]
-        result = tuple(blocks if blocks is not None else [] for blocks in hits)
-        return result, hit_length, longest - hit_length
+                    del hits[group_id][rules.cdiv(hit_length, block_size) :]
+        return tuple(hits), hit_length, longest - hit_length
 
 
 def make_coordinator(

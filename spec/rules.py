@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def cdiv(a: int, b: int) -> int:
@@ -735,3 +735,60 @@ def mamba_state_blocks(enable_prefix_caching: bool) -> int:
     post: __return__ == (2 if enable_prefix_caching else 1)
     """
     return 2 if enable_prefix_caching else 1
+
+
+# --- The hybrid intersection (Prefix caching, Case 2) -----------------------------------------
+
+
+def hybrid_hit_length(
+    lookup: Callable[[int, int, bool], int],
+    full_attention: Sequence[bool],
+    drops_eagle_block: Sequence[bool],
+    max_length: int,
+) -> tuple[int, int]:
+    """The longest hit every attention type accepts, and the longest one type found alone.
+
+    ``lookup(t, length, drop)`` is type ``t``'s own longest hit of at most ``length`` tokens
+    (``drop``: apply the EAGLE last-block drop). Types are visited in order, each searching
+    within the previous one's result; a pass that lowers the length is repeated until no type
+    lowers it (a fixed point: lengths only fall). Full attention comes first and is looked up
+    once: its hit is a prefix, so any shorter length is a hit too. With exactly one full type
+    and one other, one pass suffices. A type drops its EAGLE block once per candidate length.
+
+    The reference coordinator, the optimized backend and the conformance oracle all call this.
+
+    The contract holds for any ``lookup`` (lengths only fall); that the result is the longest
+    hit every type accepts is checked against the brute force by the harness
+    ``hybridkv.conformance.harnesses.hybrid_hit_length_is_longest_accepted``.
+
+    pre: 0 <= max_length <= 1000
+    pre: len(full_attention) == len(drops_eagle_block) <= 4
+    post: __return__[0] <= max_length
+    """
+    num_types = len(full_attention)
+    hit_length = max_length
+    longest = 0
+    full_found: dict[int, int] = {}
+    eagle_verified: set[int] = set()
+    simple_hybrid = num_types == 2 and full_attention[0]
+    while True:
+        length = hit_length
+        for t in range(num_types):
+            if full_attention[t] and t in full_found:
+                length = min(length, full_found[t])
+                continue
+            drop = drops_eagle_block[t] and t not in eagle_verified
+            found = lookup(t, length, drop)
+            if drop:
+                eagle_verified.add(t)
+            elif found < length:
+                eagle_verified.clear()
+            length = found
+            if full_attention[t]:
+                full_found[t] = found
+            longest = max(longest, length)
+        if length >= hit_length:
+            return hit_length, longest
+        hit_length = length
+        if simple_hybrid:
+            return hit_length, longest
