@@ -13,7 +13,8 @@ The tests that run against each mutant (``--tests``):
   invariant checker), plus a kill file of conformance checks: a sample of the golden traces
   (with invariants after every step), the longest-hit oracle, the planner oracle, and a
   state-machine run against the optimized backend (independent code; when torch imports);
-* ``golden``: the kill set with all 189 golden traces instead of a sample (slower).
+* ``golden``: the kill set with all 339 golden traces (unit and engine) instead of a sample
+  (slower).
 
 A mutant no test reaches ("no tests") counts as surviving in the score. The score is
 killed / (all mutants − equivalent ones mutmut could not run).
@@ -41,6 +42,7 @@ PROJECT_TESTS = (
     "test_lazy_flags.py",
     "test_oracles.py",
     "test_document_examples.py",
+    "test_engine_features.py",
     "test_planner.py",
     "test_plan_report.py",
 )
@@ -56,8 +58,8 @@ from hybridkv.reference import KVCacheManager
 EVERY = {every}
 
 
-def _factory(config, max_model_len, caching):
-    return KVCacheManager(config, max_model_len, enable_caching=caching)
+def _factory(config, max_model_len, caching, **engine):
+    return KVCacheManager(config, max_model_len, enable_caching=caching, **engine)
 
 
 def test_golden_traces():
