@@ -58,10 +58,22 @@ def test_less_memory_preempts() -> None:
     assert numbers["peak_usage"] > 0.9
 
 
-def test_mamba_models_run_without_prefix_caching() -> None:
+def test_mamba_hybrids_cache_prefixes_in_align_mode() -> None:
+    """Prefix caching, Case 3: with caching on (the default) a Jamba-like model's Mamba groups
+    cache their states in ``"align"`` mode, and chat turns hit: 4,800 of 6,008 prompt tokens."""
     numbers = simulate_json("Jamba-v0.1", "--requests", "6", "--workload", "chat")
-    assert numbers["prefix_caching"] is False
+    assert numbers["prefix_caching"] is True
     assert numbers["block_size"] == 80
+    assert numbers["hit_tokens"] == 4800
+    assert numbers["prompt_tokens"] == 6008
+    assert numbers["finished"] == 6
+
+
+def test_mamba_hybrids_run_without_prefix_caching() -> None:
+    numbers = simulate_json(
+        "Jamba-v0.1", "--requests", "6", "--workload", "chat", "--no-prefix-caching"
+    )
+    assert numbers["prefix_caching"] is False
     assert numbers["hit_tokens"] == 0
     assert numbers["finished"] == 6
 

@@ -19,7 +19,7 @@ from hybridkv.simulate import (
     load_trace,
     make_workload,
 )
-from hybridkv.spec import FullAttentionSpec
+from hybridkv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, MambaSpec
 
 TINY = {"layers.0": FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype_bytes=1)}
 """One layer, 4-token blocks of 8 bytes: a pool small enough to reason about by hand."""
@@ -147,3 +147,40 @@ def test_bad_trace_lines_name_the_line_and_field(
 ) -> None:
     with pytest.raises(TraceError, match=message):
         load_trace(write_trace(tmp_path / "t.jsonl", line), seed=0, max_model_len=1024)
+
+
+class RecordingManager(KVCacheManager):
+    """The reference manager, recording each ``allocate_slots``'s request and token count."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[str, int]] = []
+
+    def allocate_slots(self, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append((request.request_id, num_new_tokens))
+        return super().allocate_slots(request, num_new_tokens, *args, **kwargs)
+
+
+def test_a_mamba_align_prefill_stops_at_the_last_block_boundary_before_the_prompt_end() -> None:
+    """Prefix caching, Case 3: a state is cached only where a chunk ends on a Mamba block
+    boundary, so the 55-token prompt is computed as 48 + 7 (one 55-token chunk would cache no
+    state); the resend then hits those 48 tokens, and the scheduler calls ``new_step_starts``
+    every step (the state cached in step 0 is adopted in a later step)."""
+    kv = {"num_kv_heads": 1, "head_size": 1, "dtype_bytes": 1}
+    config = KVCacheConfig(
+        64,
+        (
+            KVCacheGroup(("attn",), FullAttentionSpec(block_size=16, **kv)),
+            KVCacheGroup(
+                ("ssm",), MambaSpec(block_size=16, state_bytes=32, mamba_cache_mode="align")
+            ),
+        ),
+    )
+    manager = RecordingManager(config, max_model_len=128)
+    prompt = tuple(range(1, 56))
+    requests = [RequestSpec("A", prompt, (90,)), RequestSpec("B", prompt, (91,), arrival_step=3)]
+    limits = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=128)
+    result = Scheduler(manager, requests, block_size=16, config=limits, mamba_block_size=16).run()
+    assert manager.calls[:2] == [("A", 48), ("A", 7)]
+    assert result.hit_tokens == 48
+    assert result.num_finished == 2
