@@ -271,8 +271,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a Mamba group keeps every state block instead of the last computed token's",
         "reference.single_type_managers",
         (
-            "        return rules.mamba_skipped_tokens(num_computed_tokens)",
-            "        return 0",
+            '"mamba": lambda spec, n: rules.mamba_skipped_tokens(n),',
+            '"mamba": lambda spec, n: 0,',
         ),
     ),
     _p(

@@ -32,12 +32,10 @@ from hybridkv.reference.single_type_managers import (
     prompt_tokens,
 )
 from hybridkv.spec import (
-    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
     MambaSpec,
-    SlidingWindowSpec,
     rules,
 )
 
@@ -71,7 +69,9 @@ class KVCacheCoordinator(ABC):
                 group_id,
                 scheduler_block_size=settings.scheduler_block_size,
                 enable_caching=enable_caching,
-                max_admission_blocks=_max_admission_blocks(group.spec, settings),
+                max_admission_blocks=group.spec.admission_cap(
+                    settings.max_model_len, settings.max_in_flight_tokens
+                ),
             )
             for group_id, group in enumerate(config.groups)
         ]
@@ -174,25 +174,6 @@ class KVCacheCoordinator(ABC):
     def new_step_starts(self) -> None:
         for manager in self.managers:
             manager.new_step_starts()
-
-
-def _max_admission_blocks(spec: KVCacheSpec, settings: EngineSettings) -> int | None:
-    """A window's reservation in a full-prompt admission: the most it ever holds at once."""
-    if isinstance(spec, SlidingWindowSpec):
-        return rules.max_blocks_sliding_window(
-            settings.max_model_len,
-            spec.block_size,
-            spec.sliding_window,
-            settings.max_in_flight_tokens,
-        )
-    if isinstance(spec, ChunkedLocalAttentionSpec):
-        return rules.max_blocks_chunked_local(
-            settings.max_model_len,
-            spec.block_size,
-            spec.attention_chunk_size,
-            settings.max_in_flight_tokens,
-        )
-    return None
 
 
 class NoPrefixCacheCoordinator(KVCacheCoordinator):

@@ -25,10 +25,8 @@ from hybridkv.spec import rules
 from hybridkv.spec.errors import check_positive
 from hybridkv.spec.kv_cache_config import KVCacheConfig, KVCacheGroup
 from hybridkv.spec.kv_cache_spec import (
-    ChunkedLocalAttentionSpec,
     KVCacheSpec,
     MambaSpec,
-    SlidingWindowSpec,
     spec_kind,
 )
 
@@ -304,19 +302,9 @@ def max_blocks_per_request(
     for a step that starts mid-block; chunked local keeps the current chunk and the in-flight
     tokens; Mamba keeps one state block (Case 4), two with prefix caching.
     """
-    if isinstance(spec, SlidingWindowSpec):
-        return rules.max_blocks_sliding_window(
-            max_model_len, spec.block_size, spec.sliding_window, max_num_batched_tokens
-        )
-    if isinstance(spec, ChunkedLocalAttentionSpec):
-        return rules.max_blocks_chunked_local(
-            max_model_len, spec.block_size, spec.attention_chunk_size, max_num_batched_tokens
-        )
-    if isinstance(spec, MambaSpec):
-        return rules.max_blocks_mamba(max_model_len) * rules.mamba_state_blocks(
-            enable_prefix_caching
-        )
-    return rules.max_blocks_full_attention(max_model_len, spec.block_size)
+    return spec.max_blocks_per_request(
+        max_model_len, max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching
+    )
 
 
 # --- Against a non-hybrid manager -------------------------------------------------------------

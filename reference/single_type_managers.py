@@ -29,7 +29,8 @@ is cached. Until then every allocation counts as an admission.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.block_pool import BlockPool, hashes_at_block_size
@@ -38,7 +39,6 @@ from hybridkv.reference.lazy_flags import LazyFlags
 from hybridkv.reference.request import RequestLike
 from hybridkv.spec import (
     ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
@@ -46,6 +46,17 @@ from hybridkv.spec import (
 )
 
 BlocksPerGroup = tuple[list[KVCacheBlock], ...]
+
+SKIPPED_TOKENS: dict[str, Callable[[Any, int], int]] = {
+    "full": lambda spec, n: rules.full_attention_skipped_tokens(n),
+    "sliding_window": lambda spec, n: rules.sliding_window_skipped_tokens(n, spec.sliding_window),
+    "chunked_local": lambda spec, n: rules.chunked_local_skipped_tokens(
+        n, spec.attention_chunk_size
+    ),
+    "mamba": lambda spec, n: rules.mamba_skipped_tokens(n),
+}
+"""Each attention type's ``skipped_tokens`` rule, by ``spec.kind`` (the one dispatch of the
+managers, beside ``MANAGERS``; a spec's own ``skipped_tokens`` calls the same rule)."""
 
 
 def prompt_tokens(request: RequestLike) -> int:
@@ -90,8 +101,8 @@ class SingleTypeKVCacheManager(ABC):
     # --- Hooks ------------------------------------------------------------------------------
 
     def skipped_tokens(self, num_computed_tokens: int) -> int:
-        """Leading tokens the next token does not attend to (full attention: none)."""
-        return rules.full_attention_skipped_tokens(num_computed_tokens)
+        """Leading tokens the next token does not attend to (the type's rule)."""
+        return SKIPPED_TOKENS[self.spec.kind](self.spec, num_computed_tokens)
 
     @abstractmethod
     def find_longest_cache_hit(
@@ -351,9 +362,6 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     spec: SlidingWindowSpec
 
-    def skipped_tokens(self, num_computed_tokens: int) -> int:
-        return rules.sliding_window_skipped_tokens(num_computed_tokens, self.spec.sliding_window)
-
     def find_longest_cache_hit(
         self,
         block_hashes: Sequence[BlockHash],
@@ -436,10 +444,6 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
 
     spec: ChunkedLocalAttentionSpec
 
-    def skipped_tokens(self, num_computed_tokens: int) -> int:
-        chunk = self.spec.attention_chunk_size
-        return rules.chunked_local_skipped_tokens(num_computed_tokens, chunk)
-
     def find_longest_cache_hit(
         self,
         block_hashes: Sequence[BlockHash],
@@ -511,9 +515,6 @@ class MambaManager(SingleTypeKVCacheManager):
         self.allocated_block_reqs: set[str] = set()
         # Align mode: (checkpoint token position, table position) reserved by this allocation.
         self.checkpoints: dict[str, tuple[int, int]] = {}
-
-    def skipped_tokens(self, num_computed_tokens: int) -> int:
-        return rules.mamba_skipped_tokens(num_computed_tokens)
 
     # --- Cache hits -------------------------------------------------------------------------
 
@@ -818,13 +819,15 @@ class MambaManager(SingleTypeKVCacheManager):
         self.cached_blocks_this_step.clear()
 
 
+MANAGERS: dict[str, type[SingleTypeKVCacheManager]] = {
+    "full": FullAttentionManager,
+    "sliding_window": SlidingWindowManager,
+    "chunked_local": ChunkedLocalAttentionManager,
+    "mamba": MambaManager,
+}
+"""The manager of each attention type, by ``spec.kind``."""
+
+
 def manager_class(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
     """The manager of a spec's attention type."""
-    if isinstance(spec, SlidingWindowSpec):
-        return SlidingWindowManager
-    if isinstance(spec, ChunkedLocalAttentionSpec):
-        return ChunkedLocalAttentionManager
-    if isinstance(spec, MambaSpec):
-        return MambaManager
-    assert isinstance(spec, FullAttentionSpec)
-    return FullAttentionManager
+    return MANAGERS[spec.kind]

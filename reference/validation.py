@@ -17,7 +17,6 @@ from hybridkv.spec import (
     ChunkedLocalAttentionSpec,
     KVCacheConfig,
     MambaSpec,
-    SlidingWindowSpec,
     rules,
 )
 from hybridkv.spec.errors import check_non_negative, check_positive
@@ -131,7 +130,7 @@ def _check_caching_layout(
     interval = config.prefix_cache_retention_interval
     if interval is None:
         return
-    sparse = any(isinstance(g.spec, SlidingWindowSpec | MambaSpec) for g in config.groups)
+    sparse = any(g.spec.sparse_retention for g in config.groups)
     if not sparse and interval != 0:
         raise ValueError(
             "prefix_cache_retention_interval applies to sliding-window and Mamba groups only and "

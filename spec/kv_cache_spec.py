@@ -7,12 +7,20 @@ The design document ("Definitions") calls the bytes that one token of one layer 
 
 Every spec is a frozen value that validates itself on construction, so an invalid spec can
 never reach the planner or the manager.
+
+Each spec class is also the one place where its attention type's behaviour is dispatched: its
+``kind``, the leading tokens it no longer needs (``skipped_tokens``), the most blocks one
+request holds (``max_blocks_per_request``), its cap in a full-prompt admission
+(``admission_cap``) and whether it caches sparsely under a retention interval. Each method
+calls the rule in ``hybridkv.spec.rules``; a new attention type is added here, in one place.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
+from hybridkv.spec import rules
 from hybridkv.spec.errors import check_non_negative, check_positive
 
 
@@ -49,16 +57,49 @@ class AttentionSpec:
 class FullAttentionSpec(AttentionSpec):
     """Full (global) attention: every token keeps its KV for the life of the request."""
 
+    kind: ClassVar[str] = "full"
+    sparse_retention: ClassVar[bool] = False
+
+    def skipped_tokens(self, num_computed_tokens: int) -> int:
+        return rules.full_attention_skipped_tokens(num_computed_tokens)
+
+    def max_blocks_per_request(
+        self, max_model_len: int, max_in_flight_tokens: int, *, enable_prefix_caching: bool
+    ) -> int:
+        return rules.max_blocks_full_attention(max_model_len, self.block_size)
+
+    def admission_cap(self, max_model_len: int, max_in_flight_tokens: int) -> int | None:
+        """Blocks a full-prompt admission reserves at most (``None``: every block it needs)."""
+        return None
+
 
 @dataclass(frozen=True, kw_only=True)
 class SlidingWindowSpec(AttentionSpec):
     """Sliding-window attention: a token attends to itself and the ``sliding_window − 1`` before."""
 
     sliding_window: int
+    kind: ClassVar[str] = "sliding_window"
+    sparse_retention: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_positive("sliding_window", self.sliding_window)
+
+    def skipped_tokens(self, num_computed_tokens: int) -> int:
+        return rules.sliding_window_skipped_tokens(num_computed_tokens, self.sliding_window)
+
+    def max_blocks_per_request(
+        self, max_model_len: int, max_in_flight_tokens: int, *, enable_prefix_caching: bool
+    ) -> int:
+        return rules.max_blocks_sliding_window(
+            max_model_len, self.block_size, self.sliding_window, max_in_flight_tokens
+        )
+
+    def admission_cap(self, max_model_len: int, max_in_flight_tokens: int) -> int | None:
+        """The window behind the in-flight tokens: the most the group ever holds at once."""
+        return self.max_blocks_per_request(
+            max_model_len, max_in_flight_tokens, enable_prefix_caching=False
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,10 +107,28 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
     """Chunked local attention (Llama 4): a token attends only to tokens of its own chunk."""
 
     attention_chunk_size: int
+    kind: ClassVar[str] = "chunked_local"
+    sparse_retention: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_positive("attention_chunk_size", self.attention_chunk_size)
+
+    def skipped_tokens(self, num_computed_tokens: int) -> int:
+        return rules.chunked_local_skipped_tokens(num_computed_tokens, self.attention_chunk_size)
+
+    def max_blocks_per_request(
+        self, max_model_len: int, max_in_flight_tokens: int, *, enable_prefix_caching: bool
+    ) -> int:
+        return rules.max_blocks_chunked_local(
+            max_model_len, self.block_size, self.attention_chunk_size, max_in_flight_tokens
+        )
+
+    def admission_cap(self, max_model_len: int, max_in_flight_tokens: int) -> int | None:
+        """The current chunk and the in-flight tokens: the most the group ever holds at once."""
+        return self.max_blocks_per_request(
+            max_model_len, max_in_flight_tokens, enable_prefix_caching=False
+        )
 
 
 MAMBA_CACHE_MODES = ("none", "align")
@@ -102,6 +161,8 @@ class MambaSpec:
     num_speculative_blocks: int = 0
     num_prefill_checkpoint_blocks: int = 0
     prefill_checkpoint_alignment: int | None = None
+    kind: ClassVar[str] = "mamba"
+    sparse_retention: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         check_positive("block_size", self.block_size)
@@ -136,6 +197,20 @@ class MambaSpec:
             return self.state_bytes
         return self.page_size_padded
 
+    def skipped_tokens(self, num_computed_tokens: int) -> int:
+        return rules.mamba_skipped_tokens(num_computed_tokens)
+
+    def max_blocks_per_request(
+        self, max_model_len: int, max_in_flight_tokens: int, *, enable_prefix_caching: bool
+    ) -> int:
+        """One state block (Case 4); two with prefix caching (the state and the previous one)."""
+        return rules.max_blocks_mamba(max_model_len) * rules.mamba_state_blocks(
+            enable_prefix_caching
+        )
+
+    def admission_cap(self, max_model_len: int, max_in_flight_tokens: int) -> int | None:
+        return None
+
 
 KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | ChunkedLocalAttentionSpec | MambaSpec
 """Any layer spec the planner and the manager understand."""
@@ -143,10 +218,4 @@ KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | ChunkedLocalAttentionSpec 
 
 def spec_kind(spec: KVCacheSpec) -> str:
     """A short stable name of the attention type, used in reports and error messages."""
-    if isinstance(spec, SlidingWindowSpec):
-        return "sliding_window"
-    if isinstance(spec, ChunkedLocalAttentionSpec):
-        return "chunked_local"
-    if isinstance(spec, MambaSpec):
-        return "mamba"
-    return "full"
+    return spec.kind
