@@ -233,11 +233,14 @@ def assert_same_as_vllm(model: Model, memory: int) -> None:
 CATALOGUE = {entry.model_id: entry for entry in load_catalogue()}
 
 
+@pytest.mark.parametrize(("block_size", "kv_dtype_bytes"), [(BLOCK_SIZE, KV_DTYPE_BYTES), (64, 1)])
 @pytest.mark.parametrize("memory", MEMORIES)
 @pytest.mark.parametrize("model_id", list(CATALOGUE))
-def test_catalogue_model_plans_as_vllm(model_id: str, memory: int) -> None:
+def test_catalogue_model_plans_as_vllm(
+    model_id: str, memory: int, block_size: int, kv_dtype_bytes: int
+) -> None:
     facts = CATALOGUE[model_id].facts
-    found = model_layers(facts, block_size=BLOCK_SIZE, kv_dtype_bytes=KV_DTYPE_BYTES)
+    found = model_layers(facts, block_size=block_size, kv_dtype_bytes=kv_dtype_bytes)
     assert_same_as_vllm(Model(found.layers, found.kv_sharing, facts), memory)
 
 
