@@ -4,10 +4,12 @@ For every catalogue model (and the synthetic 6 full + 5 sliding and gpt-oss-20b 
 layouts) the test builds vLLM's own per-layer ``KVCacheSpec`` for each layer, runs vLLM's
 planning code (``get_kv_cache_groups`` → ``get_kv_cache_config_from_groups``, with a minimal
 stand-in for ``VllmConfig`` as vLLM's own planning tests use, layer-outermost ``LBNHC``
-layout), adds the KV-sharing readers as vLLM's worker does
-(``add_kv_sharing_layers_to_kv_cache_groups``) and asserts that our
-``plan_groups(..., policy="vllm")`` / ``plan_kv_cache`` give exactly vLLM's groups (layer names
-in order, spec), ``num_blocks``, and tensor layout.
+layout), adds the KV-sharing readers as vLLM's worker does (a copy of
+``add_kv_sharing_layers_to_kv_cache_groups``, whose module pulls in torch.compile) and asserts
+that our ``plan_groups(..., policy="vllm")`` / ``plan_kv_cache`` give exactly vLLM's groups
+(layer names in order, spec), ``num_blocks``, and tensor layout. Under 1, 2 and 4 pipeline
+stages the catalogue goes through vLLM's engine path too (``get_global_kv_cache_groups`` →
+``get_kv_cache_configs``, one worker per stage, layers split by ``get_pp_indices``).
 
 What vLLM decides outside these functions is given to it, not compared:
 
