@@ -30,7 +30,7 @@ from typing import Any, Literal
 from hybridkv.integrations.vllm.convert import from_vllm_config
 from hybridkv.integrations.vllm.errors import UnsupportedSetting, refuse
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
-from hybridkv.spec import KVCacheConfig, MambaSpec
+from hybridkv.spec import FullAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
 
 Backend = Literal["reference", "optimized"]
 BACKENDS: tuple[Backend, ...] = ("reference", "optimized")
@@ -203,6 +203,17 @@ class KVCacheManager:
             num_hash_lookahead_tokens=num_hash_lookahead_tokens,
             device=device,
         )
+        # Async scheduling releases window and chunk blocks on the processed count
+        # (``num_computed_tokens - num_in_flight_tokens``); a core that does not read
+        # ``num_in_flight_tokens`` would release them early, so it is refused at the call.
+        self._honours_in_flight = (
+            "num_in_flight_tokens"
+            in inspect.getsource(inspect.getmodule(type(self.core)) or type(self.core))
+            or backend == "reference"
+        )
+        self._windowed = any(
+            not isinstance(group.spec, FullAttentionSpec) for group in self.config.groups
+        )
         core_block_size = int(getattr(self.core, "scheduler_block_size", scheduler_block_size))
         refuse(
             core_block_size != scheduler_block_size,
@@ -231,6 +242,7 @@ class KVCacheManager:
             )
             for group in kv_cache_config.kv_cache_groups
         )
+        self.scheduler_block_size = scheduler_block_size
         self.empty_kv_cache_blocks = KVCacheBlocks.empty(self.num_kv_cache_groups)
         # Groups whose new blocks the worker zeroes (attention groups of a Mamba hybrid).
         zeroing = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
@@ -240,6 +252,9 @@ class KVCacheManager:
             if zeroing and not isinstance(group.spec, MambaSpec)
         )
         self._new_block_ids: list[int] = []
+        # Whole-block tokens committed to the cache per request (``estimate_cached_tokens`` of
+        # backends that do not offer it).
+        self._committed: dict[str, int] = {}
         # The cache salt of each salted request's first block hash (events' extra_keys).
         self._salt_of_first_hash: dict[bytes, str] = {}
         self._request_of_chain: dict[bytes, Any] = {}
@@ -353,6 +368,13 @@ class KVCacheManager:
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
             )
         self._check_request(request)
+        refuse(
+            self._windowed
+            and not self._honours_in_flight
+            and getattr(request, "num_in_flight_tokens", 0) > 0,
+            f"async scheduling (tokens in flight) with backend={self.backend!r}",
+            "the backend does not release window blocks on the processed count yet",
+        )
         from vllm.v1.request import RequestStatus
 
         watermark_blocks = 0
@@ -380,16 +402,28 @@ class KVCacheManager:
         if new_blocks is None:
             return None
         blocks = self._blocks(new_blocks)
+        if self.enable_caching and not delay_cache_blocks:
+            committed = min(
+                request.num_computed_tokens + num_new_computed_tokens + num_new_tokens,
+                request.num_tokens,
+            )
+            committed -= committed % self.scheduler_block_size
+            if committed > self._committed.get(request.request_id, 0):
+                self._committed[request.request_id] = committed
         for group_id in self._zeroed_groups:
             self._new_block_ids.extend(blocks.block_ids[group_id])
         return blocks
 
     def free(self, request: Any) -> None:
         self.core.free(request)
+        self._committed.pop(request.request_id, None)
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         if self.enable_caching:
             self.core.cache_blocks(request, num_computed_tokens)
+            committed = num_computed_tokens - num_computed_tokens % self.scheduler_block_size
+            if committed > self._committed.get(request.request_id, 0):
+                self._committed[request.request_id] = committed
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         ids = self.core.get_block_ids(request_id)
@@ -427,8 +461,23 @@ class KVCacheManager:
         estimate = getattr(self.core, "estimate_cached_tokens", None)
         if estimate is not None:
             return int(estimate(request.request_id))
-        refuse(True, f"estimate_cached_tokens with backend={self.backend!r}", "not offered yet")
-        return 0
+        # A backend without it (the optimized one, for now): with dense retention and no Mamba
+        # group every group caches each full block it commits, so the estimate is the
+        # committed length in whole blocks.
+        sparse = self.config.prefix_cache_retention_interval is not None
+        refuse(
+            any(
+                isinstance(group.spec, MambaSpec)
+                or (sparse and isinstance(group.spec, SlidingWindowSpec))
+                for group in self.config.groups
+            ),
+            f"estimate_cached_tokens with backend={self.backend!r} under sparse retention "
+            "or with a Mamba group",
+            "the backend does not offer it yet",
+        )
+        if not any(self.core.get_block_ids(request.request_id)):
+            return 0
+        return self._committed.get(request.request_id, 0)
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
         """No copy-on-write copies: partial Mamba hits are refused at construction."""
