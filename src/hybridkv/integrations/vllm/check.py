@@ -624,7 +624,10 @@ def run_check(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hybridkv vllm-check", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m hybridkv.integrations.vllm.check",
+        description=(__doc__ or "").split("\n\n")[0],
+    )
     parser.add_argument("--layout", action="append", choices=LAYOUTS)
     parser.add_argument("--run", action="append", choices=RUNS)
     parser.add_argument("--defaults", action="append", choices=DEFAULTS)
