@@ -111,7 +111,12 @@ class KVCacheManager:
         """
         if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
             return KVCacheBlocks.empty(self.num_groups), 0, 0
-        check_block_hashes(request, self.hash_block_size, self.settings.num_hash_lookahead_tokens)
+        check_block_hashes(
+            request,
+            self.hash_block_size,
+            self.settings.num_hash_lookahead_tokens,
+            allow_fewer=True,
+        )
         if max_cache_hit_length is None:
             max_cache_hit_length = request.num_tokens - 1
         else:
@@ -225,7 +230,10 @@ class KVCacheManager:
         check_cache_blocks(request, num_computed_tokens)
         if self.enable_caching:
             check_block_hashes(
-                request, self.hash_block_size, self.settings.num_hash_lookahead_tokens
+                request,
+                self.hash_block_size,
+                self.settings.num_hash_lookahead_tokens,
+                allow_fewer=True,
             )
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
@@ -331,6 +339,7 @@ class KVCacheManager:
             enable_caching=self.enable_caching,
             holds_blocks=lambda request_id: any(self.get_block_ids(request_id)),
             settings=self.settings,
+            allow_fewer_hashes=True,
         )
         blocks = self.block_pool.blocks
         return tuple([blocks[i] for i in ids] for ids in hit_ids)

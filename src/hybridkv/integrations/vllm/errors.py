@@ -16,3 +16,8 @@ def refuse(condition: bool, setting: str, why: str) -> None:
     """Raise ``UnsupportedSetting(setting, why)`` when ``condition`` holds."""
     if condition:
         raise UnsupportedSetting(setting, why)
+
+
+class UnsupportedInternal(UnsupportedSetting, AttributeError):
+    """A read of vLLM's manager internals: also an ``AttributeError``, so ``getattr(x, name,
+    default)`` and ``hasattr`` keep working."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from hybridkv.integrations.vllm.convert import from_vllm_config
-from hybridkv.integrations.vllm.errors import UnsupportedSetting, refuse
+from hybridkv.integrations.vllm.errors import UnsupportedInternal, UnsupportedSetting, refuse
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.spec import FullAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
 
@@ -47,9 +47,25 @@ class GroupView:
     block_size: int
     kv_cache_spec: Any
 
+    def __getattr__(self, name: str) -> Any:
+        raise _internals("single_type_managers[i]", name)
+
+
+def _internals(owner: str, name: str) -> AttributeError:
+    if name.startswith("__"):
+        return AttributeError(name)
+    return UnsupportedInternal(
+        f"vLLM manager internals ({owner}.{name})",
+        "hybridkv offers vLLM's manager API, not its coordinator, block pool or block objects "
+        "(the aux-output connector and some of vLLM's tests read them)",
+    )
+
 
 class CoordinatorView:
     """The scheduler's read-only view of the coordinator (set-up arithmetic only)."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise _internals("coordinator", name)
 
     enable_partial_hash_hits = False
 
@@ -66,6 +82,9 @@ class BlockPoolView:
 
     def __init__(self, owner: KVCacheManager) -> None:
         self._owner = owner
+
+    def __getattr__(self, name: str) -> Any:
+        raise _internals("block_pool", name)
 
     def get_num_free_blocks(self) -> int:
         return int(self._owner.core.num_free_blocks)
