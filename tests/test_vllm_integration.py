@@ -20,6 +20,7 @@ from hybridkv.integrations.vllm import KVCacheManager, UnsupportedSetting, from_
 from hybridkv.integrations.vllm.check import (
     LAYOUTS,
     RunConfig,
+    build_scheduler,
     compare,
     drive,
     kv_cache_config_for,
@@ -96,3 +97,17 @@ def test_step_records_equal_vllms_on_the_reference(run: str) -> None:
     result = compare(cfg.name, drive(cfg, "vllm"), drive(cfg, "reference"))
     assert result.divergence is None
     assert result.steps > 20
+
+
+@pytest.mark.parametrize(
+    ("name", "run"), [("HybridKVScheduler", "sync"), ("HybridKVAsyncScheduler", "async")]
+)
+def test_scheduler_cls_selects_hybridkv(
+    name: str, run: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HYBRIDKV_BACKEND", "reference")
+    cfg = RunConfig(run=run)
+    scheduler = build_scheduler(cfg, "vllm", scheduler_cls=f"hybridkv.integrations.vllm.{name}")
+    assert type(scheduler).__name__ == name
+    assert isinstance(scheduler.kv_cache_manager, KVCacheManager)
+    assert scheduler.kv_cache_manager.backend == "reference"

@@ -125,8 +125,15 @@ def kv_cache_config_for(layout: str, num_blocks: int, *, retention: int | None) 
     )
 
 
-def build_scheduler(cfg: RunConfig, manager: str, kv_cache_config: Any | None = None) -> Any:
-    """vLLM's scheduler for ``cfg`` with ``manager``'s KV cache manager."""
+def build_scheduler(
+    cfg: RunConfig,
+    manager: str,
+    kv_cache_config: Any | None = None,
+    *,
+    scheduler_cls: str | None = None,
+) -> Any:
+    """vLLM's scheduler for ``cfg`` with ``manager``'s KV cache manager (or, with
+    ``scheduler_cls``, the class ``SchedulerConfig.scheduler_cls`` names, as an engine picks)."""
     from vllm.config import (
         CacheConfig,
         KVEventsConfig,
@@ -161,6 +168,7 @@ def build_scheduler(cfg: RunConfig, manager: str, kv_cache_config: Any | None = 
         watermark=0.0,
         policy="priority",
         scheduler_reserve_full_isl=cfg.defaults == "engine",
+        scheduler_cls=scheduler_cls,
     )
     cache_config = CacheConfig(
         block_size=BLOCK_SIZE,
@@ -193,7 +201,9 @@ def build_scheduler(cfg: RunConfig, manager: str, kv_cache_config: Any | None = 
         )
     cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     register_all_kvcache_specs(vllm_config)
-    scheduler_cls = AsyncScheduler if is_async else Scheduler
+    chosen = scheduler_config.get_scheduler_cls()
+    if scheduler_cls is None:
+        chosen = AsyncScheduler if is_async else Scheduler
     kwargs = {
         "vllm_config": vllm_config,
         "kv_cache_config": kv_cache_config,
@@ -201,11 +211,11 @@ def build_scheduler(cfg: RunConfig, manager: str, kv_cache_config: Any | None = 
         "log_stats": True,
         "structured_output_manager": StructuredOutputManager(vllm_config),
     }
-    if manager == "vllm":
-        scheduler = scheduler_cls(**kwargs)
+    if manager == "vllm" or scheduler_cls is not None:
+        scheduler = chosen(**kwargs)
     else:
         with install(manager):
-            scheduler = scheduler_cls(**kwargs)
+            scheduler = chosen(**kwargs)
     scheduler.use_v2_model_runner = False
     return scheduler
 

@@ -262,6 +262,8 @@ class KVCacheManager:
             for group in kv_cache_config.kv_cache_groups
         )
         self.scheduler_block_size = scheduler_block_size
+        self._hash_block_size = hash_block_size
+        self._num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.empty_kv_cache_blocks = KVCacheBlocks.empty(self.num_kv_cache_groups)
         # Groups whose new blocks the worker zeroes (attention groups of a Mamba hybrid).
         zeroing = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
@@ -324,6 +326,14 @@ class KVCacheManager:
             "they are extra keys of vLLM's block hashes and events",
         )
         hashes = request.block_hashes
+        if self.enable_caching and self.backend != "reference":
+            full = max(request.num_tokens - self._num_hash_lookahead_tokens, 0)
+            refuse(
+                len(hashes) < full // self._hash_block_size,
+                f"requests with fewer block hashes than full blocks with backend={self.backend!r}",
+                "the backend checks one hash per full block (lagging lookahead hashes need the "
+                "reference)",
+            )
         if hashes and request.cache_salt:
             self._salt_of_first_hash[bytes(hashes[0])] = request.cache_salt
 
