@@ -214,7 +214,7 @@ def build_scheduler(
     if manager == "vllm" or scheduler_cls is not None:
         scheduler = chosen(**kwargs)
     else:
-        with install(manager):
+        with install(manager, max_num_reqs=max(cfg.max_num_seqs, 256)):
             scheduler = chosen(**kwargs)
     scheduler.use_v2_model_runner = False
     return scheduler

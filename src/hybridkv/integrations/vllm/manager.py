@@ -113,6 +113,7 @@ def make_core(
     use_eagle: bool,
     num_hash_lookahead_tokens: int,
     device: str | None,
+    max_num_reqs: int | None = None,
 ) -> Any:
     """The core manager of ``backend`` with vLLM's settings."""
     settings: dict[str, Any] = {
@@ -123,6 +124,7 @@ def make_core(
     }
     if backend == "reference":
         refuse(device is not None, "device= with backend='reference'", "it runs on the CPU")
+        del max_num_reqs  # the reference's tables grow as needed
         from hybridkv.reference import KVCacheManager as ReferenceManager
 
         return ReferenceManager(
@@ -142,6 +144,8 @@ def make_core(
         kwargs = {name: value for name, value in settings.items() if name in parameters}
         if device is not None:
             kwargs["device"] = device
+        if max_num_reqs is not None:
+            kwargs["max_num_reqs"] = max_num_reqs
         return TorchKVCacheManager(
             config, max_model_len, enable_caching, enable_kv_cache_events, **kwargs
         )
@@ -172,6 +176,7 @@ class KVCacheManager:
         *,
         backend: Backend = "reference",
         device: str | None = None,
+        max_num_reqs: int | None = None,
     ) -> None:
         refuse(dcp_world_size != 1, f"dcp_world_size={dcp_world_size}", "no context parallelism")
         refuse(pcp_world_size != 1, f"pcp_world_size={pcp_world_size}", "no context parallelism")
@@ -184,6 +189,11 @@ class KVCacheManager:
             num_prefill_lookahead != 0,
             f"num_prefill_lookahead={num_prefill_lookahead} (multi-module MTP)",
             "re-prefilled tokens are not modelled",
+        )
+        refuse(
+            enable_kv_cache_events and num_hash_lookahead_tokens != 0,
+            "KV events with num_hash_lookahead_tokens (BlockStored.lookahead_token_ids)",
+            "the core's events do not carry the lookahead tokens yet",
         )
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
@@ -221,6 +231,7 @@ class KVCacheManager:
             use_eagle=use_eagle,
             num_hash_lookahead_tokens=num_hash_lookahead_tokens,
             device=device,
+            max_num_reqs=max_num_reqs,
         )
         # Async scheduling releases window and chunk blocks on the processed count
         # (``num_computed_tokens - num_in_flight_tokens``); a core that does not read
@@ -324,6 +335,11 @@ class KVCacheManager:
             getattr(request, "prompt_embeds", None) is not None,
             "prompt embeddings (prompt_embeds)",
             "they are extra keys of vLLM's block hashes and events",
+        )
+        refuse(
+            self.enable_kv_cache_events and getattr(request, "session_id", None) is not None,
+            "KV events for requests with a session_id (BlockStored.session_id)",
+            "the core's events do not carry the request's session yet",
         )
         hashes = request.block_hashes
         if self.enable_caching and self.backend != "reference":

@@ -24,20 +24,33 @@ _LOCK = threading.RLock()
 
 
 @contextlib.contextmanager
-def install(backend: str = "reference", device: str | None = None) -> Iterator[None]:
+def install(
+    backend: str = "reference", device: str | None = None, max_num_reqs: int | None = None
+) -> Iterator[None]:
     """Within the block, every vLLM ``Scheduler`` (and ``AsyncScheduler``) built gets a hybridkv
-    manager of ``backend`` instead of vLLM's own."""
+    manager of ``backend`` instead of vLLM's own. ``max_num_reqs`` sizes the optimized backend's
+    tables (requests holding blocks at once; its default is 256)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     with _LOCK:
         original = scheduler_module.KVCacheManager
         scheduler_module.KVCacheManager = functools.partial(
-            KVCacheManager, backend=backend, device=device
+            KVCacheManager, backend=backend, device=device, max_num_reqs=max_num_reqs
         )
         try:
             yield
         finally:
             scheduler_module.KVCacheManager = original
+
+
+def _max_num_reqs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """The scheduler's ``max_num_seqs`` (or ``max_num_active_seqs``): at most that many
+    requests hold blocks at once."""
+    vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+    config = getattr(vllm_config, "scheduler_config", None)
+    counts = [getattr(config, "max_num_seqs", None), getattr(config, "max_num_active_seqs", None)]
+    known = [count for count in counts if isinstance(count, int)]
+    return max(known) if known else None
 
 
 def _env_backend() -> tuple[str, str | None]:
@@ -49,7 +62,7 @@ class HybridKVScheduler(Scheduler):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         backend, device = _env_backend()
-        with install(backend, device):
+        with install(backend, device, _max_num_reqs(args, kwargs)):
             super().__init__(*args, **kwargs)
 
 
@@ -58,5 +71,5 @@ class HybridKVAsyncScheduler(AsyncScheduler):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         backend, device = _env_backend()
-        with install(backend, device):
+        with install(backend, device, _max_num_reqs(args, kwargs)):
             super().__init__(*args, **kwargs)
