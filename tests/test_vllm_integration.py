@@ -82,6 +82,16 @@ def test_connector_and_encoder_calls_are_refused_by_name() -> None:
         _manager(backend="other")
 
 
+def test_vllm_internals_are_named_and_still_attribute_errors() -> None:
+    manager = _manager()
+    assert not hasattr(manager.block_pool, "hash_block_size")
+    with pytest.raises(UnsupportedSetting, match=r"block_pool\.hash_block_size"):
+        _ = manager.block_pool.hash_block_size
+    with pytest.raises(UnsupportedSetting, match=r"req_to_blocks"):
+        _ = manager.coordinator.single_type_managers[0].req_to_blocks
+    assert manager.block_pool.get_num_free_blocks() == 63
+
+
 def test_the_scheduler_view_matches_vllm() -> None:
     manager = _manager()
     assert [m.block_size for m in manager.coordinator.single_type_managers] == [16, 16, 16]

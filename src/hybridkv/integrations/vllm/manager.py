@@ -341,17 +341,21 @@ class KVCacheManager:
             "KV events for requests with a session_id (BlockStored.session_id)",
             "the core's events do not carry the request's session yet",
         )
+        self._check_hashes(request)
         hashes = request.block_hashes
-        if self.enable_caching and self.backend != "reference":
-            full = max(request.num_tokens - self._num_hash_lookahead_tokens, 0)
-            refuse(
-                len(hashes) < full // self._hash_block_size,
-                f"requests with fewer block hashes than full blocks with backend={self.backend!r}",
-                "the backend checks one hash per full block (lagging lookahead hashes need the "
-                "reference)",
-            )
         if hashes and request.cache_salt:
             self._salt_of_first_hash[bytes(hashes[0])] = request.cache_salt
+
+    def _check_hashes(self, request: Any) -> None:
+        if not self.enable_caching or self.backend == "reference":
+            return
+        full = max(request.num_tokens - self._num_hash_lookahead_tokens, 0)
+        refuse(
+            len(request.block_hashes) < full // self._hash_block_size,
+            f"requests with fewer block hashes than full blocks with backend={self.backend!r}",
+            "the backend checks one hash per full block (lagging lookahead hashes need the "
+            "reference)",
+        )
 
     def get_computed_blocks(
         self, request: Any, max_cache_hit_length: int | None = None
@@ -465,6 +469,7 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         if self.enable_caching:
+            self._check_hashes(request)
             self.core.cache_blocks(request, num_computed_tokens)
             committed = num_computed_tokens - num_computed_tokens % self.scheduler_block_size
             if committed > self._committed.get(request.request_id, 0):
