@@ -33,7 +33,7 @@ from hybridkv.spec import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from hybridkv.spec.errors import require
+from hybridkv.spec.errors import check_non_negative, require
 
 
 class KVCacheManager:
@@ -93,7 +93,9 @@ class KVCacheManager:
 
     # --- The scheduler's calls --------------------------------------------------------------
 
-    def get_computed_blocks(self, request: RequestLike) -> tuple[KVCacheBlocks, int, int]:
+    def get_computed_blocks(
+        self, request: RequestLike, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int]:
         """The request's longest cache hit: its blocks per group, its length in tokens, and the
         shared-prefix boundary.
 
@@ -103,11 +105,23 @@ class KVCacheManager:
         requests share but a sparse group has not cached yet. A scheduler stores it on the
         request (``request.shared_prefix_boundary``) so that the sparse groups cache there too.
         It is 0 when there is no such prefix, and always with one group.
+
+        ``max_cache_hit_length`` caps the hit below ``num_tokens − 1`` (vLLM's argument: an
+        external connector that knows a shorter valid prefix).
         """
         if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
             return KVCacheBlocks.empty(self.num_groups), 0, 0
-        check_block_hashes(request, self.hash_block_size, self.settings.num_hash_lookahead_tokens)
-        max_cache_hit_length = request.num_tokens - 1
+        check_block_hashes(
+            request,
+            self.hash_block_size,
+            self.settings.num_hash_lookahead_tokens,
+            allow_fewer=True,
+        )
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
+        else:
+            check_non_negative("max_cache_hit_length", max_cache_hit_length)
+            max_cache_hit_length = min(max_cache_hit_length, request.num_tokens - 1)
         hits, num_hit_tokens, num_uncached = self.coordinator.find_longest_cache_hit(
             request.block_hashes, max_cache_hit_length
         )
@@ -131,6 +145,8 @@ class KVCacheManager:
         delay_cache_blocks: bool = False,
         *,
         full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        watermark_blocks: int = 0,
     ) -> KVCacheBlocks | None:
         """Slots for ``num_new_tokens`` more tokens (and lookahead), or ``None`` if they do not fit.
 
@@ -139,6 +155,11 @@ class KVCacheManager:
         ``full_sequence_must_fit`` (an engine's admission of a waiting request) the whole
         sequence must fit first, a window counting only what it ever holds at once; if it does
         not, nothing is released. Returns the new blocks per group.
+
+        ``reserved_blocks`` free blocks stay untouched for other sequences (an engine's async
+        loads in flight); ``watermark_blocks`` more must stay free as headroom (vLLM applies its
+        watermark to waiting and preempted requests when others are scheduled). The
+        full-sequence check keeps the watermark only, as vLLM's does.
 
         Token regions, as the scheduler sees them::
 
@@ -153,6 +174,8 @@ class KVCacheManager:
             new_computed_blocks,
             num_lookahead_tokens,
         )
+        check_non_negative("reserved_blocks", reserved_blocks)
+        check_non_negative("watermark_blocks", watermark_blocks)
         request_id = request.request_id
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
         total_computed = min(num_local_computed, self.max_model_len)
@@ -168,7 +191,7 @@ class KVCacheManager:
                 apply_admission_cap=True,
                 prefill_end=prefill_end,
             )
-            if needed > self.block_pool.num_free_blocks:
+            if needed + watermark_blocks > self.block_pool.num_free_blocks:
                 return None
         num_tokens_main_model = total_computed + num_new_tokens
         num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
@@ -184,7 +207,7 @@ class KVCacheManager:
             num_tokens_main_model,
             prefill_end=prefill_end,
         )
-        if needed > self.block_pool.num_free_blocks:
+        if needed + watermark_blocks > self.block_pool.num_free_blocks - reserved_blocks:
             return None
         if any(hits):
             self.coordinator.allocate_new_computed_blocks(request_id, hits, num_local_computed)
@@ -207,7 +230,10 @@ class KVCacheManager:
         check_cache_blocks(request, num_computed_tokens)
         if self.enable_caching:
             check_block_hashes(
-                request, self.hash_block_size, self.settings.num_hash_lookahead_tokens
+                request,
+                self.hash_block_size,
+                self.settings.num_hash_lookahead_tokens,
+                allow_fewer=True,
             )
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
@@ -215,6 +241,16 @@ class KVCacheManager:
         """The request's whole block table per group (empty lists for an unknown request)."""
         tables = self.coordinator.get_blocks(request_id)
         return tuple([block.block_id for block in table] for table in tables)
+
+    def estimate_cached_tokens(self, request_id: str) -> int:
+        """Tokens of the request that are in the prefix cache: per group the longest prefix one
+        of its blocks is cached under, the minimum over the groups (vLLM's estimate, read from
+        the request's own tables, not the pool)."""
+        cached: int | None = None
+        for table in self.coordinator.get_blocks(request_id):
+            longest = max((block.block_hash_num_tokens or 0 for block in table), default=0)
+            cached = longest if cached is None else min(cached, longest)
+        return cached or 0
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (``False``) while any request holds a block."""
@@ -303,6 +339,7 @@ class KVCacheManager:
             enable_caching=self.enable_caching,
             holds_blocks=lambda request_id: any(self.get_block_ids(request_id)),
             settings=self.settings,
+            allow_fewer_hashes=True,
         )
         blocks = self.block_pool.blocks
         return tuple([blocks[i] for i in ids] for ids in hit_ids)

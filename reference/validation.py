@@ -144,12 +144,21 @@ def _check_caching_layout(
 
 
 def check_block_hashes(
-    request: RequestLike, hash_block_size: int, num_hash_lookahead_tokens: int = 0
+    request: RequestLike,
+    hash_block_size: int,
+    num_hash_lookahead_tokens: int = 0,
+    *,
+    allow_fewer: bool = False,
 ) -> None:
     """The request must be hashed at the manager's hash block size, one hash per full block
-    (per full block followed by its lookahead tokens, with lookahead hashing)."""
+    (per full block followed by its lookahead tokens, with lookahead hashing).
+
+    With ``allow_fewer`` a request may lag behind (an engine's request whose hashes wait for
+    lookahead tokens still in flight, as vLLM allows): only its hashed blocks are looked up and
+    cached. More hashes than full blocks always mean another hash block size."""
     expected = max(request.num_tokens - num_hash_lookahead_tokens, 0) // hash_block_size
-    if len(request.block_hashes) != expected:
+    count = len(request.block_hashes)
+    if count > expected or (count < expected and not allow_fewer):
         raise ValueError(
             f"request {request.request_id!r} has {len(request.block_hashes)} block_hashes, "
             f"expected {expected} (hash_block_size must be {hash_block_size}"
@@ -182,6 +191,7 @@ def check_allocation(
     enable_caching: bool,
     holds_blocks: Callable[[str], bool],
     settings: EngineSettings,
+    allow_fewer_hashes: bool = False,
 ) -> tuple[tuple[int, ...], ...]:
     """Check every argument of ``allocate_slots``; return the adopted hit's block ids per group.
 
@@ -194,7 +204,12 @@ def check_allocation(
     if num_new_tokens == 0 and num_new_computed_tokens == 0:
         raise ValueError("num_new_tokens must be positive when no cache hit is adopted, got 0")
     if enable_caching:
-        check_block_hashes(request, settings.hash_block_size, settings.num_hash_lookahead_tokens)
+        check_block_hashes(
+            request,
+            settings.hash_block_size,
+            settings.num_hash_lookahead_tokens,
+            allow_fewer=allow_fewer_hashes,
+        )
     if new_computed_blocks is None:
         if num_new_computed_tokens:
             raise ValueError(

@@ -322,6 +322,7 @@ def test_forward_to_a_missing_module_is_a_user_error() -> None:
     [
         ("conformance", "usage: python -m hybridkv.conformance"),
         ("bench", "usage: python -m hybridkv.bench"),
+        ("vllm-check", "usage: python -m hybridkv.integrations.vllm.check"),
     ],
 )
 def test_conformance_and_bench_forward_to_their_modules(command: str, usage: str) -> None:

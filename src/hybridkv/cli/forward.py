@@ -1,4 +1,5 @@
-"""``hybridkv conformance`` and ``hybridkv bench``: the suite's and the benchmark's own commands.
+"""``hybridkv conformance``, ``hybridkv bench`` and ``hybridkv vllm-check``: their modules' own
+commands.
 
 They run ``python -m hybridkv.conformance`` / ``python -m hybridkv.bench`` in this process, with
 the remaining arguments, once those modules exist.
@@ -21,7 +22,7 @@ _FORWARD_ALL = {"ignore_unknown_options": True, "help_option_names": []}
 def forward(module: str, args: tuple[str, ...]) -> None:
     """Run ``module`` as ``__main__`` with ``args``; ``UserError`` when it does not exist yet."""
     if not _has_module(module):
-        command = module.rsplit(".", 1)[-1]
+        command = _COMMANDS.get(module, module.rsplit(".", 1)[-1])
         raise UserError(
             f"`python -m {module}` does not exist in this version of hybridkv, so "
             f"`hybridkv {command}` cannot run yet"
@@ -34,14 +35,21 @@ def forward(module: str, args: tuple[str, ...]) -> None:
         missing = (error.name or "").split(".")[0]
         if missing not in _EXTRAS:
             raise
-        command = module.rsplit(".", 1)[-1]
+        command = _COMMANDS.get(module, module.rsplit(".", 1)[-1])
+        install = (
+            "scripts/install-vllm-cpu.sh installs vLLM 0.33 for the CPU"
+            if missing == "vllm"
+            else f"pip install 'hybridkv[{_EXTRAS[missing]}]'"
+        )
         raise UserError(
-            f"`hybridkv {command}` needs {missing}, which is not installed: "
-            f"pip install 'hybridkv[{_EXTRAS[missing]}]'"
+            f"`hybridkv {command}` needs {missing}, which is not installed: {install}"
         ) from None
     finally:
         sys.argv = saved
 
+
+# Commands whose name is not their module's last component.
+_COMMANDS = {"hybridkv.integrations.vllm.check": "vllm-check"}
 
 # Optional dependencies and the extra that installs each.
 _EXTRAS = {
@@ -51,6 +59,7 @@ _EXTRAS = {
     "matplotlib": "plot",
     "mutmut": "dev",
     "pytest": "dev",
+    "vllm": "",
 }
 
 
@@ -77,3 +86,11 @@ def conformance(args: tuple[str, ...]) -> None:
 def bench(args: tuple[str, ...]) -> None:
     """Run the benchmarks (python -m hybridkv.bench ARGS)."""
     forward("hybridkv.bench", args)
+
+
+@click.command("vllm-check", context_settings=_FORWARD_ALL)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def vllm_check(args: tuple[str, ...]) -> None:
+    """vLLM's scheduler on vLLM's manager and on hybridkv, step by step
+    (python -m hybridkv.integrations.vllm.check ARGS)."""
+    forward("hybridkv.integrations.vllm.check", args)

@@ -1,0 +1,675 @@
+"""``hybridkv vllm-check``: vLLM 0.33's real scheduler, driven step by step on vLLM's manager and
+on each hybridkv backend, with every step's record compared for exact equality.
+
+A run builds vLLM's ``Scheduler`` (or ``AsyncScheduler``) on a hybrid layout, feeds it a seeded
+workload (shared system prompts, multi-turn continuations, resends, cache salts, aborts,
+priorities, preemption under memory pressure, prefix-cache resets; KV events and statistics on)
+and calls ``schedule()`` / ``update_from_output()`` with a fake model. A step's record holds the
+scheduled tokens per request, every block id handed to the worker, the preemptions, the
+finished requests, the new blocks to zero, the KV events, the prefix-cache statistics and the
+usage. The first step whose records differ is printed.
+
+Runs: ``sync``, ``async`` (two steps in flight) and ``spec`` (n-gram speculative decoding with
+seeded acceptance), each under ``engine`` defaults (retention interval 0, full-prompt
+admission) and ``unit`` defaults (dense retention, first-chunk admission).
+
+Run it with ``python -m hybridkv.integrations.vllm.check`` or ``hybridkv vllm-check``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+LAYOUTS = ("gemma3", "llama4", "jamba")
+RUNS = ("sync", "async", "spec")
+DEFAULTS = ("engine", "unit")
+MANAGERS = ("vllm", "reference", "optimized")
+BLOCK_SIZE = 16
+VOCAB = 50000
+EOS_TOKEN_ID = 50256
+
+_TINY_MODEL = {
+    "architectures": ["OPTForCausalLM"],
+    "model_type": "opt",
+    "hidden_size": 64,
+    "ffn_dim": 128,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "vocab_size": 50272,
+    "max_position_embeddings": 4096,
+    "word_embed_proj_dim": 64,
+    "do_layer_norm_before": True,
+    "torch_dtype": "float16",
+    "bos_token_id": 2,
+    "eos_token_id": 2,
+    "pad_token_id": 1,
+}
+
+
+def _tiny_model_dir() -> str:
+    """A model directory with only a ``config.json``: the scheduler needs no weights."""
+    path = os.path.join(tempfile.gettempdir(), "hybridkv-vllm-check-model")
+    os.makedirs(path, exist_ok=True)
+    config = os.path.join(path, "config.json")
+    if not os.path.exists(config):
+        with open(config, "w", encoding="utf-8") as f:
+            json.dump(_TINY_MODEL, f)
+    return path
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    layout: str = "gemma3"
+    run: str = "sync"
+    defaults: str = "engine"
+    seed: int = 0
+    num_requests: int = 48
+    num_blocks: int = 96
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 128
+    max_model_len: int = 1024
+    num_speculative_tokens: int = 2
+    max_steps: int = 4000
+
+    @property
+    def name(self) -> str:
+        return f"{self.layout}/{self.run}/{self.defaults}"
+
+
+def kv_cache_config_for(layout: str, num_blocks: int, *, retention: int | None) -> Any:
+    """vLLM's ``KVCacheConfig`` of a hybrid layout (groups as vLLM's grouping makes them)."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    attn = {"block_size": BLOCK_SIZE, "num_kv_heads": 1, "head_size": 8, "dtype": torch.float16}
+    full = KVCacheGroupSpec(["full.0"], FullAttentionSpec(**attn))
+    if layout == "gemma3":
+        # Gemma 3: one full-attention layer in six; vLLM groups them 1 full + 5 sliding.
+        sliding = SlidingWindowSpec(**attn, sliding_window=64)
+        groups = [full] + [KVCacheGroupSpec([f"sliding.{i}"], sliding) for i in range(2)]
+    elif layout == "llama4":
+        chunked = ChunkedLocalAttentionSpec(**attn, attention_chunk_size=64)
+        groups = [full] + [KVCacheGroupSpec([f"chunked.{i}"], chunked) for i in range(3)]
+    elif layout == "jamba":
+        mamba = MambaSpec(
+            block_size=BLOCK_SIZE,
+            shapes=((4, 8),),
+            dtypes=(torch.float16,),
+            mamba_cache_mode="align",
+        )
+        groups = [full, KVCacheGroupSpec(["mamba.0"], mamba)]
+    else:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=groups,
+        prefix_cache_retention_interval=retention,
+    )
+
+
+def build_scheduler(
+    cfg: RunConfig,
+    manager: str,
+    kv_cache_config: Any | None = None,
+    *,
+    scheduler_cls: str | None = None,
+) -> Any:
+    """vLLM's scheduler for ``cfg`` with ``manager``'s KV cache manager (or, with
+    ``scheduler_cls``, the class ``SchedulerConfig.scheduler_cls`` names, as an engine picks)."""
+    from vllm.config import (
+        CacheConfig,
+        KVEventsConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+        VllmConfig,
+    )
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from hybridkv.integrations.vllm.scheduler import install
+
+    model_config = ModelConfig(
+        model=_tiny_model_dir(),
+        skip_tokenizer_init=True,
+        dtype="float16",
+        seed=42,
+        max_model_len=cfg.max_model_len,
+    )
+    is_async = cfg.run == "async"
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=cfg.max_model_len,
+        enable_chunked_prefill=True,
+        async_scheduling=is_async,
+        is_encoder_decoder=False,
+        watermark=0.0,
+        policy="priority",
+        scheduler_reserve_full_isl=cfg.defaults == "engine",
+        scheduler_cls=scheduler_cls,
+    )
+    cache_config = CacheConfig(
+        block_size=BLOCK_SIZE,
+        gpu_memory_utilization=0.9,
+        cache_dtype="auto",
+        enable_prefix_caching=True,
+    )
+    if cfg.layout == "jamba":
+        cache_config.mamba_cache_mode = "align"
+    speculative_config = None
+    if cfg.run == "spec":
+        speculative_config = SpeculativeConfig(
+            model="ngram",
+            num_speculative_tokens=cfg.num_speculative_tokens,
+            method="ngram",
+            prompt_lookup_max=cfg.num_speculative_tokens,
+            prompt_lookup_min=1,
+        )
+    vllm_config = VllmConfig(
+        scheduler_config=scheduler_config,
+        model_config=model_config,
+        cache_config=cache_config,
+        parallel_config=ParallelConfig(),
+        speculative_config=speculative_config,
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+    )
+    if kv_cache_config is None:
+        kv_cache_config = kv_cache_config_for(
+            cfg.layout, cfg.num_blocks, retention=0 if cfg.defaults == "engine" else None
+        )
+    cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    register_all_kvcache_specs(vllm_config)
+    chosen = scheduler_config.get_scheduler_cls()
+    if scheduler_cls is None:
+        chosen = AsyncScheduler if is_async else Scheduler
+    kwargs = {
+        "vllm_config": vllm_config,
+        "kv_cache_config": kv_cache_config,
+        "block_size": BLOCK_SIZE,
+        "log_stats": True,
+        "structured_output_manager": StructuredOutputManager(vllm_config),
+    }
+    if manager == "vllm" or scheduler_cls is not None:
+        scheduler = chosen(**kwargs)
+    else:
+        with install(manager, max_num_reqs=max(cfg.max_num_seqs, 256)):
+            scheduler = chosen(**kwargs)
+    scheduler.use_v2_model_runner = False
+    return scheduler
+
+
+# --- The workload --------------------------------------------------------------------------
+
+
+@dataclass
+class Arrival:
+    step: int
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    priority: int
+    cache_salt: str | None
+    abort_after: int | None = None
+    continues: str | None = None  # a later turn of this request's conversation
+
+
+@dataclass
+class Workload:
+    arrivals: list[Arrival]
+    reset_steps: set[int] = field(default_factory=set)
+
+
+def make_workload(cfg: RunConfig) -> Workload:
+    """A seeded mix: shared system prompts, multi-turn continuations, resends, salts, aborts,
+    priorities; prefix-cache resets at a few steps."""
+    rng = random.Random(cfg.seed)
+    system_prompts = [
+        [rng.randrange(VOCAB) for _ in range(rng.choice((32, 48, 80, 100)))] for _ in range(3)
+    ]
+    arrivals: list[Arrival] = []
+    step = 0
+    for i in range(cfg.num_requests):
+        step += rng.choice((0, 0, 1, 1, 2, 3))
+        kind = rng.random()
+        salt = rng.choice(("alice", "bob")) if rng.random() < 0.15 else None
+        if kind < 0.15 and arrivals:
+            # A resend: the same prompt again.
+            old = rng.choice(arrivals)
+            prompt, salt = list(old.prompt), old.cache_salt
+        else:
+            system = rng.choice(system_prompts) if rng.random() < 0.7 else []
+            user = [rng.randrange(VOCAB) for _ in range(rng.randrange(5, 120))]
+            prompt = system + user
+        prompt = prompt[: cfg.max_model_len // 2]
+        abort_after = rng.randrange(1, 12) if rng.random() < 0.1 else None
+        continues = f"t{i}" if rng.random() < 0.25 else None
+        arrivals.append(
+            Arrival(
+                step=step,
+                request_id=f"r{i}",
+                prompt=prompt,
+                max_tokens=rng.randrange(1, 40),
+                priority=rng.randrange(0, 3),
+                cache_salt=salt,
+                abort_after=abort_after,
+                continues=continues,
+            )
+        )
+    reset_steps = {rng.randrange(10, 120) for _ in range(3)}
+    return Workload(arrivals, reset_steps)
+
+
+def _token(request_id: str, position: int) -> int:
+    """The fake model's token at ``position`` of a request (the same on every manager)."""
+    value = 0
+    for ch in f"{request_id}:{position}":
+        value = (value * 131 + ord(ch)) % 1_000_003
+    return value % VOCAB
+
+
+# --- Recording -----------------------------------------------------------------------------
+
+
+def _event_record(event: Any) -> Any:
+    import msgspec
+
+    return (type(event).__name__, msgspec.to_builtins(event))
+
+
+def _stats_record(stats: Any) -> Any:
+    if stats is None:
+        return None
+    return (
+        stats.requests,
+        stats.queries,
+        stats.hits,
+        stats.preempted_requests,
+        stats.preempted_queries,
+        stats.preempted_hits,
+        stats.reset,
+    )
+
+
+def _output_record(output: Any) -> dict[str, Any]:
+    cached = output.scheduled_cached_reqs
+    return {
+        "scheduled": sorted(output.num_scheduled_tokens.items()),
+        "new": [
+            (r.req_id, r.num_computed_tokens, [list(g) for g in r.block_ids])
+            for r in output.scheduled_new_reqs
+        ],
+        "cached": [
+            (
+                req_id,
+                cached.num_computed_tokens[i],
+                None
+                if cached.new_block_ids[i] is None
+                else [list(g) for g in cached.new_block_ids[i]],
+                req_id in cached.resumed_req_ids,
+            )
+            for i, req_id in enumerate(cached.req_ids)
+        ],
+        "spec": sorted((k, list(v)) for k, v in output.scheduled_spec_decode_tokens.items()),
+        "preempted": sorted(output.preempted_req_ids or ()),
+        "finished": sorted(output.finished_req_ids),
+        "zero": getattr(output, "new_block_ids_to_zero", None),
+    }
+
+
+@dataclass
+class RunResult:
+    manager: str
+    records: list[dict[str, Any]]
+    seconds: float
+    error: str | None = None
+
+
+def drive(cfg: RunConfig, manager: str) -> RunResult:
+    """Run ``cfg``'s workload through vLLM's scheduler with ``manager``; one record per step."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+    from vllm.v1.request import Request, RequestStatus
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+    try:
+        scheduler = build_scheduler(cfg, manager)
+    except Exception as error:  # a setting the backend refuses, by name
+        return RunResult(manager, [], 0.0, f"{type(error).__name__}: {error}")
+    kv = scheduler.kv_cache_manager
+    events: list[Any] = []
+    take_events = kv.take_events
+
+    def recording_take_events() -> list[Any]:
+        taken = take_events()
+        events.extend(_event_record(e) for e in taken)
+        return list(taken)
+
+    kv.take_events = recording_take_events
+    stats_log: list[Any] = []
+    make_stats = kv.make_prefix_cache_stats
+
+    def recording_make_stats() -> Any:
+        stats = make_stats()
+        stats_log.append(_stats_record(stats))
+        return stats
+
+    kv.make_prefix_cache_stats = recording_make_stats
+
+    workload = make_workload(cfg)
+    rng = random.Random(cfg.seed + 1)
+    pending = deque(sorted(workload.arrivals, key=lambda a: a.step))
+    followups: deque[Arrival] = deque()
+    admitted_at: dict[str, int] = {}
+    abort_after: dict[str, int] = {}
+    continuations: dict[str, Arrival] = {}
+    in_flight: deque[tuple[Any, set[str]]] = deque()
+    records: list[dict[str, Any]] = []
+    depth = 2 if cfg.run == "async" else 1
+    start = time.perf_counter()
+
+    def add(arrival: Arrival, step: int) -> None:
+        params = SamplingParams(max_tokens=arrival.max_tokens, ignore_eos=True)
+        params.update_from_generation_config({}, EOS_TOKEN_ID)
+        request = Request(
+            request_id=arrival.request_id,
+            prompt_token_ids=arrival.prompt,
+            sampling_params=params,
+            pooling_params=None,
+            arrival_time=float(step),
+            cache_salt=arrival.cache_salt,
+            priority=arrival.priority,
+            block_hasher=hasher,
+        )
+        scheduler.add_request(request)
+        admitted_at[arrival.request_id] = step
+        if arrival.abort_after is not None:
+            abort_after[arrival.request_id] = step + arrival.abort_after
+        if arrival.continues is not None:
+            continuations[arrival.request_id] = arrival
+
+    def model_output(output: Any, chunks: set[str]) -> Any:
+        req_ids = list(output.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for req_id in req_ids:
+            request = scheduler.requests.get(req_id)
+            if request is None or req_id in chunks:
+                sampled.append([])  # gone, or a prefill chunk that does not end the prompt
+                continue
+            spec = output.scheduled_spec_decode_tokens.get(req_id, [])
+            accepted = rng.randrange(0, len(spec) + 1) if spec else 0
+            base = request.num_tokens
+            sampled.append([_token(req_id, base + k) for k in range(accepted + 1)])
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+        )
+
+    step = 0
+    try:
+        while step < cfg.max_steps:
+            while pending and pending[0].step <= step:
+                add(pending.popleft(), step)
+            while followups and followups[0].step <= step:
+                add(followups.popleft(), step)
+            to_abort = sorted(r for r, s in abort_after.items() if s == step)
+            if to_abort:
+                scheduler.finish_requests(to_abort, RequestStatus.FINISHED_ABORTED)
+            reset = None
+            if step in workload.reset_steps:
+                # Every other reset preempts the running requests first (an RLHF weight update).
+                reset = scheduler.reset_prefix_cache(reset_running_requests=step % 2 == 1)
+            output = scheduler.schedule()
+            record = _output_record(output)
+            record["step"] = step
+            record["reset"] = reset
+            chunks = {
+                r for r in output.num_scheduled_tokens if scheduler.requests[r].is_prefill_chunk
+            }
+            in_flight.append((output, chunks))
+            finished: list[str] = []
+            engine_records: list[Any] = []
+            while in_flight and (len(in_flight) >= depth or not output.num_scheduled_tokens):
+                done, done_chunks = in_flight.popleft()
+                # The fake model runs the step now: outputs are computed at processing time.
+                runner_output = model_output(done, done_chunks)
+                engine_outputs = scheduler.update_from_output(done, runner_output)
+                for outputs in engine_outputs.values():
+                    for out in outputs.outputs:
+                        prefill = out.prefill_stats
+                        engine_records.append(
+                            (
+                                out.request_id,
+                                list(out.new_token_ids),
+                                None if out.finish_reason is None else int(out.finish_reason),
+                                None
+                                if prefill is None
+                                else (
+                                    prefill.num_cached_tokens,
+                                    prefill.num_local_cached_tokens,
+                                    prefill.num_cache_creation_tokens,
+                                ),
+                            )
+                        )
+                        if out.finish_reason is not None:
+                            finished.append(out.request_id)
+                if cfg.run == "spec":
+                    draft_ids = [
+                        r
+                        for r in runner_output.req_ids
+                        if r in scheduler.requests and not scheduler.requests[r].is_finished()
+                    ]
+                    scheduler.update_draft_token_ids(
+                        DraftTokenIds(
+                            draft_ids,
+                            [
+                                [_token(r, 10_000 + k) for k in range(cfg.num_speculative_tokens)]
+                                for r in draft_ids
+                            ],
+                        )
+                    )
+            record["finished_outputs"] = sorted(finished)
+            record["outputs"] = engine_records
+            record["events"] = list(events)
+            events.clear()
+            record["stats"] = list(stats_log)
+            stats_log.clear()
+            record["usage"] = round(float(kv.usage), 9)
+            records.append(record)
+            for request_id in finished:
+                arrival = continuations.pop(request_id, None)
+                if arrival is None:
+                    continue
+                request_tokens = list(arrival.prompt) + [
+                    _token(request_id, len(arrival.prompt) + k) for k in range(3)
+                ]
+                turn = [_token(request_id + "u", k) for k in range(rng.randrange(4, 40))]
+                prompt = (request_tokens + turn)[: cfg.max_model_len // 2]
+                followups.append(
+                    Arrival(
+                        step=step + 1,
+                        request_id=f"{request_id}.next",
+                        prompt=prompt,
+                        max_tokens=rng.randrange(1, 20),
+                        priority=arrival.priority,
+                        cache_salt=arrival.cache_salt,
+                    )
+                )
+            step += 1
+            if not (pending or followups or in_flight or scheduler.has_unfinished_requests()):
+                break
+    except Exception as error:  # the record so far, and what went wrong
+        return RunResult(
+            manager, records, time.perf_counter() - start, f"{type(error).__name__}: {error}"
+        )
+    finally:
+        kv.take_events, kv.make_prefix_cache_stats = take_events, make_stats
+    return RunResult(manager, records, time.perf_counter() - start)
+
+
+# --- Comparison ----------------------------------------------------------------------------
+
+
+@dataclass
+class Comparison:
+    run: str
+    manager: str
+    steps: int
+    equal_steps: int
+    divergence: str | None
+
+    summary: str = ""
+    refused: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.divergence is None
+
+    @property
+    def status(self) -> str:
+        return "equal" if self.ok else "REFUSED" if self.refused else "DIFFERENT"
+
+
+def summarize(records: Sequence[dict[str, Any]]) -> str:
+    """What a run exercised: preemptions, cache hits, events, resets."""
+    preemptions = sum(len(r["preempted"]) for r in records)
+    hits = sum(s[2] + s[5] for r in records for s in r["stats"] if s is not None)
+    events = sum(len(r["events"]) for r in records)
+    resets = sum(1 for r in records if r["reset"])
+    drafts = sum(len(tokens) for r in records for _, tokens in r["spec"])
+    blocks = sum(len(g) for r in records for _, _, groups in r["new"] for g in groups)
+    return (
+        f"{preemptions} preemptions, {hits} hit tokens, {events} events, "
+        f"{resets} resets, {drafts} draft tokens, {blocks} new-request block ids"
+    )
+
+
+def _is_refusal(error: str) -> bool:
+    """A setting the backend refuses by name (not a wrong answer)."""
+    return error.startswith("UnsupportedSetting") or "does not implement" in error
+
+
+def compare(run: str, expected: RunResult, actual: RunResult) -> Comparison:
+    """Step by step, the first field that differs (or the error either run raised)."""
+    equal = 0
+    for i, (want, got) in enumerate(zip(expected.records, actual.records, strict=False)):
+        if want != got:
+            keys = [k for k in want if want.get(k) != got.get(k)]
+            detail = "; ".join(
+                f"{k}: vllm={want.get(k)!r} {actual.manager}={got.get(k)!r}" for k in keys
+            )
+            return Comparison(
+                run, actual.manager, len(expected.records), i, f"step {i}: {detail}"[:2000]
+            )
+        equal += 1
+    for result in (expected, actual):
+        if result.error is not None:
+            return Comparison(
+                run,
+                actual.manager,
+                len(expected.records),
+                equal,
+                f"{result.manager}: {result.error}",
+                refused=result is actual and _is_refusal(result.error),
+            )
+    if len(expected.records) != len(actual.records):
+        return Comparison(
+            run,
+            actual.manager,
+            len(expected.records),
+            equal,
+            f"vllm ran {len(expected.records)} steps, {actual.manager} {len(actual.records)}",
+        )
+    return Comparison(
+        run, actual.manager, len(expected.records), equal, None, summarize(expected.records)
+    )
+
+
+def run_check(
+    configs: Sequence[RunConfig],
+    backends: Sequence[str],
+    echo: Callable[[str], None] = print,
+) -> list[Comparison]:
+    """Every config on vLLM's manager and on each backend; one comparison per backend."""
+    comparisons: list[Comparison] = []
+    for cfg in configs:
+        expected = drive(cfg, "vllm")
+        for backend in backends:
+            result = compare(cfg.name, expected, drive(cfg, backend))
+            comparisons.append(result)
+            status = result.status
+            echo(
+                f"{cfg.name:<22} {backend:<10} {result.equal_steps}/{result.steps} steps {status}"
+                + (f" ({result.summary})" if result.ok else f"\n    {result.divergence}")
+            )
+    return comparisons
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m hybridkv.integrations.vllm.check",
+        description=(__doc__ or "").split("\n\n")[0],
+    )
+    parser.add_argument("--layout", action="append", choices=LAYOUTS)
+    parser.add_argument("--run", action="append", choices=RUNS)
+    parser.add_argument("--defaults", action="append", choices=DEFAULTS)
+    parser.add_argument("--backend", action="append", choices=MANAGERS[1:])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--num-blocks", type=int, default=96)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    configs = [
+        RunConfig(
+            layout=layout,
+            run=run,
+            defaults=defaults,
+            seed=args.seed,
+            num_requests=args.requests,
+            num_blocks=args.num_blocks,
+        )
+        for layout in args.layout or LAYOUTS
+        for run in args.run or RUNS
+        for defaults in args.defaults or DEFAULTS
+    ]
+    comparisons = run_check(configs, args.backend or ["reference"])
+    equal = sum(c.ok for c in comparisons)
+    refused = sum(c.refused for c in comparisons)
+    different = len(comparisons) - equal - refused
+    print(
+        f"{equal}/{len(comparisons)} runs equal, {refused} refused by name, {different} different"
+    )
+    return 1 if different else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

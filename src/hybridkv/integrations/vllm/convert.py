@@ -1,0 +1,136 @@
+"""vLLM 0.33's ``KVCacheConfig`` → hybridkv's: the groups' specs, one by one, or a refusal naming
+the spec kind or field hybridkv does not model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridkv.integrations.vllm.errors import refuse
+from hybridkv.spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroup,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+
+def _dtype_bytes(dtype: Any) -> int:
+    itemsize = getattr(dtype, "itemsize", None)
+    return int(itemsize) if isinstance(itemsize, int) and itemsize > 0 else 2
+
+
+def _check_common(spec: Any, where: str) -> None:
+    refuse(
+        bool(getattr(spec, "prefix_replay_tokens", 0)),
+        f"{where}: prefix_replay_tokens (SWA bounded replay)",
+        "hybridkv's managers have no replay window",
+    )
+    refuse(
+        not getattr(spec, "prefix_cacheable", True),
+        f"{where}: a group that is not prefix cacheable (scratch groups)",
+        "every hybridkv group takes part in prefix caching",
+    )
+    refuse(
+        bool(getattr(spec, "is_draft", False)),
+        f"{where}: is_draft",
+        "draft-model KV groups are not modelled",
+    )
+
+
+def spec_from_vllm(spec: Any, where: str = "kv_cache_spec") -> KVCacheSpec:
+    """One vLLM layer spec as hybridkv's, or ``UnsupportedSetting`` naming its kind."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec as VChunked,
+    )
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec as VFull,
+    )
+    from vllm.v1.kv_cache_interface import (
+        MambaSpec as VMamba,
+    )
+    from vllm.v1.kv_cache_interface import (
+        SlidingWindowSpec as VSliding,
+    )
+
+    kind = type(spec)
+    _check_common(spec, where)
+    if kind is VMamba:
+        return MambaSpec(
+            block_size=spec.block_size,
+            state_bytes=max(1, spec.state_content_size_bytes),
+            page_size_padded=spec.page_size_padded,
+            mamba_cache_mode=spec.mamba_cache_mode,
+            num_speculative_blocks=spec.num_speculative_blocks,
+            num_prefill_checkpoint_blocks=spec.num_prefill_checkpoint_blocks,
+            prefill_checkpoint_alignment=spec.prefill_checkpoint_alignment,
+        )
+    refuse(
+        kind not in (VFull, VSliding, VChunked),
+        f"{where}: {kind.__name__}",
+        "hybridkv models full attention, sliding window, chunked local attention and Mamba",
+    )
+    refuse(
+        getattr(spec, "kv_quant_mode", 0) != 0 and int(spec.kv_quant_mode) != 0,
+        f"{where}: kv_quant_mode",
+        "quantized KV pages are not modelled",
+    )
+    common = {
+        "block_size": spec.block_size,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_size": spec.head_size,
+        "dtype_bytes": _dtype_bytes(spec.dtype),
+    }
+    if kind is VFull:
+        refuse(
+            spec.sliding_window is not None or spec.attention_chunk_size is not None,
+            f"{where}: FullAttentionSpec with sliding_window/attention_chunk_size",
+            "this is vLLM's fallback when the hybrid allocator is off; hybridkv is hybrid",
+        )
+        refuse(bool(spec.non_causal), f"{where}: non_causal", "encoder layers are not modelled")
+        return FullAttentionSpec(**common)
+    if kind is VSliding:
+        refuse(
+            bool(spec.extra_retained_tokens),
+            f"{where}: extra_retained_tokens",
+            "multi-module MTP re-prefill retention is not modelled",
+        )
+        return SlidingWindowSpec(**common, sliding_window=spec.sliding_window)
+    return ChunkedLocalAttentionSpec(**common, attention_chunk_size=spec.attention_chunk_size)
+
+
+def from_vllm_config(kv_cache_config: Any) -> KVCacheConfig:
+    """vLLM's ``KVCacheConfig`` as hybridkv's (``UnsupportedSetting`` names what cannot be)."""
+    refuse(
+        kv_cache_config.hisparse_host_num_blocks is not None,
+        "KVCacheConfig.hisparse_host_num_blocks",
+        "HiSparse host blocks are not modelled",
+    )
+    groups = []
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        where = f"kv_cache_groups[{index}]"
+        refuse(
+            bool(getattr(group, "host_resident", False)),
+            f"{where}.host_resident",
+            "host-resident groups are not modelled",
+        )
+        role = getattr(group, "role", None)
+        refuse(
+            role is not None and getattr(role, "value", role) != "default",
+            f"{where}.role={getattr(role, 'value', role)!r}",
+            "only default-role groups are modelled",
+        )
+        groups.append(
+            KVCacheGroup(
+                layer_names=tuple(group.layer_names) or (f"group{index}",),
+                spec=spec_from_vllm(group.kv_cache_spec, f"{where}.kv_cache_spec"),
+                is_eagle_group=bool(group.is_eagle_group),
+            )
+        )
+    return KVCacheConfig(
+        num_blocks=kv_cache_config.num_blocks,
+        groups=tuple(groups),
+        prefix_cache_retention_interval=kv_cache_config.prefix_cache_retention_interval,
+    )

