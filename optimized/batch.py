@@ -235,6 +235,8 @@ def _allocate_vectorised(
         to_cache = (num_full[:, None] - cached).clamp_(min=0)
     else:
         to_cache = torch.zeros_like(new)
+    if caching and m._sparse_groups and bool(to_cache[:, m._sparse_groups].any()):
+        return None  # sparse retention masks what a group caches: one by one
     total_new, num_released, num_to_cache = (
         torch.stack((new, released, to_cache)).sum((1, 2)).tolist()
     )

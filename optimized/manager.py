@@ -47,6 +47,7 @@ from hybridkv.reference.engine_settings import EngineSettings
 from hybridkv.reference.events import BlockStored, KVCacheEvent, PrefixCacheStats
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import RequestLike
+from hybridkv.reference.single_type_managers import prompt_tokens
 from hybridkv.reference.snapshot import PoolSnapshot
 from hybridkv.reference.validation import (
     check_allocation,
@@ -181,6 +182,16 @@ class TorchKVCacheManager:
         chunks = [rule.span if rule.kind == CHUNKED else 0 for rule in self.rules]
         self._chunk = torch.tensor(chunks) if any(chunks) else None
         self._chunk_or_1 = torch.tensor(chunks).clamp(min=1)
+        # Sparse retention (``prefix_cache_retention_interval`` not None): the sliding-window
+        # groups cache only the blocks a later hit can reach (``reachable_block_mask``).
+        self.retention_interval = config.prefix_cache_retention_interval
+        self._sparse_groups = [
+            g
+            for g, group in enumerate(config.groups)
+            if isinstance(group.spec, SlidingWindowSpec)
+            and self.retention_interval is not None
+            and enable_caching
+        ]
         self._admission_caps = [
             _admission_cap(group.spec, self.settings) for group in config.groups
         ]
@@ -610,6 +621,7 @@ class TorchKVCacheManager:
         entries: list[tuple[int, int, int, int]] = []  # (block, group, position, hash index)
         hashes = request.block_hashes
         src = -1
+        boundaries: list[int] | None = None
         for g in range(g_count):
             start = st[at + g]
             if start >= num_full:
@@ -618,8 +630,13 @@ class TorchKVCacheManager:
                 src = self._source_of(request, row, num_full)
             base = self._base(g, row)
             new_hashes = []
+            mask: Sequence[bool] | None = None
+            if g in self._sparse_groups:
+                if boundaries is None:
+                    boundaries = self._reachable_boundaries(request)
+                mask = self._retention_mask(g, start, num_full, boundaries)
             for pos, block in enumerate(tab[base + start : base + num_full], start):
-                if block:
+                if block and (mask is None or mask[pos - start]):
                     entries.append((block, g, pos, pos))
                     new_hashes.append(hashes[pos])
             st[at + g] = num_full
@@ -641,6 +658,33 @@ class TorchKVCacheManager:
             keys = tensor_from_ints([hash_key(hashes[p]) for _, _, p, _ in entries])
         pool.insert_many(blocks, keys, groups, positions, torch.full_like(blocks, src))
         pool.source(src).refs += len(entries)
+
+    def _reachable_boundaries(self, request: RequestLike) -> list[int]:
+        """Where a later request can resume (``KVCacheCoordinator.cache_blocks``): a resend of
+        the prompt, and the shared-prefix boundary the scheduler stored on the request."""
+        boundaries = list(rules.replay_boundaries(prompt_tokens(request), self.block_size, False))
+        shared = int(getattr(request, "shared_prefix_boundary", 0))
+        if shared:
+            boundaries.append(shared)
+        return boundaries
+
+    def _retention_mask(
+        self, g: int, start: int, end: int, boundaries: Sequence[int]
+    ) -> Sequence[bool] | None:
+        """Which of positions ``start … end − 1`` a sliding-window group caches."""
+        spec = self.config.groups[g].spec
+        assert isinstance(spec, SlidingWindowSpec)
+        b = spec.block_size
+        return rules.sliding_window_retention_mask(
+            start,
+            end,
+            alignment_tokens=self.block_size,
+            block_size=b,
+            contiguous_blocks=rules.sliding_window_contiguous_blocks(spec.sliding_window, b, False),
+            use_eagle=False,
+            retention_interval=self.retention_interval,
+            reachable_boundaries=boundaries,
+        )
 
     def allocate_slots_batch(
         self,
@@ -809,8 +853,8 @@ def _refuse_unported(config: KVCacheConfig, settings: EngineSettings) -> None:
             problems.append("mamba_cache_mode='align'")
         if isinstance(spec, MambaSpec) and spec.num_speculative_blocks:
             problems.append(f"num_speculative_blocks={spec.num_speculative_blocks}")
-    sparse = any(isinstance(g.spec, SlidingWindowSpec | MambaSpec) for g in config.groups)
-    if config.prefix_cache_retention_interval is not None and sparse:
+    mamba = any(isinstance(g.spec, MambaSpec) for g in config.groups)
+    if config.prefix_cache_retention_interval is not None and mamba:
         problems.append(f"prefix_cache_retention_interval={config.prefix_cache_retention_interval}")
     if settings.use_eagle:
         problems.append("use_eagle=True")
