@@ -181,7 +181,7 @@ def _allocate_vectorised(
     b, g_count, w, pool = m.block_size, m.num_groups, m.max_blocks_per_req, m.pool
     rows, comp, ntok = values[0], values[1], values[2]
     new_tokens = num_new_tokens if isinstance(num_new_tokens, int) else values[3]
-    if m.enable_caching and bool((values[-1] != ntok // b).any()):
+    if m.enable_caching and bool((values[-1] != (ntok - m.lookahead).clamp(min=0) // b).any()):
         return None  # a request hashed at another block size: the single calls raise
     comp.clamp_(max=m.max_model_len)
     need = (comp + new_tokens + lookahead).clamp_(max=m.max_model_len)
@@ -232,6 +232,8 @@ def _allocate_vectorised(
         skipped = released = torch.zeros_like(new)
     if caching:
         num_full = cache_tokens.floor_divide_(b)
+        if m.lookahead:
+            num_full = torch.minimum(num_full, values[-1])  # the hashed blocks only
         to_cache = (num_full[:, None] - cached).clamp_(min=0)
     else:
         to_cache = torch.zeros_like(new)

@@ -68,6 +68,7 @@ class Lookup:
         request: RequestLike,
         block_size: int,
         vector_min: int = VECTOR_MIN,
+        lookahead: int = 0,
     ) -> None:
         self.pool = pool
         self.hashes: Sequence[BlockHash] = request.block_hashes
@@ -75,6 +76,7 @@ class Lookup:
         self.salt: object = getattr(request, "cache_salt", None)
         self.block_size = block_size
         self.vector_min = vector_min
+        self.lookahead = lookahead
         self._agree: dict[int, int] = {}
         self._limit: dict[int, int] = {}
         self._keys: torch.Tensor | None = None
@@ -132,10 +134,21 @@ class Lookup:
             return True
         return same_items(theirs[lo:hi], ours[lo:hi])
 
+    def lookahead_agrees(self, src: int, pos: int) -> bool:
+        """With lookahead hashes, whether source ``src`` has the request's tokens after block
+        ``pos`` that its hash also covers (trivially true without lookahead)."""
+        if not self.lookahead:
+            return True
+        lo = (pos + 1) * self.block_size
+        hi = lo + self.lookahead
+        theirs = self.pool.source(src).tokens
+        return len(theirs) >= hi and same_items(self.tokens[lo:hi], theirs[lo:hi])
+
     def accepts(self, block: int, pos: int) -> bool:
-        """Whether cached ``block`` really holds this request's block ``pos``."""
+        """Whether cached ``block`` really holds this request's block ``pos`` (and, with
+        lookahead hashes, is keyed by the same following tokens)."""
         src = self.pool.src.a[block]
-        if not self.content_agrees(src, pos):
+        if not self.content_agrees(src, pos) or not self.lookahead_agrees(src, pos):
             return False
         return bool(self.pool.source(src).hashes[pos] == self.hashes[pos])
 
@@ -245,7 +258,11 @@ class Lookup:
             # whole span at once, and lane by lane only if that fails.
             at = own % width
             a, b = lo + int(at.min()), lo + int(at.max()) + 1
-            if self.content_agrees(src, b - 1) and self.hashes_agree(src, a, b):
+            if (
+                self.content_agrees(src, b - 1)
+                and self.lookahead_agrees(src, b - 1)
+                and self.hashes_agree(src, a, b)
+            ):
                 continue
             failed.extend(
                 lane

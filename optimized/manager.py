@@ -200,7 +200,17 @@ class TorchKVCacheManager:
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(r - 1, -1, -1))
         self._row_src = [-1] * r
+        # Groups whose hits take the EAGLE last-block drop: the flagged drafter groups, or
+        # every group when none is flagged (``KVCacheCoordinator``).
+        eagle = {g for g, group in enumerate(config.groups) if group.is_eagle_group}
+        if self.settings.use_eagle and not eagle:
+            eagle = set(range(self.num_groups))
+        self._eagle_groups = eagle if self.settings.use_eagle else set()
+        self.lookahead = self.settings.num_hash_lookahead_tokens
         self._types = self._attention_types(config)
+        self._type_eagle = [
+            any(g in self._eagle_groups for g in group_ids) for _, group_ids in self._types
+        ]
         self._stats = PrefixCacheStats()
         self.vector_min = VECTOR_MIN
         self.batch_min = BATCH_MIN
@@ -283,10 +293,12 @@ class TorchKVCacheManager:
         shared-prefix boundary (``KVCacheManager.get_computed_blocks``)."""
         if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
             return self._no_blocks, 0, 0
-        check_block_hashes(request, self.block_size)
+        check_block_hashes(request, self.block_size, self.lookahead)
         max_length = request.num_tokens - 1
-        lookup = Lookup(self.pool, request, self.block_size, self.vector_min)
-        limit = min(max_length // self.block_size, len(request.block_hashes))
+        lookup = Lookup(self.pool, request, self.block_size, self.vector_min, self.lookahead)
+        # An EAGLE type of a hybrid matches one block beyond the candidate, then drops it.
+        extra = self.block_size if self._eagle_groups and self.num_groups > 1 else 0
+        limit = min((max_length + extra) // self.block_size, len(request.block_hashes))
         memos = [TypeProbe(lookup, group_ids, limit) for _, group_ids in self._types]
         if len(memos) > 1 and self.vector_min <= limit * self.num_groups <= PRELOAD_MAX:
             best = lookup.probe_tensor(0, limit, range(self.num_groups))
@@ -295,7 +307,7 @@ class TorchKVCacheManager:
         hits: Sequence[list[int]]
         boundary = 0
         if self.num_groups == 1:
-            hits = self._type_hit(self._types[0][0], memos[0], max_length)
+            hits = self._type_hit(self._types[0][0], memos[0], max_length, self._type_eagle[0])
             hit_length = len(hits[0]) * self.block_size
         else:
             hits, hit_length, longest = self._hybrid_hit(memos, max_length)
@@ -307,9 +319,10 @@ class TorchKVCacheManager:
         """The scheduler begins a step (no per-step state without a Mamba ``"align"`` group)."""
 
     def _type_hit(
-        self, spec: KVCacheSpec, memo: TypeProbe, max_length: int
+        self, spec: KVCacheSpec, memo: TypeProbe, max_length: int, drop: bool = False
     ) -> tuple[list[int], ...]:
-        """One type's longest hit of at most ``max_length`` tokens (the ``longest_hit`` hook)."""
+        """One type's longest hit of at most ``max_length`` tokens (the ``longest_hit`` hook);
+        with ``drop`` (EAGLE) one block shorter."""
         b = spec.block_size
         length = min(max_length // b, memo.length)
         if isinstance(spec, FullAttentionSpec):
@@ -318,11 +331,13 @@ class TorchKVCacheManager:
             else:
                 flags = WindowedFlags(memo, length, leftwards=False, span=length)
                 num = rules.full_attention_hit_blocks(flags, length)
-            return memo.blocks(0, num)
+            return memo.blocks(0, max(num - 1, 0) if drop else num)
         if isinstance(spec, SlidingWindowSpec):
-            needed = rules.sliding_window_hit_blocks_needed(spec.sliding_window, b)
+            needed = rules.sliding_window_contiguous_blocks(spec.sliding_window, b, drop)
             flags = WindowedFlags(memo, length, leftwards=True, span=needed)
             num, first = rules.sliding_window_hit_blocks(flags, needed)
+            if drop and num > 0:
+                num -= 1
             return memo.blocks(first, num)
         if isinstance(spec, ChunkedLocalAttentionSpec):
             chunk = spec.attention_chunk_size
@@ -341,17 +356,27 @@ class TorchKVCacheManager:
         longest = 0
         simple_hybrid = len(self._types) == 2 and isinstance(self._types[0][0], FullAttentionSpec)
         looked_up: set[int] = set()
+        # Types whose EAGLE drop is already applied at the current candidate length.
+        eagle_verified: set[int] = set()
+        num_hashed = len(memos[0].lookup.hashes) * self.block_size
         while True:
             length = hit_length
-            for (spec, group_ids), memo in zip(self._types, memos, strict=True):
+            for index, ((spec, group_ids), memo) in enumerate(zip(self._types, memos, strict=True)):
                 if isinstance(spec, FullAttentionSpec) and group_ids[0] in looked_up:
                     num_blocks = length // spec.block_size
                     length = num_blocks * spec.block_size
                     for group_id in group_ids:
                         del hits[group_id][num_blocks:]
                     continue
-                found = self._type_hit(spec, memo, length)
-                length = len(found[0]) * spec.block_size
+                drop = self._type_eagle[index] and index not in eagle_verified
+                max_len = min(length + spec.block_size, num_hashed) if drop else length
+                found = self._type_hit(spec, memo, max_len, drop)
+                found_length = len(found[0]) * spec.block_size
+                if drop:
+                    eagle_verified.add(index)
+                elif found_length < length:
+                    eagle_verified.clear()
+                length = found_length
                 for group_id, blocks in zip(group_ids, found, strict=True):
                     hits[group_id] = blocks
                     looked_up.add(group_id)
@@ -606,7 +631,7 @@ class TorchKVCacheManager:
             self._row_src[row] = src
             return src
         source = pool.source(src)
-        if len(source.tokens) < num_full * self.block_size:
+        if len(source.tokens) < num_full * self.block_size + self.lookahead:
             source.tokens = tokens
         if len(source.hashes) < num_full:
             source.hashes = hashes
@@ -616,7 +641,7 @@ class TorchKVCacheManager:
         """Enter the row's full blocks covered by ``num_tokens`` into the prefix cache."""
         pool = self.pool
         b, g_count = self.block_size, self.num_groups
-        num_full = num_tokens // b
+        num_full = min(num_tokens // b, len(request.block_hashes))
         tab, st, at = self._tab.a, self._state.a, 2 * self._rg + row * g_count
         entries: list[tuple[int, int, int, int]] = []  # (block, group, position, hash index)
         hashes = request.block_hashes
@@ -634,7 +659,7 @@ class TorchKVCacheManager:
             if g in self._sparse_groups:
                 if boundaries is None:
                     boundaries = self._reachable_boundaries(request)
-                mask = self._retention_mask(g, start, num_full, boundaries)
+                mask = self._retention_mask(request, g, start, num_full, boundaries)
             for pos, block in enumerate(tab[base + start : base + num_full], start):
                 if block and (mask is None or mask[pos - start]):
                     entries.append((block, g, pos, pos))
@@ -662,26 +687,32 @@ class TorchKVCacheManager:
     def _reachable_boundaries(self, request: RequestLike) -> list[int]:
         """Where a later request can resume (``KVCacheCoordinator.cache_blocks``): a resend of
         the prompt, and the shared-prefix boundary the scheduler stored on the request."""
-        boundaries = list(rules.replay_boundaries(prompt_tokens(request), self.block_size, False))
+        eagle = bool(self._eagle_groups)
+        boundaries = list(rules.replay_boundaries(prompt_tokens(request), self.block_size, eagle))
         shared = int(getattr(request, "shared_prefix_boundary", 0))
         if shared:
             boundaries.append(shared)
         return boundaries
 
     def _retention_mask(
-        self, g: int, start: int, end: int, boundaries: Sequence[int]
+        self, request: RequestLike, g: int, start: int, end: int, boundaries: Sequence[int]
     ) -> Sequence[bool] | None:
         """Which of positions ``start … end − 1`` a sliding-window group caches."""
         spec = self.config.groups[g].spec
         assert isinstance(spec, SlidingWindowSpec)
         b = spec.block_size
+        eagle = g in self._eagle_groups
+        shared = int(getattr(request, "shared_prefix_boundary", 0))
+        if eagle and shared:
+            # A sibling diverging right after the junction cannot peek past it.
+            boundaries = [*boundaries, shared - b]
         return rules.sliding_window_retention_mask(
             start,
             end,
             alignment_tokens=self.block_size,
             block_size=b,
-            contiguous_blocks=rules.sliding_window_contiguous_blocks(spec.sliding_window, b, False),
-            use_eagle=False,
+            contiguous_blocks=rules.sliding_window_contiguous_blocks(spec.sliding_window, b, eagle),
+            use_eagle=eagle,
             retention_interval=self.retention_interval,
             reachable_boundaries=boundaries,
         )
@@ -722,7 +753,7 @@ class TorchKVCacheManager:
         check_cache_blocks(request, num_computed_tokens)
         if not self.enable_caching:
             return
-        check_block_hashes(request, self.block_size)
+        check_block_hashes(request, self.block_size, self.lookahead)
         row = self._rows.get(request.request_id)
         if row is None:
             if num_computed_tokens // self.block_size > 0:
@@ -856,10 +887,6 @@ def _refuse_unported(config: KVCacheConfig, settings: EngineSettings) -> None:
     mamba = any(isinstance(g.spec, MambaSpec) for g in config.groups)
     if config.prefix_cache_retention_interval is not None and mamba:
         problems.append(f"prefix_cache_retention_interval={config.prefix_cache_retention_interval}")
-    if settings.use_eagle:
-        problems.append("use_eagle=True")
-    if settings.num_hash_lookahead_tokens:
-        problems.append(f"num_hash_lookahead_tokens={settings.num_hash_lookahead_tokens}")
     if problems:
         raise ValueError(
             "the optimized backend does not implement "
