@@ -100,7 +100,7 @@ def allocate_slots_batch(
     # table changes to one flush at the end: one host→device copy per step.
     outer, m._defer_flush = m._defer_flush, True
     try:
-        if n >= m.batch_min:
+        if n >= m.batch_min and m._vector_ok:
             done = _allocate_vectorised(
                 m, requests, num_new_tokens, num_lookahead_tokens, delay_cache_blocks
             )
@@ -345,7 +345,7 @@ def _cache_vectorised(
     ):
         request = requests[i]
         own = request.block_hashes
-        src = m._source_of(request, rows_list[i], hi)
+        src = m._source_of(request, rows_list[i], hi, hi * m.block_size)
         lo = min(starts)
         if lo == max(starts):
             chunk = own[lo:hi]
@@ -429,7 +429,7 @@ def free_batch(m: TorchKVCacheManager, requests: Sequence[RequestLike]) -> None:
         if row is not None and rid not in seen:
             seen.add(rid)
             order.append((rid, row))
-    if len(order) < m.batch_min:
+    if len(order) < m.batch_min or m._has_align:
         for r in requests:
             m.free(r)
         return
