@@ -22,15 +22,15 @@ The prefix cache, a chained hash table whose entries are the blocks themselves (
                             << 32 | (hash index × G + group id); hk[N] = -1 matches nothing
     src[N]                  the source the block was cached from (below); -1 if the block holds
                             no hash
-    seq[N + 1]              int64: when the primary entry was made (an insertion counter)
 
 The hash index is the key's position in its source's hash list: a block's table position when
 its group's block is the hash block, else the hash at the block's last hash boundary (``(pos +
 1) × block_size / hash_block_size − 1``), or the boundary of a partial entry. A block may also
 carry *extra* keys (a prompt-tail partial entry beside its full-block key, as the reference's
 ``extra_keys_by_block``): rare, so they live in two Python dicts (``extras`` per block,
-``extra_index`` per key) with their sequence numbers; while any exists, lookups probe one by one
-and return the first-inserted verified block among the primary and extra entries of a key.
+``extra_index`` per key) with their insertion order among extras and the primary holders of the
+key that were cached before them; while any exists, lookups probe one by one and return the
+first-inserted verified block among the primary and extra entries of a key.
 
 A bucket is ``(key + group × 0x9E3779B1) mod M``. Chains are in reverse insertion order (a new
 entry goes to the head), so among blocks cached under the same (hash, group) the *last* match on
@@ -132,16 +132,15 @@ class TorchBlockPool:
         self.hnext = IntBuffer(n + 1, n)
         self.hk = IntBuffer(n + 1, -1, typecode="q")
         self.src = IntBuffer(n, -1)
-        # Insertion order of the primary entries (a lookup returns the first inserted block of
-        # a key, primary or extra).
-        self.seq = IntBuffer(n + 1, typecode="q")
-        self._next_seq = 1
         # Extra keys: a block keeps one primary entry in the chains and, beside it, rare extra
         # keys (a prompt-tail partial entry next to a full-block key): per block its extras in
-        # insertion order as (key, group, hash index) -> (source, seq), and per key the blocks
-        # holding it as an extra.
-        self.extras: dict[int, dict[tuple[int, int, int], tuple[int, int]]] = {}
-        self.extra_index: dict[tuple[int, int, int], dict[int, int]] = {}
+        # insertion order as (key, group, hash index) -> source, and per key the blocks holding
+        # it as an extra -> (insertion counter, the primary holders of the key cached before
+        # it and still cached since). A lookup returns the first inserted block of a key,
+        # primary or extra: an extra comes right after the primaries cached before it.
+        self.extras: dict[int, dict[tuple[int, int, int], int]] = {}
+        self.extra_index: dict[tuple[int, int, int], dict[int, tuple[int, set[int]]]] = {}
+        self._extra_count = 0
         self.sources: list[Source | None] = []
         self._free_sources: list[int] = []
         self.events: list[KVCacheEvent] = []
@@ -152,7 +151,7 @@ class TorchBlockPool:
     def nbytes(self) -> int:
         """Bytes of the per-block tensors (the pool's host memory apart from its sources)."""
         buffers = (
-            self.ref, self.prev, self.next, self.heads, self.hnext, self.hk, self.src, self.seq
+            self.ref, self.prev, self.next, self.heads, self.hnext, self.hk, self.src
         )  # fmt: skip
         return sum(b.nbytes for b in buffers)
 
@@ -303,8 +302,6 @@ class TorchBlockPool:
         heads[bucket] = block
         self.hk.a[block] = key << 32 | (pos * self.num_groups + group_id)
         self.src.a[block] = src
-        self.seq.a[block] = self._next_seq
-        self._next_seq += 1
         self.source(src).refs += 1
 
     def insert_many(
@@ -336,8 +333,6 @@ class TorchBlockPool:
         self.heads.t[buckets[last]] = entries[last].to(torch.int32)
         self.hk.t[blocks] = keys << 32 | (positions * self.num_groups + groups)
         self.src.t[blocks] = srcs.to(torch.int32)
-        self.seq.t[blocks] = torch.arange(self._next_seq, self._next_seq + count)
-        self._next_seq += count
 
     def block_hash(self, block: int) -> BlockHash:
         """The hash a cached block is cached under."""
@@ -359,7 +354,7 @@ class TorchBlockPool:
         tag = self.hk.a[block] & 0xFFFFFFFF
         if tag % self.num_groups == group_id and self.block_hash(block) == block_hash:
             return True
-        for (_, g, h), (s, _) in self.extras.get(block, {}).items():
+        for (_, g, h), s in self.extras.get(block, {}).items():
             if g == group_id and self.source(s).hashes[h] == block_hash:
                 return True
         return False
@@ -374,9 +369,10 @@ class TorchBlockPool:
             self.insert(block, block_hash, group_id, hidx, src)
             return
         key = (hash_key(block_hash), group_id, hidx)
-        self.extras.setdefault(block, {})[key] = (src, self._next_seq)
-        self.extra_index.setdefault(key, {})[block] = self._next_seq
-        self._next_seq += 1
+        before = set(self.candidates(*key))
+        self.extras.setdefault(block, {})[key] = src
+        self.extra_index.setdefault(key, {})[block] = (self._extra_count, before)
+        self._extra_count += 1
         self.source(src).refs += 1
 
     def remove_keys(self, block: int, events: list[KVCacheEvent] | None = None) -> bool:
@@ -391,7 +387,7 @@ class TorchBlockPool:
         extras = self.extras.pop(block, None)
         if not extras:
             return
-        for key, (src, _) in extras.items():
+        for key, src in extras.items():
             holders = self.extra_index[key]
             del holders[block]
             if not holders:
@@ -411,6 +407,12 @@ class TorchBlockPool:
 
     def _evict_primary(self, block: int, events: list[KVCacheEvent] | None = None) -> None:
         hk = self.hk.a[block]
+        if self.extra_index:
+            # A primary entry made again later comes after the extras of its key.
+            tag = hk & 0xFFFFFFFF
+            key = (hk >> 32, tag % self.num_groups, tag // self.num_groups)
+            for _, before in self.extra_index.get(key, {}).values():
+                before.discard(block)
         tag = hk & 0xFFFFFFFF
         group_id = tag % self.num_groups
         src = self.src.a[block]
@@ -486,7 +488,7 @@ class TorchBlockPool:
         for group_id, blocks in enumerate(self.cached_blocks()):
             keys.update((self.block_hash(b), group_id) for b in blocks)
         for extras in self.extras.values():
-            for (_, g, h), (src, _) in extras.items():
+            for (_, g, h), src in extras.items():
                 keys.add((self.source(src).hashes[h], g))
         return len(keys)
 
@@ -540,8 +542,8 @@ class TorchBlockPool:
                 block = hnext[block]
         for block, extras in self.extras.items():
             require(bool(extras) and src[block] >= 0, f"block {block} has extras but no key")
-            for key, (s, order) in extras.items():
-                require(self.extra_index.get(key, {}).get(block) == order, "extra index is stale")
+            for key, s in extras.items():
+                require(block in self.extra_index.get(key, {}), "extra index is stale")
                 refs[s] = refs.get(s, 0) + 1
         require(
             sum(map(len, self.extra_index.values())) == sum(map(len, self.extras.values())),

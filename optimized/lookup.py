@@ -197,16 +197,15 @@ class Lookup:
         matches.reverse()
         extras = pool.extra_index.get((key, group_id, hidx)) if pool.extra_index else None
         if extras:
-            # Primary and extra entries of the key, in insertion order.
-            seq = pool.seq.a
-            ordered = sorted(
-                [(seq[b], b, -1) for b in matches]
-                + [
-                    (order, b, pool.extras[b][key, group_id, hidx][0])
-                    for b, order in extras.items()
-                ]
-            )
-            for _, candidate, src in ordered:
+            # Primary and extra entries of the key, in insertion order: an extra right after
+            # the primaries cached before it (a prefix of ``matches``).
+            ordered = [(2 * i, 0, b, -1) for i, b in enumerate(matches)]
+            for b, (count, before) in extras.items():
+                prefix = sum(1 for m in matches if m in before)
+                src = pool.extras[b][key, group_id, hidx]
+                ordered.append((2 * prefix - 1, count, b, src))
+            ordered.sort()
+            for _, _, candidate, src in ordered:
                 if self.accepts(candidate, pos, src):
                     return candidate
             return MISS

@@ -83,7 +83,7 @@ def engine_layouts(draw: st.DrawFn) -> Layout:
         ]
         specs = (choices[draw(st.sampled_from([0, 1]))], choices[draw(st.sampled_from([2, 3]))])
         if specs[0].block_size == specs[1].block_size:
-            specs = (specs[0], choices[1 if specs[1] is choices[2] else 2])
+            specs = (specs[0], choices[3 if specs[1] is choices[2] else 2])
     elif kind == "mamba":
         mamba = MambaSpec(
             block_size=b,
