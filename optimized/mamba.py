@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 
     from hybridkv.optimized.manager import BlockIds, TorchKVCacheManager
 
+MAMBA_KIND = 3
+"""``GroupRule.kind`` of a Mamba ``"align"`` group (``hybridkv.optimized.manager.MAMBA``)."""
+
 Key = tuple[bytes, int]
 """A cache key: (block hash, group id), ``BlockHashWithGroupId``."""
 
@@ -103,9 +106,6 @@ def allocate(
         cache(m, request, row, min(total_computed + num_new_tokens, request.num_tokens))
     m._refresh(row)
     return KVCacheBlocks(new_blocks)
-
-
-MAMBA_KIND = 3
 
 
 def _num_evictable(m: TorchKVCacheManager, blocks: Sequence[int]) -> int:
