@@ -100,7 +100,7 @@ def allocate_slots_batch(
     # table changes to one flush at the end: one host→device copy per step.
     outer, m._defer_flush = m._defer_flush, True
     try:
-        if n >= m.batch_min:
+        if n >= m.batch_min and m._vector_ok:
             done = _allocate_vectorised(
                 m, requests, num_new_tokens, num_lookahead_tokens, delay_cache_blocks
             )
@@ -181,7 +181,7 @@ def _allocate_vectorised(
     b, g_count, w, pool = m.block_size, m.num_groups, m.max_blocks_per_req, m.pool
     rows, comp, ntok = values[0], values[1], values[2]
     new_tokens = num_new_tokens if isinstance(num_new_tokens, int) else values[3]
-    if m.enable_caching and bool((values[-1] != ntok // b).any()):
+    if m.enable_caching and bool((values[-1] != (ntok - m.lookahead).clamp(min=0) // b).any()):
         return None  # a request hashed at another block size: the single calls raise
     comp.clamp_(max=m.max_model_len)
     need = (comp + new_tokens + lookahead).clamp_(max=m.max_model_len)
@@ -232,9 +232,13 @@ def _allocate_vectorised(
         skipped = released = torch.zeros_like(new)
     if caching:
         num_full = cache_tokens.floor_divide_(b)
+        if m.lookahead:
+            num_full = torch.minimum(num_full, values[-1])  # the hashed blocks only
         to_cache = (num_full[:, None] - cached).clamp_(min=0)
     else:
         to_cache = torch.zeros_like(new)
+    if caching and m._sparse_groups and bool(to_cache[:, m._sparse_groups].any()):
+        return None  # sparse retention masks what a group caches: one by one
     total_new, num_released, num_to_cache = (
         torch.stack((new, released, to_cache)).sum((1, 2)).tolist()
     )
@@ -341,7 +345,7 @@ def _cache_vectorised(
     ):
         request = requests[i]
         own = request.block_hashes
-        src = m._source_of(request, rows_list[i], hi)
+        src = m._source_of(request, rows_list[i], hi, hi * m.block_size)
         lo = min(starts)
         if lo == max(starts):
             chunk = own[lo:hi]
@@ -425,7 +429,7 @@ def free_batch(m: TorchKVCacheManager, requests: Sequence[RequestLike]) -> None:
         if row is not None and rid not in seen:
             seen.add(rid)
             order.append((rid, row))
-    if len(order) < m.batch_min:
+    if len(order) < m.batch_min or m._has_align:
         for r in requests:
             m.free(r)
         return

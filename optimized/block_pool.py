@@ -12,16 +12,25 @@ Reference counts and the free queue::
                             ids; N is the head sentinel, N + 1 the tail sentinel. A block is in
                             the queue iff prev[b] != -1.
 
-The prefix cache, a chained hash table whose entries are the blocks themselves (a block holds at
-most one cached hash, so no separate entry storage is needed)::
+The prefix cache, a chained hash table whose entries are the blocks themselves (a block's
+*primary* key, so no separate entry storage is needed)::
 
     heads[M]                first block of each bucket's chain, N if empty; M is the smallest
                             power of two >= N (at least 16)
     hnext[N + 1]            next block in the same chain; N ends a chain (and hnext[N] = N)
     hk[N + 1]               int64: (first 4 bytes of the cached hash, little endian, signed)
-                            << 32 | (position × G + group id); hk[N] = -1 matches nothing
+                            << 32 | (hash index × G + group id); hk[N] = -1 matches nothing
     src[N]                  the source the block was cached from (below); -1 if the block holds
                             no hash
+
+The hash index is the key's position in its source's hash list: a block's table position when
+its group's block is the hash block, else the hash at the block's last hash boundary (``(pos +
+1) × block_size / hash_block_size − 1``), or the boundary of a partial entry. A block may also
+carry *extra* keys (a prompt-tail partial entry beside its full-block key, as the reference's
+``extra_keys_by_block``): rare, so they live in two Python dicts (``extras`` per block,
+``extra_index`` per key) with their insertion order among extras and the primary holders of the
+key that were cached before them; while any exists, lookups probe one by one and return the
+first-inserted verified block among the primary and extra entries of a key.
 
 A bucket is ``(key + group × 0x9E3779B1) mod M``. Chains are in reverse insertion order (a new
 entry goes to the head), so among blocks cached under the same (hash, group) the *last* match on
@@ -123,6 +132,15 @@ class TorchBlockPool:
         self.hnext = IntBuffer(n + 1, n)
         self.hk = IntBuffer(n + 1, -1, typecode="q")
         self.src = IntBuffer(n, -1)
+        # Extra keys: a block keeps one primary entry in the chains and, beside it, rare extra
+        # keys (a prompt-tail partial entry next to a full-block key): per block its extras in
+        # insertion order as (key, group, hash index) -> source, and per key the blocks holding
+        # it as an extra -> (insertion counter, the primary holders of the key cached before
+        # it and still cached since). A lookup returns the first inserted block of a key,
+        # primary or extra: an extra comes right after the primaries cached before it.
+        self.extras: dict[int, dict[tuple[int, int, int], int]] = {}
+        self.extra_index: dict[tuple[int, int, int], dict[int, tuple[int, set[int]]]] = {}
+        self._extra_count = 0
         self.sources: list[Source | None] = []
         self._free_sources: list[int] = []
         self.events: list[KVCacheEvent] = []
@@ -132,7 +150,9 @@ class TorchBlockPool:
     @property
     def nbytes(self) -> int:
         """Bytes of the per-block tensors (the pool's host memory apart from its sources)."""
-        buffers = (self.ref, self.prev, self.next, self.heads, self.hnext, self.hk, self.src)
+        buffers = (
+            self.ref, self.prev, self.next, self.heads, self.hnext, self.hk, self.src
+        )  # fmt: skip
         return sum(b.nbytes for b in buffers)
 
     @property
@@ -319,9 +339,80 @@ class TorchBlockPool:
         tag = self.hk.a[block] & 0xFFFFFFFF
         return self.source(self.src.a[block]).hashes[tag // self.num_groups]
 
+    # --- Keys beyond one per block (hash views, partial entries) ----------------------------
+
+    def hash_index(self, block: int) -> int:
+        """The hash index (position in its source's hash list) of the block's primary key."""
+        return (self.hk.a[block] & 0xFFFFFFFF) // self.num_groups
+
+    def holds_key(self, block: int, src: int, hidx: int, group_id: int) -> bool:
+        """Whether ``block`` is cached under the hash at ``hidx`` of source ``src`` (primary or
+        extra key, compared by hash value)."""
+        if self.src.a[block] < 0:
+            return False
+        block_hash = self.source(src).hashes[hidx]
+        tag = self.hk.a[block] & 0xFFFFFFFF
+        if tag % self.num_groups == group_id and self.block_hash(block) == block_hash:
+            return True
+        for (_, g, h), s in self.extras.get(block, {}).items():
+            if g == group_id and self.source(s).hashes[h] == block_hash:
+                return True
+        return False
+
+    def insert_key(self, block: int, src: int, hidx: int, group_id: int) -> None:
+        """``BlockPool._insert_block_hash``: the block's primary key if it has none, else an
+        extra one (nothing if it holds the key already)."""
+        if self.holds_key(block, src, hidx, group_id):
+            return
+        block_hash = self.source(src).hashes[hidx]
+        if self.src.a[block] < 0:
+            self.insert(block, block_hash, group_id, hidx, src)
+            return
+        key = (hash_key(block_hash), group_id, hidx)
+        before = set(self.candidates(*key))
+        self.extras.setdefault(block, {})[key] = src
+        self.extra_index.setdefault(key, {})[block] = (self._extra_count, before)
+        self._extra_count += 1
+        self.source(src).refs += 1
+
+    def remove_keys(self, block: int, events: list[KVCacheEvent] | None = None) -> bool:
+        """Forget every key of the block (primary first, then extras in insertion order);
+        whether it held any."""
+        if self.src.a[block] < 0:
+            return False
+        self.evict(block, events)
+        return True
+
+    def _drop_extras(self, block: int, events: list[KVCacheEvent] | None) -> None:
+        extras = self.extras.pop(block, None)
+        if not extras:
+            return
+        for key, src in extras.items():
+            holders = self.extra_index[key]
+            del holders[block]
+            if not holders:
+                del self.extra_index[key]
+            source = self.source(src)
+            if self.enable_kv_cache_events:
+                removed = BlockRemoved((source.hashes[key[2]],), key[1])
+                (self.events if events is None else events).append(removed)
+            source.refs -= 1
+            self.maybe_drop_source(src)
+
     def evict(self, block: int, events: list[KVCacheEvent] | None = None) -> None:
-        """Forget the block's cached hash (this block only)."""
+        """Forget the block's cached hash (this block only), and its extra keys."""
+        self._evict_primary(block, events)
+        if self.extras:
+            self._drop_extras(block, events)
+
+    def _evict_primary(self, block: int, events: list[KVCacheEvent] | None = None) -> None:
         hk = self.hk.a[block]
+        if self.extra_index:
+            # A primary entry made again later comes after the extras of its key.
+            tag = hk & 0xFFFFFFFF
+            key = (hk >> 32, tag % self.num_groups, tag // self.num_groups)
+            for _, before in self.extra_index.get(key, {}).values():
+                before.discard(block)
         tag = hk & 0xFFFFFFFF
         group_id = tag % self.num_groups
         src = self.src.a[block]
@@ -372,6 +463,8 @@ class TorchBlockPool:
         self.hnext.t.fill_(self.end)
         self.hk.t.fill_(-1)
         self.src.t.fill_(-1)
+        self.extras = {}
+        self.extra_index = {}
         self.sources = []
         self._free_sources = []
         if self.enable_kv_cache_events:
@@ -394,6 +487,9 @@ class TorchBlockPool:
         keys: set[tuple[bytes, int]] = set()
         for group_id, blocks in enumerate(self.cached_blocks()):
             keys.update((self.block_hash(b), group_id) for b in blocks)
+        for extras in self.extras.values():
+            for (_, g, h), src in extras.items():
+                keys.add((self.source(src).hashes[h], g))
         return len(keys)
 
     # --- Invariants -------------------------------------------------------------------------
@@ -444,6 +540,15 @@ class TorchBlockPool:
                 )
                 refs[src[block]] = refs.get(src[block], 0) + 1
                 block = hnext[block]
+        for block, extras in self.extras.items():
+            require(bool(extras) and src[block] >= 0, f"block {block} has extras but no key")
+            for key, s in extras.items():
+                require(block in self.extra_index.get(key, {}), "extra index is stale")
+                refs[s] = refs.get(s, 0) + 1
+        require(
+            sum(map(len, self.extra_index.values())) == sum(map(len, self.extras.values())),
+            "extra index is stale",
+        )
         cached = {b for b in range(n) if src[b] >= 0}
         require(seen == cached, f"{len(cached)} blocks hold a hash but {len(seen)} are cached")
         require(all((hk[b] == -1) == (src[b] < 0) for b in range(n)), "src and hk disagree")

@@ -19,12 +19,14 @@ it window by window (``array.index``).
 
 Verification (collision safety): a candidate block is accepted only if its source (see
 ``hybridkv.optimized.block_pool``) has the request's hash at that position, the request's cache
-salt, and the request's tokens up to the end of that block. Token agreement is memoised per
-source as a prefix length, extended by galloping slice comparisons (after one whole-list
-comparison, without slicing, when the two token lists are as long), so a lookup compares each
-token at most about three times whatever the number of blocks. Hash lists are compared whole
-once per source in the same way before window slices. A candidate that fails is skipped and
-the next block cached under the same key (insertion order) is tried.
+salt, and the request's tokens up to the end of that block (with lookahead hashes, also the
+``num_hash_lookahead_tokens`` tokens after it, which its hash covers too). Positions are blocks
+of the type's block size, keyed by the hash at the block's last hash boundary. Token agreement
+is memoised per source as a prefix length, extended by galloping slice comparisons (after one
+whole-list comparison, without slicing, when the two token lists are as long), so a lookup
+compares each token at most about three times whatever the number of blocks. Hash lists are
+compared whole once per source in the same way before window slices. A candidate that fails is
+skipped and the next block cached under the same key (insertion order) is tried.
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ PRELOAD_MAX = 4096
 every group at once, before the rules run (cheaper than a call per type)."""
 
 
+def _view(hashes: Sequence[BlockHash], scale: int) -> Sequence[BlockHash]:
+    """The hashes at ``scale`` hash blocks per block (``hashes_at_block_size``)."""
+    return hashes if scale == 1 else hashes[scale - 1 :: scale]
+
+
 def same_items(a: Sequence[object], b: Sequence[object]) -> bool:
     """Element-wise equality of two sequences of any types (list == tuple is False in Python)."""
     if type(a) is type(b):
@@ -68,13 +75,22 @@ class Lookup:
         request: RequestLike,
         block_size: int,
         vector_min: int = VECTOR_MIN,
+        lookahead: int = 0,
+        scale: int = 1,
     ) -> None:
         self.pool = pool
-        self.hashes: Sequence[BlockHash] = request.block_hashes
+        # Positions are blocks of ``block_size`` = ``scale`` hash blocks; a block's key is the
+        # hash at its last hash boundary (``hashes_at_block_size``).
+        self.scale = scale
+        self.request_hashes: Sequence[BlockHash] = request.block_hashes
+        self.hashes: Sequence[BlockHash] = _view(request.block_hashes, scale)
         self.tokens: Sequence[int] = request.all_token_ids
         self.salt: object = getattr(request, "cache_salt", None)
         self.block_size = block_size
-        self.vector_min = vector_min
+        # Extra keys are probed one by one (with their insertion order).
+        self.vector_min = vector_min if not pool.extras else 1 << 62
+        self.lookahead = lookahead
+        self._views: dict[int, Sequence[BlockHash]] = {}
         self._agree: dict[int, int] = {}
         self._limit: dict[int, int] = {}
         self._keys: torch.Tensor | None = None
@@ -122,9 +138,19 @@ class Lookup:
         self._agree[src] = self._limit[src] = lo // b
         return pos < lo // b
 
+    def their_hashes(self, src: int) -> Sequence[BlockHash]:
+        """Source ``src``'s hashes at this lookup's block size."""
+        hashes = self.pool.source(src).hashes
+        if self.scale == 1:
+            return hashes
+        view = self._views.get(src)
+        if view is None or len(view) != len(hashes) // self.scale:
+            view = self._views[src] = _view(hashes, self.scale)
+        return view
+
     def hashes_agree(self, src: int, lo: int, hi: int) -> bool:
         """Whether source ``src`` has the request's block hashes at positions ``lo … hi − 1``."""
-        theirs, ours = self.pool.source(src).hashes, self.hashes
+        theirs, ours = self.their_hashes(src), self.hashes
         if src not in self._hashes_equal:
             # Equal hash lists (a repeated prompt): one comparison without slicing.
             self._hashes_equal[src] = len(theirs) == len(ours) and same_items(theirs, ours)
@@ -132,12 +158,26 @@ class Lookup:
             return True
         return same_items(theirs[lo:hi], ours[lo:hi])
 
-    def accepts(self, block: int, pos: int) -> bool:
-        """Whether cached ``block`` really holds this request's block ``pos``."""
-        src = self.pool.src.a[block]
-        if not self.content_agrees(src, pos):
+    def lookahead_agrees(self, src: int, pos: int) -> bool:
+        """With lookahead hashes, whether source ``src`` has the request's tokens after block
+        ``pos`` that its hash also covers (trivially true without lookahead)."""
+        if not self.lookahead:
+            return True
+        lo = (pos + 1) * self.block_size
+        hi = lo + self.lookahead
+        theirs = self.pool.source(src).tokens
+        return len(theirs) >= hi and same_items(self.tokens[lo:hi], theirs[lo:hi])
+
+    def accepts(self, block: int, pos: int, src: int = -1) -> bool:
+        """Whether cached ``block`` (its primary entry, or the extra one from source ``src``)
+        really holds this request's block ``pos`` (and, with lookahead hashes, is keyed by the
+        same following tokens)."""
+        if src < 0:
+            src = self.pool.src.a[block]
+        if not self.content_agrees(src, pos) or not self.lookahead_agrees(src, pos):
             return False
-        return bool(self.pool.source(src).hashes[pos] == self.hashes[pos])
+        hidx = (pos + 1) * self.scale - 1
+        return bool(self.pool.source(src).hashes[hidx] == self.hashes[pos])
 
     # --- Probes -----------------------------------------------------------------------------
 
@@ -145,7 +185,8 @@ class Lookup:
         """The first-inserted verified block cached for position ``pos`` in ``group_id``."""
         pool = self.pool
         key = hash_key(self.hashes[pos])
-        target = key << 32 | (pos * pool.num_groups + group_id)
+        hidx = (pos + 1) * self.scale - 1
+        target = key << 32 | (hidx * pool.num_groups + group_id)
         hnext, hk, end = pool.hnext.a, pool.hk.a, pool.end
         block = pool.heads.a[(key + group_id * GROUP_MIX) & pool.mask]
         matches: list[int] = []
@@ -153,7 +194,22 @@ class Lookup:
             if hk[block] == target:
                 matches.append(block)
             block = hnext[block]
-        for candidate in reversed(matches):
+        matches.reverse()
+        extras = pool.extra_index.get((key, group_id, hidx)) if pool.extra_index else None
+        if extras:
+            # Primary and extra entries of the key, in insertion order: an extra right after
+            # the primaries cached before it (a prefix of ``matches``).
+            ordered = [(2 * i, 0, b, -1) for i, b in enumerate(matches)]
+            for b, (count, before) in extras.items():
+                prefix = sum(1 for m in matches if m in before)
+                src = pool.extras[b][key, group_id, hidx]
+                ordered.append((2 * prefix - 1, count, b, src))
+            ordered.sort()
+            for _, _, candidate, src in ordered:
+                if self.accepts(candidate, pos, src):
+                    return candidate
+            return MISS
+        for candidate in matches:
             if self.accepts(candidate, pos):
                 return candidate
         return MISS
@@ -176,7 +232,8 @@ class Lookup:
         groups = torch.tensor(group_ids, dtype=torch.int64)[:, None]
         keys = self.keys()[lo:hi]
         buckets = (keys + groups * GROUP_MIX) & pool.mask
-        targets = keys << 32 | (torch.arange(lo, hi) * pool.num_groups + groups)
+        hidx = (torch.arange(lo, hi) + 1) * self.scale - 1
+        targets = keys << 32 | (hidx * pool.num_groups + groups)
         current = pool.heads.t.index_select(0, buckets.view(-1))
         targets = targets.view(-1)
         best = torch.full(buckets.shape, MISS, dtype=torch.int64)
@@ -245,7 +302,11 @@ class Lookup:
             # whole span at once, and lane by lane only if that fails.
             at = own % width
             a, b = lo + int(at.min()), lo + int(at.max()) + 1
-            if self.content_agrees(src, b - 1) and self.hashes_agree(src, a, b):
+            if (
+                self.content_agrees(src, b - 1)
+                and self.lookahead_agrees(src, b - 1)
+                and self.hashes_agree(src, a, b)
+            ):
                 continue
             failed.extend(
                 lane

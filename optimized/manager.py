@@ -16,8 +16,9 @@ Data layout (G groups, R = ``max_num_reqs`` rows, W = ``max_blocks_per_req`` pos
                       the entries it changed to the device (one indexed copy).
     state[3, R, G]    int64, per row and group: [0] the table length (positions); [1] the
                       leading null positions (a window or chunk releases from the front only,
-                      so the nulls of a row are exactly positions 0 … nulls − 1); [2] the
-                      positions already entered into the prefix cache
+                      so the nulls of a row are exactly positions 0 … nulls − 1; for a Mamba
+                      "align" group, whose nulls sit between states, the positions retired);
+                      [2] the positions already entered into the prefix cache
     next[3, R]        int64, per row, when it next needs work, derived from ``state``: [0] the
                       tokens its tables hold (a step needing more takes blocks); [1] the
                       computed tokens at which a window or chunk next releases a block; [2] the
@@ -28,6 +29,13 @@ Both are ``IntBuffer``s (one flat buffer each, tensor and array views); ``state`
 request-major so that a batch gathers ``[n, G]`` blocks of it in one call. A request gets a row
 on its first successful allocation and gives it back when freed; ``row_of`` says which.
 Per-block state lives in ``TorchBlockPool``; lookups in ``hybridkv.optimized.lookup``.
+
+Groups of one block size take the paths above. With different block sizes every group keeps its
+own positions (``block_table(g)`` is as wide as the largest group's need), sees the hashes at its
+block size, and caches one call at a time (``_cache_general``: scheduler-block rounding, the
+prompt-tail partial entries); a Mamba ``"align"`` group sends every allocation through
+``hybridkv.optimized.mamba``. Such layouts are served request by request (the batched calls
+give the same results as the single ones).
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv.optimized import batch
+from hybridkv.optimized import batch, mamba
 from hybridkv.optimized._buffers import IntBuffer, int32_from_bytes, tensor_from_ints
 from hybridkv.optimized.batch import BATCH_MIN, BUSY_BATCH_MIN, INSERT_MIN
 from hybridkv.optimized.block_pool import TorchBlockPool, hash_key
@@ -47,6 +55,7 @@ from hybridkv.reference.engine_settings import EngineSettings
 from hybridkv.reference.events import BlockStored, KVCacheEvent, PrefixCacheStats
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import RequestLike
+from hybridkv.reference.single_type_managers import prompt_tokens
 from hybridkv.reference.snapshot import PoolSnapshot
 from hybridkv.reference.validation import (
     check_allocation,
@@ -65,7 +74,7 @@ from hybridkv.spec import (
 )
 from hybridkv.spec.errors import check_positive, require
 
-FULL, SLIDING, CHUNKED = range(3)
+FULL, SLIDING, CHUNKED, MAMBA = range(4)  # MAMBA: a Mamba group in "align" mode
 _HUGE = 1 << 50
 """Stands for "never" in the row thresholds (and the window of a group that never releases)."""
 BlockIds = tuple[tuple[int, ...], ...]
@@ -78,6 +87,7 @@ class GroupRule:
     kind: int
     block_size: int
     span: int = 0  # sliding window or attention chunk size
+    spec_blocks: int = 0  # a Mamba group's speculative blocks, after its state
 
     @staticmethod
     def of(spec: KVCacheSpec) -> GroupRule:
@@ -85,10 +95,12 @@ class GroupRule:
             return GroupRule(SLIDING, spec.block_size, spec.sliding_window)
         if isinstance(spec, ChunkedLocalAttentionSpec):
             return GroupRule(CHUNKED, spec.block_size, spec.attention_chunk_size)
+        if isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align":
+            return GroupRule(MAMBA, spec.block_size, 0, spec.num_speculative_blocks)
         if isinstance(spec, MambaSpec):
             # One running state ("none" mode): the states before the one holding the last
             # computed token are released, exactly as a window of two tokens releases.
-            return GroupRule(SLIDING, spec.block_size, 2)
+            return GroupRule(SLIDING, spec.block_size, 2, spec.num_speculative_blocks)
         return GroupRule(FULL, spec.block_size)
 
     def skipped_positions(self, num_computed_tokens: int) -> int:
@@ -96,12 +108,15 @@ class GroupRule:
             skipped = rules.sliding_window_skipped_tokens(num_computed_tokens, self.span)
         elif self.kind == CHUNKED:
             skipped = rules.chunked_local_skipped_tokens(num_computed_tokens, self.span)
+        elif self.kind == MAMBA:
+            skipped = rules.mamba_skipped_tokens(num_computed_tokens)
         else:
             return 0  # full attention skips nothing
         return rules.skipped_block_positions(skipped, self.block_size)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
-        return rules.attention_blocks_for_tokens(num_tokens, self.block_size)
+        blocks = rules.attention_blocks_for_tokens(num_tokens, self.block_size)
+        return blocks + self.spec_blocks
 
     @property
     def releases(self) -> bool:
@@ -135,14 +150,25 @@ class TorchKVCacheManager:
             use_eagle=use_eagle,
             num_hash_lookahead_tokens=num_hash_lookahead_tokens,
         )
-        _refuse_unported(config, self.settings)
         check_positive("max_num_reqs", max_num_reqs)
         self.config = config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.block_size = config.groups[0].spec.block_size
+        self.hash_block_size = self.settings.hash_block_size
+        self.block_size = self.settings.scheduler_block_size
         self.num_groups = len(config.groups)
         self.rules = [GroupRule.of(group.spec) for group in config.groups]
+        # One block size (the hash block size too): the vectorised paths and the one-key-per-
+        # block caching apply. Otherwise (groups with different block sizes) tables differ in
+        # width, each group sees the hashes at its block size, and requests go one by one.
+        self._uniform = all(
+            rule.block_size == self.block_size == self.hash_block_size for rule in self.rules
+        )
+        # A Mamba "align" group: every allocation goes through ``hybridkv.optimized.mamba``.
+        self._has_align = any(rule.kind == MAMBA for rule in self.rules)
+        self._mamba = mamba.MambaState()
+        self._general = not self._uniform or self._has_align
+        self._vector_ok = not self._general and not any(rule.spec_blocks for rule in self.rules)
         needed = max(rule.blocks_for_tokens(max_model_len) for rule in self.rules)
         if max_blocks_per_req is None:
             max_blocks_per_req = needed
@@ -181,6 +207,7 @@ class TorchKVCacheManager:
         chunks = [rule.span if rule.kind == CHUNKED else 0 for rule in self.rules]
         self._chunk = torch.tensor(chunks) if any(chunks) else None
         self._chunk_or_1 = torch.tensor(chunks).clamp(min=1)
+        self.retention_interval = config.prefix_cache_retention_interval
         self._admission_caps = [
             _admission_cap(group.spec, self.settings) for group in config.groups
         ]
@@ -189,12 +216,43 @@ class TorchKVCacheManager:
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(r - 1, -1, -1))
         self._row_src = [-1] * r
+        # Groups whose hits take the EAGLE last-block drop: the flagged drafter groups, or
+        # every group when none is flagged (``KVCacheCoordinator``).
+        eagle = {g for g, group in enumerate(config.groups) if group.is_eagle_group}
+        if self.settings.use_eagle and not eagle:
+            eagle = set(range(self.num_groups))
+        self._eagle_groups = eagle if self.settings.use_eagle else set()
+        self.lookahead = self.settings.num_hash_lookahead_tokens
         self._types = self._attention_types(config)
+        self._type_eagle = [
+            any(g in self._eagle_groups for g in group_ids) for _, group_ids in self._types
+        ]
+        # Per group: does its type take the EAGLE drop (``SingleTypeKVCacheManager.use_eagle``)?
+        self._group_eagle = [False] * self.num_groups
+        for (_, group_ids), eagle_type in zip(self._types, self._type_eagle, strict=True):
+            for group_id in group_ids:
+                self._group_eagle[group_id] = eagle_type
+        # Sliding-window groups that cache only the blocks a later hit can reach
+        # (``reachable_block_mask``): under sparse retention, or when a hit needs fewer of
+        # their blocks than a scheduler block holds.
+        self._sparse_groups = [
+            g
+            for g, group in enumerate(config.groups)
+            if isinstance(group.spec, SlidingWindowSpec)
+            and enable_caching
+            and (
+                self.retention_interval is not None
+                or self.block_size // group.spec.block_size
+                > rules.sliding_window_contiguous_blocks(
+                    group.spec.sliding_window, group.spec.block_size, self._group_eagle[g]
+                )
+            )
+        ]
         self._stats = PrefixCacheStats()
         self.vector_min = VECTOR_MIN
         self.batch_min = BATCH_MIN
         self.busy_batch_min = BUSY_BATCH_MIN
-        empty: BlockIds = tuple(() for _ in range(g))
+        empty: BlockIds = tuple(() for _ in range(self.num_groups))
         self._no_blocks = KVCacheBlocks(empty)
 
     @staticmethod
@@ -258,6 +316,8 @@ class TorchKVCacheManager:
         for g in range(g_count):
             i = row * g_count + g
             st[i] = st[rg + i] = st[2 * rg + i] = 0
+        if self._has_align:
+            mamba.release_row(self, row)
         src = self._row_src[row]
         if src >= 0:
             self._row_src[row] = -1
@@ -272,20 +332,39 @@ class TorchKVCacheManager:
         shared-prefix boundary (``KVCacheManager.get_computed_blocks``)."""
         if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
             return self._no_blocks, 0, 0
-        check_block_hashes(request, self.block_size)
+        hbs = self.hash_block_size
+        check_block_hashes(request, hbs, self.lookahead)
         max_length = request.num_tokens - 1
-        lookup = Lookup(self.pool, request, self.block_size, self.vector_min)
-        limit = min(max_length // self.block_size, len(request.block_hashes))
-        memos = [TypeProbe(lookup, group_ids, limit) for _, group_ids in self._types]
-        if len(memos) > 1 and self.vector_min <= limit * self.num_groups <= PRELOAD_MAX:
+        lookups: dict[int, Lookup] = {}
+        memos: list[TypeProbe] = []
+        for (spec, group_ids), eagle in zip(self._types, self._type_eagle, strict=True):
+            b = spec.block_size
+            lookup = lookups.get(b)
+            if lookup is None:
+                lookup = lookups[b] = Lookup(
+                    self.pool, request, b, self.vector_min, self.lookahead, b // hbs
+                )
+            # An EAGLE type of a hybrid matches one block beyond the candidate, then drops it.
+            extra = b if eagle and self.num_groups > 1 and not isinstance(spec, MambaSpec) else 0
+            limit = min((max_length + extra) // b, len(lookup.hashes))
+            memos.append(TypeProbe(lookup, group_ids, limit))
+        limit = memos[0].length
+        lookup = memos[0].lookup
+        if (
+            self._uniform
+            and len(memos) > 1
+            and lookup.vector_min <= limit * self.num_groups <= PRELOAD_MAX
+            and all(memo.length == limit for memo in memos)
+        ):
             best = lookup.probe_tensor(0, limit, range(self.num_groups))
             for (_, group_ids), memo in zip(self._types, memos, strict=True):
                 memo.preload(best, group_ids)
         hits: Sequence[list[int]]
         boundary = 0
         if self.num_groups == 1:
-            hits = self._type_hit(self._types[0][0], memos[0], max_length)
-            hit_length = len(hits[0]) * self.block_size
+            spec = self._types[0][0]
+            hits = self._type_hit(spec, memos[0], max_length, self._type_eagle[0], spec.block_size)
+            hit_length = len(hits[0]) * spec.block_size
         else:
             hits, hit_length, longest = self._hybrid_hit(memos, max_length)
             boundary = longest if longest > hit_length else 0
@@ -293,13 +372,24 @@ class TorchKVCacheManager:
         return KVCacheBlocks(tuple(tuple(h) for h in hits)), hit_length, boundary
 
     def new_step_starts(self) -> None:
-        """The scheduler begins a step (no per-step state without a Mamba ``"align"`` group)."""
+        """The scheduler begins a step: a Mamba state cached in the previous step may now be
+        adopted (no per-step state without a Mamba ``"align"`` group)."""
+        if self._has_align:
+            mamba.new_step_starts(self)
 
     def _type_hit(
-        self, spec: KVCacheSpec, memo: TypeProbe, max_length: int
+        self,
+        spec: KVCacheSpec,
+        memo: TypeProbe,
+        max_length: int,
+        drop: bool = False,
+        alignment: int = 0,
     ) -> tuple[list[int], ...]:
-        """One type's longest hit of at most ``max_length`` tokens (the ``longest_hit`` hook)."""
+        """One type's longest hit of at most ``max_length`` tokens (the ``longest_hit`` hook);
+        with ``drop`` (EAGLE) one block shorter; its length a multiple of ``alignment`` (the
+        scheduler block)."""
         b = spec.block_size
+        align = alignment or self.block_size
         length = min(max_length // b, memo.length)
         if isinstance(spec, FullAttentionSpec):
             if length >= self.vector_min:
@@ -307,18 +397,37 @@ class TorchKVCacheManager:
             else:
                 flags = WindowedFlags(memo, length, leftwards=False, span=length)
                 num = rules.full_attention_hit_blocks(flags, length)
-            return memo.blocks(0, num)
+            hit_length = num * b
+            if drop and hit_length > 0:
+                hit_length -= min(align, b)
+            hit_length -= hit_length % align
+            return memo.blocks(0, rules.cdiv(hit_length, b))
         if isinstance(spec, SlidingWindowSpec):
-            needed = rules.sliding_window_hit_blocks_needed(spec.sliding_window, b)
+            needed = rules.sliding_window_contiguous_blocks(spec.sliding_window, b, drop)
             flags = WindowedFlags(memo, length, leftwards=True, span=needed)
-            num, first = rules.sliding_window_hit_blocks(flags, needed)
+            if align == b:
+                num, first = rules.sliding_window_hit_blocks(flags, needed)
+                if drop and num > 0:
+                    num -= 1
+                return memo.blocks(first, num)
+            num, first = _aligned_window_hit(flags, length, needed, b, align, drop)
             return memo.blocks(first, num)
         if isinstance(spec, ChunkedLocalAttentionSpec):
             chunk = spec.attention_chunk_size
             flags = WindowedFlags(memo, length, leftwards=False, span=chunk // b + 1)
             num, first = rules.chunked_local_hit_blocks(flags, max_length, b, chunk)
             return memo.blocks(first, num)
-        raise AssertionError(f"no lookup for {spec!r}")  # Mamba looks up only in "align" mode
+        if isinstance(spec, MambaSpec):
+            # The largest aligned block boundary whose state is cached (Case 3).
+            flags = WindowedFlags(memo, length, leftwards=True, span=1)
+            for index in range(length - 1, -1, -1):
+                if not flags[index]:
+                    continue
+                if b != align and (index + 1) * b % align:
+                    continue
+                return memo.blocks(index, index + 1)
+            return memo.blocks(0, 0)
+        raise AssertionError(f"no lookup for {spec!r}")
 
     def _hybrid_hit(
         self, memos: list[TypeProbe], max_length: int
@@ -330,17 +439,28 @@ class TorchKVCacheManager:
         longest = 0
         simple_hybrid = len(self._types) == 2 and isinstance(self._types[0][0], FullAttentionSpec)
         looked_up: set[int] = set()
+        # Types whose EAGLE drop is already applied at the current candidate length.
+        eagle_verified: set[int] = set()
+        num_hashed = len(memos[0].lookup.request_hashes) * self.hash_block_size
         while True:
             length = hit_length
-            for (spec, group_ids), memo in zip(self._types, memos, strict=True):
+            for index, ((spec, group_ids), memo) in enumerate(zip(self._types, memos, strict=True)):
                 if isinstance(spec, FullAttentionSpec) and group_ids[0] in looked_up:
                     num_blocks = length // spec.block_size
                     length = num_blocks * spec.block_size
                     for group_id in group_ids:
                         del hits[group_id][num_blocks:]
                     continue
-                found = self._type_hit(spec, memo, length)
-                length = len(found[0]) * spec.block_size
+                drop = self._type_eagle[index] and index not in eagle_verified
+                extend = drop and not isinstance(spec, MambaSpec)
+                max_len = min(length + spec.block_size, num_hashed) if extend else length
+                found = self._type_hit(spec, memo, max_len, drop, self.block_size)
+                found_length = len(found[0]) * spec.block_size
+                if drop:
+                    eagle_verified.add(index)
+                elif found_length < length:
+                    eagle_verified.clear()
+                length = found_length
                 for group_id, blocks in zip(group_ids, found, strict=True):
                     hits[group_id] = blocks
                     looked_up.add(group_id)
@@ -382,6 +502,21 @@ class TorchKVCacheManager:
             holds_blocks=self._rows.__contains__,
             settings=self.settings,
         )
+        if self._has_align:
+            try:
+                return mamba.allocate(
+                    self,
+                    request,
+                    num_new_tokens,
+                    num_new_computed_tokens,
+                    hits,
+                    num_lookahead_tokens,
+                    delay_cache_blocks,
+                    full_sequence_must_fit,
+                )
+            finally:
+                if not self._defer_flush:
+                    self._flush()
         if full_sequence_must_fit and not self._whole_sequence_fits(
             request, num_new_computed_tokens, hits
         ):
@@ -503,18 +638,21 @@ class TorchKVCacheManager:
 
     def _refresh(self, row: int) -> None:
         """Recompute ``next`` for one row from its ``state``."""
-        st, rg, b, g_count = self._state.a, self._rg, self.block_size, self.num_groups
+        st, rg, g_count = self._state.a, self._rg, self.num_groups
         huge = _HUGE
         capacity = release = cache = huge
         at = row * g_count
         for g, rule in enumerate(self.rules):
+            b = rule.block_size
             length, nulls, cached = st[at + g], st[rg + at + g], st[2 * rg + at + g]
-            capacity = min(capacity, length * b)
+            capacity = min(capacity, (length - rule.spec_blocks) * b)
             if rule.kind == SLIDING:
                 release = min(release, (nulls + 1) * b + rule.span - 1)
             elif rule.kind == CHUNKED:
                 release = min(release, rules.cdiv((nulls + 1) * b, rule.span) * rule.span)
             cache = min(cache, (cached + 1) * b)
+        if self._general:
+            cache = 0  # scheduler-block rounding, prompt tails, Mamba: every call looks
         nxt, r = self._next.a, self.max_num_reqs
         nxt[row] = capacity
         nxt[r + row] = release
@@ -567,25 +705,31 @@ class TorchKVCacheManager:
 
     def _release_skipped(self, row: int, computed: int) -> None:
         """Release the blocks that left each window or chunk (``remove_skipped_blocks``)."""
-        st, rg, tab, g_count = self._state.a, self._rg, self._tab.a, self.num_groups
-        for g, rule in enumerate(self.rules):
-            if not rule.releases:
-                continue
-            i = row * g_count + g
-            skipped = min(rule.skipped_positions(computed), st[i])
-            nulls = st[rg + i]
-            if skipped <= nulls:
-                continue
-            base = self._base(g, row)
-            released = tab[base + nulls : base + skipped].tolist()
-            released.reverse()
-            tab[base + nulls : base + skipped] = _int_array([0] * (skipped - nulls))
-            st[rg + i] = skipped
-            self._touched(g, row, nulls, skipped)
-            self.pool.free_blocks(released)
+        for g in range(self.num_groups):
+            self._release_skipped_group(row, g, computed)
 
-    def _source_of(self, request: RequestLike, row: int, num_full: int) -> int:
-        """The row's source, created on its first cached block and kept current."""
+    def _release_skipped_group(self, row: int, g: int, computed: int) -> None:
+        """``_release_skipped`` of one group (nothing unless a window or chunk)."""
+        rule = self.rules[g]
+        if not rule.releases:
+            return
+        st, rg, tab = self._state.a, self._rg, self._tab.a
+        i = row * self.num_groups + g
+        skipped = min(rule.skipped_positions(computed), st[i])
+        nulls = st[rg + i]
+        if skipped <= nulls:
+            return
+        base = self._base(g, row)
+        released = tab[base + nulls : base + skipped].tolist()
+        released.reverse()
+        tab[base + nulls : base + skipped] = _int_array([0] * (skipped - nulls))
+        st[rg + i] = skipped
+        self._touched(g, row, nulls, skipped)
+        self.pool.free_blocks(released)
+
+    def _source_of(self, request: RequestLike, row: int, num_hashes: int, num_tokens: int) -> int:
+        """The row's source, created on its first cached block and kept current (it must have
+        ``num_hashes`` hashes and ``num_tokens`` tokens, lookahead tokens besides)."""
         pool = self.pool
         src = self._row_src[row]
         tokens, hashes = request.all_token_ids, request.block_hashes
@@ -595,31 +739,40 @@ class TorchKVCacheManager:
             self._row_src[row] = src
             return src
         source = pool.source(src)
-        if len(source.tokens) < num_full * self.block_size:
+        if len(source.tokens) < num_tokens + self.lookahead:
             source.tokens = tokens
-        if len(source.hashes) < num_full:
+        if len(source.hashes) < num_hashes:
             source.hashes = hashes
         return src
 
     def _cache(self, request: RequestLike, row: int, num_tokens: int) -> None:
         """Enter the row's full blocks covered by ``num_tokens`` into the prefix cache."""
+        if self._general:
+            self._cache_general(request, row, num_tokens)
+            return
         pool = self.pool
         b, g_count = self.block_size, self.num_groups
-        num_full = num_tokens // b
+        num_full = min(num_tokens // b, len(request.block_hashes))
         tab, st, at = self._tab.a, self._state.a, 2 * self._rg + row * g_count
         entries: list[tuple[int, int, int, int]] = []  # (block, group, position, hash index)
         hashes = request.block_hashes
         src = -1
+        boundaries: list[int] | None = None
         for g in range(g_count):
             start = st[at + g]
             if start >= num_full:
                 continue
             if src < 0:
-                src = self._source_of(request, row, num_full)
+                src = self._source_of(request, row, num_full, num_full * b)
             base = self._base(g, row)
             new_hashes = []
+            mask: Sequence[bool] | None = None
+            if g in self._sparse_groups:
+                if boundaries is None:
+                    boundaries = self._reachable_boundaries(request)
+                mask = self._retention_mask(request, g, start, num_full, boundaries)
             for pos, block in enumerate(tab[base + start : base + num_full], start):
-                if block:
+                if block and (mask is None or mask[pos - start]):
                     entries.append((block, g, pos, pos))
                     new_hashes.append(hashes[pos])
             st[at + g] = num_full
@@ -642,6 +795,126 @@ class TorchKVCacheManager:
         pool.insert_many(blocks, keys, groups, positions, torch.full_like(blocks, src))
         pool.source(src).refs += len(entries)
 
+    def _cacheable(self, num_tokens: int, g: int) -> int:
+        """``HybridCoordinator.num_cacheable_tokens``: hits land on scheduler blocks, so a
+        hybrid caches up to the last one (an EAGLE group one block past it)."""
+        if self.num_groups == 1:
+            return num_tokens
+        sb = self.block_size
+        aligned = num_tokens // sb * sb
+        if self._group_eagle[g] and aligned > 0:
+            return min(num_tokens, aligned + self.rules[g].block_size)
+        return aligned
+
+    def _cache_general(self, request: RequestLike, row: int, num_tokens: int) -> None:
+        """``_cache`` for groups with different block sizes: each group caches its full blocks
+        at its block size (keyed by the hash at the block's last hash boundary), one by one; a
+        full-attention block larger than the hash block also keeps the prompt's tail entry."""
+        pool, hbs, g_count = self.pool, self.hash_block_size, self.num_groups
+        tab, st, rg = self._tab.a, self._state.a, self._rg
+        hashes = request.block_hashes
+        num_hashed = len(hashes) * hbs
+        boundaries: list[int] | None = None
+        for g, rule in enumerate(self.rules):
+            b = rule.block_size
+            scale = b // hbs
+            tokens = self._cacheable(num_tokens, g)
+            if rule.kind == MAMBA:
+                if boundaries is None:
+                    boundaries = self._reachable_boundaries(request)
+                mamba.cache_mamba_group(self, request, row, g, tokens, boundaries)
+                continue
+            i = row * g_count + g
+            start = st[2 * rg + i]
+            num_full = min(tokens, num_hashed) // b
+            base = self._base(g, row)
+            if start < num_full:
+                src = self._source_of(request, row, num_full * scale, num_full * b)
+                view = hashes[scale - 1 :: scale] if scale > 1 else hashes
+                mask: Sequence[bool] | None = None
+                if g in self._sparse_groups:
+                    if boundaries is None:
+                        boundaries = self._reachable_boundaries(request)
+                    mask = self._retention_mask(request, g, start, num_full, boundaries)
+                new_hashes = []
+                for pos in range(start, num_full):
+                    block = tab[base + pos]
+                    if not block or (mask is not None and not mask[pos - start]):
+                        continue
+                    pool.remove_keys(block)
+                    hidx = (pos + 1) * scale - 1
+                    pool.insert(block, hashes[hidx], g, hidx, src)
+                    new_hashes.append(view[pos])
+                st[2 * rg + i] = num_full
+                self._mamba.running.add((row, g))
+                if pool.enable_kv_cache_events:
+                    parent = view[start - 1] if start else None
+                    stored = tuple(request.all_token_ids[start * b : num_full * b])
+                    pool.events.append(BlockStored(tuple(new_hashes), parent, stored, b, g))
+            if rule.kind == FULL and b != hbs:
+                self._cache_prompt_tail(request, row, g, tokens)
+
+    def _cache_prompt_tail(self, request: RequestLike, row: int, g: int, num_tokens: int) -> None:
+        """``FullAttentionManager._cache_prompt_tail``: the block holding the prompt's last hash
+        boundary also answers for it (an extra key beside a full-block key)."""
+        pool, hbs = self.pool, self.hash_block_size
+        b = self.rules[g].block_size
+        hashes = request.block_hashes
+        limit = prompt_tokens(request) - (0 if self._group_eagle[g] else 1)
+        boundary = min(limit // hbs, len(hashes)) * hbs
+        if boundary == 0 or boundary > num_tokens or boundary % b == 0:
+            return
+        index = boundary // b
+        if index >= self._state.a[row * self.num_groups + g]:
+            return
+        block = self._tab.a[self._base(g, row) + index]
+        if block == 0:
+            return
+        hidx = boundary // hbs - 1
+        src = self._source_of(request, row, hidx + 1, boundary)
+        already = pool.holds_key(block, src, hidx, g)
+        if not already and pool.src.a[block] >= 0 and (pool.hash_index(block) + 1) < hidx + 1:
+            pool.remove_keys(block)  # a shorter entry gives way
+        pool.insert_key(block, src, hidx, g)
+        if pool.enable_kv_cache_events and not already:
+            start = boundary - hbs
+            parent = hashes[start // hbs - 1] if start else None
+            stored = tuple(request.all_token_ids[start:boundary])
+            pool.events.append(BlockStored((hashes[hidx],), parent, stored, hbs, g))
+
+    def _reachable_boundaries(self, request: RequestLike) -> list[int]:
+        """Where a later request can resume (``KVCacheCoordinator.cache_blocks``): a resend of
+        the prompt, and the shared-prefix boundary the scheduler stored on the request."""
+        eagle = bool(self._eagle_groups)
+        boundaries = list(rules.replay_boundaries(prompt_tokens(request), self.block_size, eagle))
+        shared = int(getattr(request, "shared_prefix_boundary", 0))
+        if shared:
+            boundaries.append(shared)
+        return boundaries
+
+    def _retention_mask(
+        self, request: RequestLike, g: int, start: int, end: int, boundaries: Sequence[int]
+    ) -> Sequence[bool] | None:
+        """Which of positions ``start … end − 1`` a sliding-window group caches."""
+        spec = self.config.groups[g].spec
+        assert isinstance(spec, SlidingWindowSpec)
+        b = spec.block_size
+        eagle = self._group_eagle[g]
+        shared = int(getattr(request, "shared_prefix_boundary", 0))
+        if eagle and shared:
+            # A sibling diverging right after the junction cannot peek past it.
+            boundaries = [*boundaries, shared - b]
+        return rules.sliding_window_retention_mask(
+            start,
+            end,
+            alignment_tokens=self.block_size,
+            block_size=b,
+            contiguous_blocks=rules.sliding_window_contiguous_blocks(spec.sliding_window, b, eagle),
+            use_eagle=eagle,
+            retention_interval=self.retention_interval,
+            reachable_boundaries=boundaries,
+        )
+
     def allocate_slots_batch(
         self,
         requests: Sequence[RequestLike],
@@ -662,6 +935,8 @@ class TorchKVCacheManager:
 
     def free(self, request: RequestLike) -> None:
         """Release every block of the request, each group as one batch (a no-op if none)."""
+        if self._has_align:
+            mamba.free(self, request.request_id)
         row = self._rows.get(request.request_id)
         if row is None:
             return
@@ -678,10 +953,15 @@ class TorchKVCacheManager:
         check_cache_blocks(request, num_computed_tokens)
         if not self.enable_caching:
             return
-        check_block_hashes(request, self.block_size)
+        hbs = self.hash_block_size
+        check_block_hashes(request, hbs, self.lookahead)
         row = self._rows.get(request.request_id)
         if row is None:
-            if num_computed_tokens // self.block_size > 0:
+            num_hashed = len(request.block_hashes) * hbs
+            if any(
+                min(self._cacheable(num_computed_tokens, g), num_hashed) // rule.block_size > 0
+                for g, rule in enumerate(self.rules)
+            ):
                 raise KeyError(request.request_id)
             return
         self._cache(request, row, num_computed_tokens)
@@ -757,14 +1037,21 @@ class TorchKVCacheManager:
             for g in range(self.num_groups):
                 table = self.get_block_ids(request_id)[g]
                 nulls = self._state.a[self._rg + row * self.num_groups + g]
-                require(
-                    all(b == 0 for b in table[:nulls]) and all(b != 0 for b in table[nulls:]),
-                    f"request {request_id!r} group {g} has nulls outside positions 0 … {nulls - 1}",
-                )
-                require(
-                    nulls == 0 or self.rules[g].releases,
-                    f"request {request_id!r} of a full-attention group holds null blocks",
-                )
+                if self.rules[g].kind == MAMBA:
+                    # Nulls anywhere, but few real blocks (``_check_null_positions``).
+                    real = sum(1 for b in table if b)
+                    limit = 3 + self.rules[g].spec_blocks
+                    require(real <= limit, f"request {request_id!r} holds {real} Mamba blocks")
+                else:
+                    require(
+                        all(b == 0 for b in table[:nulls]) and all(b != 0 for b in table[nulls:]),
+                        f"request {request_id!r} group {g} has nulls outside positions 0 … "
+                        f"{nulls - 1}",
+                    )
+                    require(
+                        nulls == 0 or self.rules[g].releases,
+                        f"request {request_id!r} of a full-attention group holds null blocks",
+                    )
                 for block in table:
                     if block == 0:
                         continue
@@ -797,33 +1084,6 @@ class TorchKVCacheManager:
                 )
 
 
-def _refuse_unported(config: KVCacheConfig, settings: EngineSettings) -> None:
-    """Engine features the reference has and this backend does not yet: refused by name."""
-    sizes = sorted({group.spec.block_size for group in config.groups})
-    problems: list[str] = []
-    if len(sizes) > 1:
-        problems.append(f"groups with different block sizes {sizes}")
-    for group in config.groups:
-        spec = group.spec
-        if isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align":
-            problems.append("mamba_cache_mode='align'")
-        if isinstance(spec, MambaSpec) and spec.num_speculative_blocks:
-            problems.append(f"num_speculative_blocks={spec.num_speculative_blocks}")
-    sparse = any(isinstance(g.spec, SlidingWindowSpec | MambaSpec) for g in config.groups)
-    if config.prefix_cache_retention_interval is not None and sparse:
-        problems.append(f"prefix_cache_retention_interval={config.prefix_cache_retention_interval}")
-    if settings.use_eagle:
-        problems.append("use_eagle=True")
-    if settings.num_hash_lookahead_tokens:
-        problems.append(f"num_hash_lookahead_tokens={settings.num_hash_lookahead_tokens}")
-    if problems:
-        raise ValueError(
-            "the optimized backend does not implement "
-            + ", ".join(dict.fromkeys(problems))
-            + " yet; use hybridkv.reference.KVCacheManager"
-        )
-
-
 def _admission_cap(spec: KVCacheSpec, settings: EngineSettings) -> int | None:
     """A window's reservation in a full-prompt admission (``rules.max_blocks_*``)."""
     if isinstance(spec, SlidingWindowSpec):
@@ -841,6 +1101,34 @@ def _admission_cap(spec: KVCacheSpec, settings: EngineSettings) -> int | None:
             settings.max_in_flight_tokens,
         )
     return None
+
+
+def _aligned_window_hit(
+    flags: Sequence[bool], length: int, needed: int, b: int, align: int, drop: bool
+) -> tuple[int, int]:
+    """``SlidingWindowManager.find_longest_cache_hit`` when the scheduler block is larger than
+    the group's: ``(hit blocks, first real block)``, step for step."""
+    step = align // b
+    run = 0
+    for index in range(length - 1, -1, -1):
+        if not flags[index]:
+            run = 0
+            continue
+        if run == 0:
+            kept = index if drop else index + 1
+            if kept % step:
+                continue
+        run += 1
+        if run >= needed:
+            num, first = index + run, index
+            break
+    else:
+        num, first = run, 0
+        num -= num % step
+    if drop and num > 0:
+        num -= 1
+        num -= num % step
+    return num, min(first, num)
 
 
 def _int_array(values: Sequence[int]) -> array[int]:

@@ -27,6 +27,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -52,9 +53,10 @@ def make_manager(
     max_model_len: int,
     caching: bool = True,
     max_num_reqs: int = 256,
+    **engine: Any,
 ) -> TorchKVCacheManager:
     m = TorchKVCacheManager(
-        config, max_model_len, caching, device=device, max_num_reqs=max_num_reqs
+        config, max_model_len, caching, device=device, max_num_reqs=max_num_reqs, **engine
     )
     if device == "cpu":
         # Dry run: a separate "device" copy of the tables, kept up to date by ``_flush``.
@@ -68,8 +70,11 @@ def golden(device: str) -> None:
     start = time.perf_counter()
     matched = 0
 
-    def factory(config: KVCacheConfig, max_model_len: int, caching: bool) -> TorchKVCacheManager:
-        return make_manager(device, config, max_model_len, caching)
+    def factory(
+        config: KVCacheConfig, max_model_len: int, caching: bool, **engine: Any
+    ) -> TorchKVCacheManager:
+        # The engine traces pass their engine keywords (use_eagle, lookahead hashes, …).
+        return make_manager(device, config, max_model_len, caching, **engine)
 
     for name in names:
         try:

@@ -5,8 +5,7 @@ order, cached blocks, reference counts), with the backend's invariant checker ru
 step (the optimized backend's also checks its rows, row thresholds and device tables). The
 optimized backend runs on the CPU here; ``test_optimized_cuda`` replays traces on CUDA.
 
-The 189 unit-test traces run on both backends. The 150 engine traces run on the reference; the
-optimized backend replays those whose features it implements and refuses the others by name.
+The 189 unit-test traces and the 150 engine traces run on both backends.
 """
 
 from __future__ import annotations
@@ -49,11 +48,7 @@ def test_engine_trace_replays_identically_on_the_reference(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", trace_names("engine"))
-def test_engine_trace_replays_or_is_refused_by_name_on_the_optimized_backend(name: str) -> None:
-    refusal = ""
-    try:
-        _, divergence = replay_trace(name, TorchKVCacheManager, check_invariants=True)
-    except ValueError as error:
-        refusal, divergence = str(error), None
-    assert refusal == "" or refusal.startswith("the optimized backend does not implement "), refusal
+def test_engine_trace_replays_identically_on_the_optimized_backend(name: str) -> None:
+    matched, divergence = replay_trace(name, TorchKVCacheManager, check_invariants=True)
     assert divergence is None, str(divergence)
+    assert matched == len(load_trace(name)["observations"])

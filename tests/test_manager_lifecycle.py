@@ -20,7 +20,6 @@ from hybridkv.reference import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    KVCacheManager,
     PrefixCacheStats,
     Request,
     hash_block_tokens,
@@ -142,11 +141,11 @@ def test_prefix_cache_stats_mark_a_reset_and_keep_counting_across_it(
     assert m.make_prefix_cache_stats() == PrefixCacheStats()
 
 
-def test_a_mamba_block_spanning_max_model_len_is_one_state_block_per_request() -> None:
+def test_a_mamba_block_spanning_max_model_len_is_one_state_block_per_request(
+    make_manager: ManagerFactory,
+) -> None:
     """Allocation, Case 4: without prefix caching an engine gives the Mamba block
-    ``max_model_len`` tokens, so the group keeps one block whatever the length (the reference;
-    the optimized backend does not take groups of different block sizes yet)."""
-    make_manager = KVCacheManager
+    ``max_model_len`` tokens, so the group keeps one block whatever the length."""
     attention = FullAttentionSpec(block_size=4, **SIZES)
     mamba = MambaSpec(block_size=64, state_bytes=16)
     config = KVCacheConfig(

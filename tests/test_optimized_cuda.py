@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -27,9 +28,13 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @needs_cuda
 def test_golden_traces_replay_identically_on_cuda() -> None:
-    def on_cuda(config: KVCacheConfig, max_model_len: int, caching: bool) -> TorchKVCacheManager:
-        return TorchKVCacheManager(config, max_model_len, caching, device="cuda")
+    def on_cuda(
+        config: KVCacheConfig, max_model_len: int, caching: bool, **engine: Any
+    ) -> TorchKVCacheManager:
+        return TorchKVCacheManager(config, max_model_len, caching, device="cuda", **engine)
 
+    # Every twelfth trace of both sets: engine features (Mamba tables, speculative blocks,
+    # tables of different widths) included.
     for name in trace_names()[::12]:
         _, divergence = replay_trace(name, on_cuda, check_invariants=True)
         assert divergence is None, str(divergence)

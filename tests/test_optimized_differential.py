@@ -48,6 +48,81 @@ def layouts(draw: st.DrawFn) -> tuple[tuple[KVCacheSpec, ...], bool]:
     return specs, caching
 
 
+@dataclass(frozen=True)
+class Layout:
+    """A drawn layout: groups, caching, retention and the manager's engine keywords."""
+
+    specs: tuple[KVCacheSpec, ...]
+    caching: bool
+    retention: int | None = None
+    use_eagle: bool = False
+    lookahead: int = 0
+
+
+@st.composite
+def unit_layouts(draw: st.DrawFn) -> Layout:
+    specs, caching = draw(layouts())
+    return Layout(specs, caching)
+
+
+@st.composite
+def engine_layouts(draw: st.DrawFn) -> Layout:
+    """vLLM 0.33 engine features: groups with different block sizes, Mamba ``"align"`` groups
+    (speculative and checkpoint blocks), sparse retention, EAGLE drops or lookahead hashes."""
+    b = draw(st.sampled_from([1, 2, 4]))
+    kind = draw(st.sampled_from(["mixed", "mamba", "retention"]))
+    specs: tuple[KVCacheSpec, ...]
+    if kind == "mixed":
+        scale = draw(st.sampled_from([2, 4]))
+        window = draw(st.integers(2, 12))
+        choices: list[KVCacheSpec] = [
+            FullAttentionSpec(block_size=b, **SIZES),
+            FullAttentionSpec(block_size=b * scale, **SIZES),
+            SlidingWindowSpec(block_size=b, sliding_window=window, **SIZES),
+            SlidingWindowSpec(block_size=b * scale, sliding_window=window, **SIZES),
+        ]
+        specs = (choices[draw(st.sampled_from([0, 1]))], choices[draw(st.sampled_from([2, 3]))])
+        if specs[0].block_size == specs[1].block_size:
+            specs = (specs[0], choices[3 if specs[1] is choices[2] else 2])
+    elif kind == "mamba":
+        mamba = MambaSpec(
+            block_size=b,
+            state_bytes=16,
+            mamba_cache_mode="align",
+            num_speculative_blocks=draw(st.integers(0, 2)),
+            num_prefill_checkpoint_blocks=draw(st.integers(0, 1)),
+            prefill_checkpoint_alignment=draw(st.sampled_from([None, 1])),
+        )
+        others: list[KVCacheSpec] = draw(
+            st.lists(
+                st.sampled_from(
+                    [
+                        FullAttentionSpec(block_size=b, **SIZES),
+                        SlidingWindowSpec(block_size=b, sliding_window=5, **SIZES),
+                    ]
+                ),
+                max_size=2,
+            )
+        )
+        specs = (*others, mamba)
+    else:
+        specs = (
+            FullAttentionSpec(block_size=b, **SIZES),
+            SlidingWindowSpec(block_size=b, sliding_window=draw(st.integers(2, 12)), **SIZES),
+        )
+    sizes = [s.block_size for s in specs]
+    scheduler = max(sizes)
+    retention = draw(st.sampled_from([None, 0, scheduler, 2 * scheduler]))
+    drafting = draw(st.sampled_from(["none", "none", "eagle", "lookahead"]))
+    return Layout(
+        specs,
+        True,
+        retention,
+        use_eagle=drafting == "eagle",
+        lookahead=1 if drafting == "lookahead" else 0,
+    )
+
+
 @dataclass
 class Twin:
     """One request as seen by each backend (separate objects: nothing shared by accident)."""
@@ -67,22 +142,45 @@ def same_state(ref: KVCacheManager, opt: TorchKVCacheManager, ids: list[str]) ->
     opt.check_invariants()
 
 
-def run_traffic(data: st.DataObject, vector_min: int, batched: bool, batch_min: int = 1) -> None:
-    specs, caching = data.draw(layouts())
-    b = specs[0].block_size
+def run_traffic(
+    data: st.DataObject,
+    vector_min: int,
+    batched: bool,
+    batch_min: int = 1,
+    layout_strategy: st.SearchStrategy[Layout] | None = None,
+) -> None:
+    layout = data.draw(unit_layouts() if layout_strategy is None else layout_strategy)
+    specs, caching = layout.specs, layout.caching
     num_blocks = data.draw(st.integers(2, 40))
     groups = tuple(KVCacheGroup((f"l{i}",), s) for i, s in enumerate(specs))
-    config = KVCacheConfig(num_blocks, groups)
+    config = KVCacheConfig(num_blocks, groups, prefix_cache_retention_interval=layout.retention)
     events = caching and data.draw(st.booleans())
-    ref = KVCacheManager(config, MAX_MODEL_LEN, caching, enable_kv_cache_events=events)
-    opt = TorchKVCacheManager(
-        config, MAX_MODEL_LEN, caching, enable_kv_cache_events=events, max_num_reqs=8
+    eagle, hash_lookahead = layout.use_eagle, layout.lookahead
+    ref = KVCacheManager(
+        config,
+        MAX_MODEL_LEN,
+        caching,
+        enable_kv_cache_events=events,
+        use_eagle=eagle,
+        num_hash_lookahead_tokens=hash_lookahead,
     )
+    opt = TorchKVCacheManager(
+        config,
+        MAX_MODEL_LEN,
+        caching,
+        enable_kv_cache_events=events,
+        max_num_reqs=8,
+        use_eagle=eagle,
+        num_hash_lookahead_tokens=hash_lookahead,
+    )
+    b = ref.hash_block_size
     opt.vector_min = vector_min
     opt.batch_min = opt.busy_batch_min = batch_min
     twins: dict[str, Twin] = {}
     prefixes = [[], [5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8]]
     for step in range(data.draw(st.integers(5, 40))):
+        ref.new_step_starts()
+        opt.new_step_starts()
         op = data.draw(st.sampled_from(["add", "lookup", "alloc", "decode", "free", "reset"]))
         waiting = sorted(r for r, t in twins.items() if not t.running)
         running = sorted(r for r, t in twins.items() if t.running)
@@ -95,8 +193,20 @@ def run_traffic(data: st.DataObject, vector_min: int, batched: bool, batch_min: 
             salt = data.draw(st.sampled_from([None, None, "s"]))
             rid = f"r{step}"
             twins[rid] = Twin(
-                Request(rid, prompt, hash_block_size=b, cache_salt=salt),
-                Request(rid, list(prompt), hash_block_size=b, cache_salt=salt),
+                Request(
+                    rid,
+                    prompt,
+                    hash_block_size=b,
+                    cache_salt=salt,
+                    num_hash_lookahead_tokens=hash_lookahead,
+                ),
+                Request(
+                    rid,
+                    list(prompt),
+                    hash_block_size=b,
+                    cache_salt=salt,
+                    num_hash_lookahead_tokens=hash_lookahead,
+                ),
             )
         elif op == "lookup" and waiting:
             t = twins[data.draw(st.sampled_from(waiting))]
@@ -193,3 +303,17 @@ def test_batched_steps_match_sequential_reference_calls(data: st.DataObject) -> 
     """Every batch vectorised (however small), and batches split between vectorised and
     single-request work (``batch_min`` 3)."""
     run_traffic(data, vector_min=1, batched=True, batch_min=data.draw(st.sampled_from([1, 3])))
+
+
+@SETTINGS
+@given(st.data())
+def test_engine_layouts_match_the_reference(data: st.DataObject) -> None:
+    """Groups with different block sizes, Mamba ``"align"`` groups, sparse retention, EAGLE
+    drops and lookahead hashes: single calls and batches (served request by request where the
+    layout needs it), both probe paths."""
+    run_traffic(
+        data,
+        vector_min=data.draw(st.sampled_from([1, 10_000])),
+        batched=data.draw(st.booleans()),
+        layout_strategy=engine_layouts(),
+    )

@@ -1,0 +1,516 @@
+"""The per-request path of layouts with a Mamba ``"align"`` group, over the backend's own state.
+
+A Mamba ``"align"`` table holds a real block only where a state lives (the running state, the
+previous one, a prefill checkpoint, the speculative blocks) and nulls everywhere else, so its
+nulls are no prefix and the row thresholds and the vectorised step of
+``hybridkv.optimized.batch`` do not apply. A manager with such a group serves every allocation
+here, one request at a time, step for step as ``KVCacheManager.allocate_slots`` does, with the
+same flat state: the block tables ``_tab``, the lengths ``state[0]`` and the cached positions
+``state[2]`` of ``hybridkv.optimized.manager`` and the ``TorchBlockPool``. ``state[1]`` is the
+leading nulls of an attention group and, for a Mamba group, the positions already retired.
+
+What the Mamba manager of the reference keeps besides a table lives in ``MambaState``, keyed by
+(request id, group): the allocated flag, the previous state's position, the checkpoint this
+allocation reserves, and the keys cached in the current step (the same-step rule).
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from hybridkv.reference.events import BlockStored
+from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
+from hybridkv.reference.request import RequestLike
+from hybridkv.reference.single_type_managers import prompt_tokens
+from hybridkv.spec import MambaSpec, rules
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from hybridkv.optimized.manager import BlockIds, TorchKVCacheManager
+
+MAMBA_KIND = 3
+"""``GroupRule.kind`` of a Mamba ``"align"`` group (``hybridkv.optimized.manager.MAMBA``)."""
+
+Key = tuple[bytes, int]
+"""A cache key: (block hash, group id), ``BlockHashWithGroupId``."""
+
+
+@dataclass
+class MambaState:
+    """``MambaManager``'s bookkeeping beside the tables, for every Mamba ``"align"`` group."""
+
+    allocated: set[tuple[str, int]] = field(default_factory=set)
+    last_state: dict[tuple[str, int], int] = field(default_factory=dict)
+    checkpoints: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
+    cached_this_step: dict[int, set[Key]] = field(default_factory=dict)
+    # (row, group) pairs tracked as running (``num_cached_block`` of the reference).
+    running: set[tuple[int, int]] = field(default_factory=set)
+
+    def forget(self, request_id: str, groups: Sequence[int]) -> None:
+        for g in groups:
+            self.allocated.discard((request_id, g))
+            self.last_state.pop((request_id, g), None)
+            self.checkpoints.pop((request_id, g), None)
+
+
+def allocate(
+    m: TorchKVCacheManager,
+    request: RequestLike,
+    num_new_tokens: int,
+    num_new_computed_tokens: int,
+    hits: BlockIds,
+    num_lookahead_tokens: int,
+    delay_cache_blocks: bool,
+    full_sequence_must_fit: bool,
+) -> KVCacheBlocks | None:
+    """``KVCacheManager.allocate_slots`` after validation."""
+    request_id = request.request_id
+    num_local_computed = request.num_computed_tokens + num_new_computed_tokens
+    total_computed = min(num_local_computed, m.max_model_len)
+    prefill_end = max(prompt_tokens(request), request.num_tokens - 1)
+    if full_sequence_must_fit:
+        full_length = min(request.num_tokens, m.max_model_len)
+        needed = _num_blocks(
+            m, request_id, full_length, hits, total_computed, full_length, True, prefill_end
+        )
+        if needed > m.pool.num_free_blocks:
+            return None
+    main = total_computed + num_new_tokens
+    need_slot = min(main + num_lookahead_tokens, m.max_model_len)
+    in_flight = int(getattr(request, "num_in_flight_tokens", 0))
+    row = m._rows.get(request_id)
+    if row is not None:
+        _remove_skipped(m, request_id, row, max(0, total_computed - in_flight))
+    needed = _num_blocks(
+        m, request_id, need_slot, hits, num_local_computed, main, False, prefill_end
+    )
+    if needed > m.pool.num_free_blocks:
+        if row is not None:
+            m._refresh(row)  # windows may have released blocks
+        return None
+    if row is None:
+        row = m._take_row(request_id)
+        if any(hits):
+            m._adopt(row, hits, num_local_computed)
+            for g, rule in enumerate(m.rules):
+                m._mamba.running.add((row, g))
+                if rule.kind == MAMBA_KIND:
+                    m._state.a[m._rg + row * m.num_groups + g] = 0
+    new_blocks = tuple(
+        _allocate_group(m, request_id, row, g, need_slot, main) for g in range(m.num_groups)
+    )
+    if not delay_cache_blocks:
+        cache(m, request, row, min(total_computed + num_new_tokens, request.num_tokens))
+    m._refresh(row)
+    return KVCacheBlocks(new_blocks)
+
+
+def _num_evictable(m: TorchKVCacheManager, blocks: Sequence[int]) -> int:
+    ref = m.pool.ref.a
+    return sum(1 for b in blocks if b != 0 and ref[b] == 0)
+
+
+def _num_blocks(
+    m: TorchKVCacheManager,
+    request_id: str,
+    num_tokens: int,
+    hits: BlockIds,
+    total_computed: int,
+    main: int,
+    apply_cap: bool,
+    prefill_end: int,
+) -> int:
+    """``KVCacheCoordinator.get_num_blocks_to_allocate`` (which also records each Mamba
+    group's checkpoint reservation, unless it is a full-prompt admission's check)."""
+    if m.retention_interval != 0:
+        prefill_end = 0
+    row = m._rows.get(request_id)
+    st, g_count = m._state.a, m.num_groups
+    total = 0
+    for g, rule in enumerate(m.rules):
+        group_hits = hits[g]
+        held = st[row * g_count + g] if row is not None else 0
+        if rule.kind == MAMBA_KIND:
+            total += _mamba_num_blocks(
+                m, request_id, g, held, group_hits, total_computed, main, apply_cap, prefill_end
+            )
+            continue
+        required = rule.blocks_for_tokens(num_tokens)
+        cap = m._admission_caps[g]
+        if apply_cap and cap is not None:
+            required = min(required, cap)
+        if row is not None and (row, g) in m._mamba.running:
+            total += max(required - held, 0)
+            continue
+        skipped = rule.skipped_positions(total_computed)
+        num_new = max(required - max(skipped, len(group_hits) + held), 0)
+        total += num_new + _num_evictable(m, group_hits[max(0, skipped - held) :])
+    return total
+
+
+def _primary_key(m: TorchKVCacheManager, block: int) -> Key | None:
+    pool = m.pool
+    if block == 0 or pool.src.a[block] < 0:
+        return None
+    return pool.block_hash(block), (pool.hk.a[block] & 0xFFFFFFFF) % pool.num_groups
+
+
+def _mamba_num_blocks(
+    m: TorchKVCacheManager,
+    request_id: str,
+    g: int,
+    held: int,
+    group_hits: Sequence[int],
+    total_computed: int,
+    main: int,
+    apply_cap: bool,
+    prefill_end: int,
+) -> int:
+    """``MambaManager.get_num_blocks_to_allocate`` in ``"align"`` mode."""
+    state = m._mamba
+    if group_hits and _primary_key(m, group_hits[-1]) in state.cached_this_step.get(g, ()):
+        # The same-step rule: a state cached in this step is still being written.
+        return m.pool.num_blocks + 1
+    spec = m.rules[g]
+    b = spec.block_size
+    required = rules.cdiv(main, b) + spec.spec_blocks
+    num_new = required - len(group_hits) - held
+    checkpoint = _checkpoint_position(m, request_id, g, total_computed, main, prefill_end)
+    if not apply_cap:
+        if checkpoint > 0:
+            state.checkpoints[request_id, g] = (checkpoint, rules.cdiv(main, b) - 2)
+        else:
+            state.checkpoints.pop((request_id, g), None)
+    if num_new > 0:
+        cap = 1 + int(checkpoint > 0)
+        if (request_id, g) not in state.allocated:
+            cap += spec.spec_blocks
+        num_new = min(num_new, cap)
+    return num_new + _num_evictable(m, group_hits)
+
+
+def _checkpoint_position(
+    m: TorchKVCacheManager,
+    request_id: str,
+    g: int,
+    query_start: int,
+    query_end: int,
+    prefill_end: int,
+) -> int:
+    """``MambaManager._checkpoint_position``: the prefill checkpoint this chunk reserves a
+    block for, or 0."""
+    spec = m.config.groups[g].spec
+    assert isinstance(spec, MambaSpec)
+    b = spec.block_size
+    if not (spec.num_prefill_checkpoint_blocks > 0 and query_end >= prefill_end):
+        return 0
+    position = rules.mamba_prefill_checkpoint_position(
+        query_end, m.block_size, m.settings.use_eagle, m.lookahead
+    )
+    if not rules.mamba_prefill_checkpoint_valid(
+        query_start,
+        query_end,
+        position,
+        m.hash_block_size,
+        b,
+        spec.prefill_checkpoint_alignment,
+    ):
+        return 0
+    index = rules.cdiv(query_end, b) - 2
+    if index < 0:
+        return 0
+    row = m._rows.get(request_id)
+    length = m._state.a[row * m.num_groups + g] if row is not None else 0
+    if (
+        row is None
+        or index >= length
+        or m._tab.a[m._base(g, row) + index] == 0
+        or ((request_id, g) in m._mamba.allocated and index >= length - spec.num_speculative_blocks)
+    ):
+        return position
+    return 0
+
+
+def _allocate_group(
+    m: TorchKVCacheManager, request_id: str, row: int, g: int, num_tokens: int, main: int
+) -> tuple[int, ...]:
+    """``allocate_new_blocks`` of one group: its new blocks (a Mamba group also returns the
+    nulls and the speculative blocks it moved)."""
+    rule = m.rules[g]
+    st, tab = m._state.a, m._tab.a
+    i = row * m.num_groups + g
+    base = m._base(g, row)
+    length = st[i]
+    if rule.kind != MAMBA_KIND:
+        count = rule.blocks_for_tokens(num_tokens) - length
+        if count <= 0:
+            return ()
+        blocks = m.pool.pop_n(count)
+        _write(m, g, row, length, blocks)
+        st[i] = length + count
+        return tuple(blocks)
+    state = m._mamba
+    spec_blocks = rule.spec_blocks
+    required = rules.cdiv(main, rule.block_size) + spec_blocks
+    checkpoint = int((request_id, g) in state.checkpoints)
+    if required <= length and not checkpoint:
+        state.allocated.add((request_id, g))
+        return ()
+    table = tab[base : base + length].tolist()
+    allocated_before = (request_id, g) in state.allocated
+    if allocated_before:
+        state.last_state[request_id, g] = length - 1 - spec_blocks
+    elif length > 0:
+        state.last_state[request_id, g] = length - 1
+    state_position = required - spec_blocks - 1
+    null_end = state_position - checkpoint
+    if length < state_position:
+        table.extend([0] * (null_end - length))
+    if allocated_before:
+        for index in range(length - spec_blocks, length):
+            if index >= null_end:
+                break
+            table.append(table[index])
+            table[index] = 0
+    new_blocks = m.pool.pop_n(max(required - len(table), 0))
+    appended = table[length:] + new_blocks
+    table.extend(new_blocks)
+    if len(table) > m.max_blocks_per_req:
+        raise ValueError(
+            f"max_blocks_per_req {m.max_blocks_per_req} cannot hold the Mamba table of "
+            f"{request_id!r} ({len(table)} positions)"
+        )
+    _write(m, g, row, 0, table)
+    st[i] = len(table)
+    state.allocated.add((request_id, g))
+    return tuple(appended)
+
+
+def _write(m: TorchKVCacheManager, g: int, row: int, lo: int, blocks: Sequence[int]) -> None:
+    base = m._base(g, row)
+    m._tab.a[base + lo : base + lo + len(blocks)] = _int_array(blocks)
+    m._touched(g, row, lo, lo + len(blocks))
+
+
+def _int_array(values: Sequence[int]) -> array[int]:
+    return array("i", values)
+
+
+def _remove_skipped(m: TorchKVCacheManager, request_id: str, row: int, computed: int) -> None:
+    """``remove_skipped_blocks`` of every group, in group order."""
+    st, tab, rg, g_count = m._state.a, m._tab.a, m._rg, m.num_groups
+    for g, rule in enumerate(m.rules):
+        if rule.kind != MAMBA_KIND:
+            m._release_skipped_group(row, g, computed)
+            continue
+        i = row * g_count + g
+        base = m._base(g, row)
+        length = st[i]
+        skipped = rules.mamba_skipped_tokens(computed) // rule.block_size
+        if skipped > 0:
+            first, last = st[rg + i], min(skipped, length)
+            if first < last:
+                released = []
+                for index in range(last - 1, first - 1, -1):
+                    block = tab[base + index]
+                    if block:
+                        released.append(block)
+                        tab[base + index] = 0
+                m._touched(g, row, first, last)
+                m.pool.free_blocks(released)
+                st[rg + i] = last
+        last_state = m._mamba.last_state.get((request_id, g))
+        if last_state is not None and last_state < rules.cdiv(computed, rule.block_size) - 1:
+            block = tab[base + last_state]
+            if block:
+                m.pool.free_blocks([block])
+                tab[base + last_state] = 0
+                m._touched(g, row, last_state, last_state + 1)
+
+
+def free(m: TorchKVCacheManager, request_id: str) -> None:
+    """Forget a request's Mamba bookkeeping (its tables go with its row)."""
+    m._mamba.forget(request_id, range(m.num_groups))
+
+
+def release_row(m: TorchKVCacheManager, row: int) -> None:
+    for g in range(m.num_groups):
+        m._mamba.running.discard((row, g))
+
+
+def new_step_starts(m: TorchKVCacheManager) -> None:
+    m._mamba.cached_this_step.clear()
+
+
+# --- Caching ------------------------------------------------------------------------------
+
+
+def cache(m: TorchKVCacheManager, request: RequestLike, row: int, num_tokens: int) -> None:
+    """``KVCacheCoordinator.cache_blocks`` for a layout with a Mamba ``"align"`` group: the
+    attention groups as ``_cache_general`` does, the Mamba groups with their states, tail and
+    checkpoint entries."""
+    m._cache_general(request, row, num_tokens)
+
+
+def cache_mamba_group(
+    m: TorchKVCacheManager,
+    request: RequestLike,
+    row: int,
+    g: int,
+    num_tokens: int,
+    boundaries: Sequence[int],
+) -> None:
+    """``MambaManager.cache_blocks`` of group ``g`` (``num_tokens``: its cacheable tokens)."""
+    pool, hbs, g_count = m.pool, m.hash_block_size, m.num_groups
+    st, tab, rg = m._state.a, m._tab.a, m._rg
+    rule = m.rules[g]
+    b = rule.block_size
+    hashes = request.block_hashes
+    i = row * g_count + g
+    base = m._base(g, row)
+    start = st[2 * rg + i]
+    num_full = min(num_tokens, len(hashes) * hbs) // b
+    this_step = m._mamba.cached_this_step.setdefault(g, set())
+    if start < num_full:
+        src = m._source_of(request, row, num_full, num_full * b)
+        eagle = m._group_eagle[g]
+        reach = list(boundaries)
+        shared = int(getattr(request, "shared_prefix_boundary", 0))
+        if shared and eagle:
+            reach.append(shared - b)
+        mask = rules.mamba_retention_mask(
+            start,
+            num_full,
+            alignment_tokens=m.block_size,
+            block_size=b,
+            retention_interval=m.retention_interval,
+            reachable_boundaries=reach,
+        )
+        new_hashes = []
+        for pos in range(start, num_full):
+            block = tab[base + pos]
+            if not block or (mask is not None and not mask[pos - start]):
+                continue
+            pool.remove_keys(block)
+            pool.insert(block, hashes[pos], g, pos, src)
+            new_hashes.append(hashes[pos])
+        st[2 * rg + i] = num_full
+        m._mamba.running.add((row, g))
+        if pool.enable_kv_cache_events:
+            parent = hashes[start - 1] if start else None
+            stored = tuple(request.all_token_ids[start * b : num_full * b])
+            pool.events.append(BlockStored(tuple(new_hashes), parent, stored, b, g))
+    after = st[2 * rg + i]
+    key = _cache_partial_tail(m, request, row, g, num_tokens)
+    if key is not None:
+        this_step.add(key)
+    for pos in range(start, after):
+        found = _primary_key(m, tab[base + pos])
+        if found is not None:
+            this_step.add(found)
+
+
+def _cache_partial_tail(
+    m: TorchKVCacheManager, request: RequestLike, row: int, g: int, num_tokens: int
+) -> Key | None:
+    """``MambaManager._cache_partial_tail``."""
+    request_id = request.request_id
+    b = m.rules[g].block_size
+    hbs = m.hash_block_size
+    length = m._state.a[row * m.num_groups + g]
+    base = m._base(g, row)
+    checkpoint = m._mamba.checkpoints.get((request_id, g))
+    if checkpoint is not None:
+        position, index = checkpoint
+        return _cache_checkpoint(m, request, row, g, position, m._tab.a[base + index])
+    if num_tokens <= 0 or num_tokens % hbs:
+        return None
+    boundary = rules.mamba_prefill_checkpoint_position(
+        prompt_tokens(request), hbs, m.settings.use_eagle, m.lookahead
+    )
+    if num_tokens != boundary:
+        return None
+    index = rules.cdiv(num_tokens, b) - 1
+    if index >= length or m._tab.a[base + index] == 0:
+        return None
+    block = m._tab.a[base + index]
+    if _primary_tokens(m, block) == num_tokens:
+        return None
+    return _cache_partial_block(m, request, row, block, num_tokens, g, replace=False)
+
+
+def _primary_tokens(m: TorchKVCacheManager, block: int) -> int | None:
+    """``block_hash_num_tokens``: the tokens the block's primary key covers."""
+    if m.pool.src.a[block] < 0:
+        return None
+    return (m.pool.hash_index(block) + 1) * m.hash_block_size
+
+
+def _cache_checkpoint(
+    m: TorchKVCacheManager,
+    request: RequestLike,
+    row: int,
+    g: int,
+    position: int,
+    block: int,
+) -> Key | None:
+    """``MambaManager._cache_checkpoint``."""
+    b = m.rules[g].block_size
+    is_prompt_checkpoint = position == rules.mamba_prefill_checkpoint_position(
+        prompt_tokens(request), m.block_size, m.settings.use_eagle, m.lookahead
+    )
+    is_retained = False
+    if position % b == 0:
+        state_index = position // b - 1
+        mask = rules.mamba_retention_mask(
+            state_index,
+            state_index + 1,
+            alignment_tokens=m.block_size,
+            block_size=b,
+            retention_interval=m.retention_interval,
+            reachable_boundaries=(),
+        )
+        is_retained = mask is None or mask[0]
+    shared = int(getattr(request, "shared_prefix_boundary", 0))
+    if not (is_prompt_checkpoint or is_retained or position == shared):
+        if block:
+            m.pool.remove_keys(block)
+        return None
+    if block == 0 or _primary_tokens(m, block) == position:
+        return None
+    return _cache_partial_block(m, request, row, block, position, g, replace=True)
+
+
+def _cache_partial_block(
+    m: TorchKVCacheManager,
+    request: RequestLike,
+    row: int,
+    block: int,
+    num_tokens: int,
+    g: int,
+    *,
+    replace: bool,
+) -> Key:
+    """``BlockPool.cache_partial_block`` (``block`` is not the null block)."""
+    pool, hbs = m.pool, m.hash_block_size
+    hashes = request.block_hashes
+    hidx = num_tokens // hbs - 1
+    src = m._source_of(request, row, hidx + 1, num_tokens)
+    already = pool.holds_key(block, src, hidx, g)
+    if replace:
+        pool.remove_keys(block)
+        already = False
+    elif not already:
+        tokens = _primary_tokens(m, block)
+        if tokens is not None and tokens < num_tokens:
+            pool.remove_keys(block)
+    pool.insert_key(block, src, hidx, g)
+    if pool.enable_kv_cache_events and not already:
+        start = num_tokens - hbs
+        parent = hashes[start // hbs - 1] if start else None
+        stored = tuple(request.all_token_ids[start:num_tokens])
+        pool.events.append(BlockStored((hashes[hidx],), parent, stored, hbs, g))
+    return hashes[hidx], g
