@@ -432,44 +432,27 @@ class TorchKVCacheManager:
     def _hybrid_hit(
         self, memos: list[TypeProbe], max_length: int
     ) -> tuple[list[list[int]], int, int]:
-        """``HybridCoordinator.find_longest_cache_hit``, step for step; also the longest length
-        one type found on its own."""
+        """``rules.hybrid_hit_length`` over the attention types (as the reference coordinator
+        calls it), each type probed through its memo; also the longest length one type found
+        on its own."""
         hits: list[list[int]] = [[] for _ in range(self.num_groups)]
-        hit_length = max_length
-        longest = 0
-        simple_hybrid = len(self._types) == 2 and isinstance(self._types[0][0], FullAttentionSpec)
-        looked_up: set[int] = set()
-        # Types whose EAGLE drop is already applied at the current candidate length.
-        eagle_verified: set[int] = set()
         num_hashed = len(memos[0].lookup.request_hashes) * self.hash_block_size
-        while True:
-            length = hit_length
-            for index, ((spec, group_ids), memo) in enumerate(zip(self._types, memos, strict=True)):
-                if isinstance(spec, FullAttentionSpec) and group_ids[0] in looked_up:
-                    num_blocks = length // spec.block_size
-                    length = num_blocks * spec.block_size
-                    for group_id in group_ids:
-                        del hits[group_id][num_blocks:]
-                    continue
-                drop = self._type_eagle[index] and index not in eagle_verified
-                extend = drop and not isinstance(spec, MambaSpec)
-                max_len = min(length + spec.block_size, num_hashed) if extend else length
-                found = self._type_hit(spec, memo, max_len, drop, self.block_size)
-                found_length = len(found[0]) * spec.block_size
-                if drop:
-                    eagle_verified.add(index)
-                elif found_length < length:
-                    eagle_verified.clear()
-                length = found_length
-                for group_id, blocks in zip(group_ids, found, strict=True):
-                    hits[group_id] = blocks
-                    looked_up.add(group_id)
-                longest = max(longest, length)
-            if length >= hit_length:
-                break
-            hit_length = length
-            if simple_hybrid:
-                break
+
+        def lookup(index: int, length: int, drop: bool) -> int:
+            spec, group_ids = self._types[index]
+            extend = drop and not isinstance(spec, MambaSpec)
+            max_len = min(length + spec.block_size, num_hashed) if extend else length
+            found = self._type_hit(spec, memos[index], max_len, drop, self.block_size)
+            for group_id, blocks in zip(group_ids, found, strict=True):
+                hits[group_id] = blocks
+            return len(found[0]) * spec.block_size
+
+        hit_length, longest = rules.hybrid_hit_length(
+            lookup,
+            [isinstance(spec, FullAttentionSpec) for spec, _ in self._types],
+            self._type_eagle,
+            max_length,
+        )
         for spec, group_ids in self._types:
             if isinstance(spec, FullAttentionSpec):
                 for group_id in group_ids:
