@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results["golden traces"] = run_golden(backends)
 
     _section("stateful differential machine")
-    from hybridkv.conformance.stateful import RunStats, run_differential
+    from hybridkv.conformance.machine import RunStats, run_differential
 
     stats = RunStats()
     try:

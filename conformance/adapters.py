@@ -13,7 +13,7 @@ Write a class with the methods of ``ManagerAdapter`` (most are one line), and a 
 ``(config, max_model_len, enable_caching, enable_kv_cache_events) -> adapter``. Then::
 
     from hybridkv.conformance.adapters import reference_backend
-    from hybridkv.conformance.stateful import run_differential
+    from hybridkv.conformance.machine import run_differential
 
     stats = run_differential([reference_backend(), ("mine", my_factory)], max_examples=200)
 

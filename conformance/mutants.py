@@ -444,7 +444,7 @@ def manager_checks(
     backend: Backend = manager_backend("mutant", bundle.KVCacheManager)
 
     def differential() -> None:
-        from hybridkv.conformance.stateful import run_differential
+        from hybridkv.conformance.machine import run_differential
 
         run_differential(
             [reference_backend(), backend], max_examples=examples, steps=30, shrink=False

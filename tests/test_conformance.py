@@ -26,15 +26,13 @@ from hybridkv.conformance.adapters import (
     optimized_backend,
     reference_backend,
 )
-from hybridkv.conformance.stateful import (
-    FAMILIES,
+from hybridkv.conformance.invariants import (
     ConformanceError,
-    Layout,
-    RunStats,
     check_failed_allocation,
     check_observable_invariants,
-    run_differential,
 )
+from hybridkv.conformance.machine import RunStats, run_differential
+from hybridkv.conformance.strategies import FAMILIES, Layout
 from hybridkv.reference import KVCacheManager
 from hybridkv.spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
 
@@ -207,3 +205,14 @@ def test_the_command_rejects_an_unknown_backend(capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit):
         command.main(["--backend", "nonsense"])
     capsys.readouterr()
+
+
+def test_the_stateful_module_still_exports_the_public_names() -> None:
+    from hybridkv.conformance import invariants, machine, stateful, strategies
+
+    assert stateful.run_differential is machine.run_differential
+    assert stateful.DifferentialMachine is machine.DifferentialMachine
+    assert stateful.ConformanceError is invariants.ConformanceError
+    assert stateful.check_observable_invariants is invariants.check_observable_invariants
+    assert stateful.layouts is strategies.layouts
+    assert set(stateful.__all__) <= set(dir(stateful))
