@@ -26,6 +26,7 @@ from typing import Any
 from hybridkv.conformance.adapters import (
     AdapterFactory,
     Backend,
+    EngineOptions,
     ProtocolAdapter,
     backends_named,
     optimized_backend,
@@ -84,21 +85,17 @@ def _section(title: str) -> None:
 def _golden_factory(factory: AdapterFactory) -> ManagerFactory:
     """The golden replay drives a manager's scheduler API: unwrap a ``ProtocolAdapter``.
 
-    An engine trace also sets the manager's engine keywords; the adapter's manager class is
-    then built again with them (the adapter factory takes layout settings only).
+    An engine trace also sets the manager's engine keywords: the adapter factory gets them as
+    its ``EngineOptions``.
     """
 
     def build(
         config: KVCacheConfig, max_model_len: int, caching: bool, /, **engine: Any
     ) -> KVCacheManagerLike:
-        adapter = factory(config, max_model_len, caching, False)
+        adapter = factory(config, max_model_len, caching, False, EngineOptions(**engine))
         if not isinstance(adapter, ProtocolAdapter):
             raise TypeError(f"{adapter.name}: the golden replay needs a ProtocolAdapter")
-        if not engine:
-            return adapter.manager
-        manager_class: Any = type(adapter.manager)
-        rebuilt: KVCacheManagerLike = manager_class(config, max_model_len, caching, **engine)
-        return rebuilt
+        return adapter.manager
 
     return build
 

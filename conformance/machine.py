@@ -21,7 +21,15 @@ from hypothesis.stateful import (
     rule,
 )
 
-from hybridkv.conformance.adapters import Backend, BlockIds, Lookup, ManagerAdapter
+from hybridkv.conformance.adapters import (
+    NOT_IMPLEMENTED,
+    AdapterFactory,
+    Backend,
+    BlockIds,
+    Lookup,
+    ManagerAdapter,
+    reference_stand_in,
+)
 from hybridkv.conformance.invariants import (
     ConformanceError,
     check_failed_allocation,
@@ -54,11 +62,21 @@ class RunStats:
     evictions: int = 0
     caching_off: int = 0
     backends: tuple[str, ...] = ()
+    features: Counter[str] = field(default_factory=Counter)
+    skipped: Counter[str] = field(default_factory=Counter)
+    stand_ins: int = 0
+    shared_prefix_boundaries: int = 0
+    full_prompt_admissions: int = 0
+    full_prompt_refusals: int = 0
+    speculative_steps: int = 0
+    accepted_drafts: int = 0
 
     def lines(self) -> list[str]:
         mixes = ", ".join(f"{mix} ×{n}" for mix, n in sorted(self.type_mixes.items()))
         groups = ", ".join(f"{k} groups ×{n}" for k, n in sorted(self.group_counts.items()))
         rule_counts = ", ".join(f"{name} {n}" for name, n in sorted(self.rules.items()))
+        features = ", ".join(f"{name} ×{n}" for name, n in sorted(self.features.items()))
+        skipped = ", ".join(f"{name} {self.skipped[name]}" for name in self.backends) or "none"
         return [
             f"  backends: {' vs '.join(self.backends)}",
             f"  examples {self.examples}, steps {self.steps} "
@@ -69,6 +87,13 @@ class RunStats:
             f"  observables compared {self.comparisons}, invariant checks {self.invariant_checks}",
             f"  layouts: {groups}; caching off in {self.caching_off}",
             f"  type mixes: {mixes}",
+            f"  engine features (layouts): {features or 'none'}",
+            f"  shared-prefix boundaries stored {self.shared_prefix_boundaries}, full-prompt "
+            f"admissions {self.full_prompt_admissions} ({self.full_prompt_refusals} returned "
+            f"None), speculative decode steps {self.speculative_steps} "
+            f"({self.accepted_drafts} accepted drafts)",
+            f"  skipped examples (layout not implemented): {skipped}"
+            + (f"; reference-again stood in {self.stand_ins}×" if self.stand_ins else ""),
         ]
 
 
@@ -86,6 +111,8 @@ class LiveRequest:
     computed: int = 0
     running: bool = False
     delayed: bool = False
+    drafts: int = 0
+    """Draft tokens the last speculative decode step scheduled (0: none pending)."""
 
 
 class DifferentialMachine(RuleBasedStateMachine):
@@ -94,6 +121,7 @@ class DifferentialMachine(RuleBasedStateMachine):
     backends: ClassVar[Sequence[Backend]] = ()
     stats: ClassVar[RunStats] = RunStats()
     family: ClassVar[str] = "hybrid"
+    stand_in: ClassVar[Backend | None] = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -103,6 +131,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         self.history: list[tuple[int, ...]] = []
         self.counter = 0
         self.last_rule = ""
+        self.allocated_in_step = False
 
     # --- Set-up -------------------------------------------------------------------------------
 
@@ -111,18 +140,44 @@ class DifferentialMachine(RuleBasedStateMachine):
         """The layout, and one to three waiting requests (a scheduler rarely starts empty)."""
         layout = data.draw(layouts(self.family), label="layout")
         self.layout = layout
-        config = layout.config()
-        self.impls = [
-            factory(config, layout.max_model_len, layout.enable_caching, layout.enable_events)
-            for _, factory in self.backends
-        ]
+        self.impls = self._build(layout)
         stats = self.stats
         stats.examples += 1
+        stats.features.update(layout.features())
         stats.type_mixes["+".join(sorted(set(layout.kinds)))] += 1
         stats.group_counts[len(layout.specs)] += 1
         stats.caching_off += not layout.enable_caching
         for _ in range(data.draw(st.integers(1, 3))):
             self.add_request(data)
+
+    def _build(self, layout: Layout) -> list[ManagerAdapter]:
+        """One implementation per backend. A backend that refuses the layout by name (a
+        ``ValueError`` saying it does not implement it) sits this example out; the model may
+        not. If fewer than two remain, the stand-in (an independent reference) joins, so the
+        example is still checked differentially."""
+        config = layout.config()
+        impls: list[ManagerAdapter] = []
+
+        def make(factory: AdapterFactory) -> ManagerAdapter:
+            return factory(
+                config,
+                layout.max_model_len,
+                layout.enable_caching,
+                layout.enable_events,
+                layout.engine,
+            )
+
+        for index, (name, factory) in enumerate(self.backends):
+            try:
+                impls.append(make(factory))
+            except ValueError as error:
+                if index == 0 or NOT_IMPLEMENTED not in str(error):
+                    raise
+                self.stats.skipped[name] += 1
+        if len(impls) < min(2, len(self.backends)) and self.stand_in is not None:
+            impls.append(make(self.stand_in[1]))
+            self.stats.stand_ins += 1
+        return impls
 
     # --- Helpers ------------------------------------------------------------------------------
 
@@ -169,18 +224,30 @@ class DifferentialMachine(RuleBasedStateMachine):
         hits: list[Lookup] | None,
         lookahead: int,
         delay: bool,
+        full: bool = False,
     ) -> bool:
         """``allocate_slots`` on every implementation; compare; check a failure changed nothing
         but window releases. Returns whether it succeeded."""
         before = [(impl.snapshot(), self._tables(impl)) for impl in self.impls]
         results = [
-            impl.allocate(handle, n, None if hits is None else hits[i], lookahead, delay)
+            impl.allocate(
+                handle,
+                n,
+                None if hits is None else hits[i],
+                lookahead,
+                delay,
+                # Only when set: an adapter written before full-prompt admission still works.
+                **({"full_sequence_must_fit": True} if full else {}),
+            )
             for i, (impl, handle) in enumerate(zip(self.impls, req.handles, strict=True))
         ]
-        self._agree(f"allocate_slots({req.rid}, {n}, lookahead={lookahead})", results)
+        self._agree(f"allocate_slots({req.rid}, {n}, lookahead={lookahead}, full={full})", results)
         self.stats.allocations += 1
+        self.stats.full_prompt_admissions += full
+        self.allocated_in_step = True
         if results[0] is None:
             self.stats.failed_allocations += 1
+            self.stats.full_prompt_refusals += full
             for impl, (snap, tables) in zip(self.impls, before, strict=True):
                 after = impl.snapshot()
                 if snap is not None and after is not None:
@@ -198,10 +265,15 @@ class DifferentialMachine(RuleBasedStateMachine):
     def _lookup(self, req: LiveRequest) -> list[Lookup]:
         found = [impl.lookup(h) for impl, h in zip(self.impls, req.handles, strict=True)]
         self._agree(
-            f"get_computed_blocks({req.rid})", [(f.block_ids, f.num_hit_tokens) for f in found]
+            f"get_computed_blocks({req.rid})",
+            [(f.block_ids, f.num_hit_tokens, f.shared_prefix_boundary) for f in found],
         )
         self.stats.lookups += 1
         self.stats.hits += found[0].num_hit_tokens > 0
+        # The scheduler stores the boundary on the request: sparse groups cache there too.
+        for impl, handle, result in zip(self.impls, req.handles, found, strict=True):
+            impl.set_shared_prefix_boundary(handle, result.shared_prefix_boundary)
+        self.stats.shared_prefix_boundaries += found[0].shared_prefix_boundary > 0
         return found
 
     def _free(self, req: LiveRequest) -> None:
@@ -231,7 +303,9 @@ class DifferentialMachine(RuleBasedStateMachine):
             prompt = data.draw(st.lists(alphabet, min_size=1, max_size=limit))
         else:  # as long as the model allows: lookahead slots then reach max_model_len
             prompt = data.draw(st.lists(alphabet, min_size=size, max_size=size))
-        if data.draw(st.booleans()):
+        # A shared system prompt (most often under sparse retention, where the shared-prefix
+        # boundary decides what the sparse groups cache).
+        if data.draw(st.integers(0, 3)) >= (1 if self.lay.retention is not None else 2):
             prompt = list(data.draw(st.sampled_from(SYSTEM_PROMPTS))) + prompt
         salt = data.draw(st.sampled_from([None, None, None, "a", "b"]))
         self._count("add_request")
@@ -270,7 +344,19 @@ class DifferentialMachine(RuleBasedStateMachine):
             return
         lookahead = data.draw(st.sampled_from([0, 0, 0, 1, 3]))
         delay = self.lay.enable_caching and data.draw(st.integers(0, 4)) == 0
-        self._allocate(req, n, found if use_hit else None, lookahead, delay)
+        full = self.lay.full_prompt_admission and data.draw(st.booleans())
+        n = self._align_chunk(req, hit, n)
+        self._allocate(req, n, found if use_hit else None, lookahead, delay, full)
+
+    def _align_chunk(self, req: LiveRequest, hit: int, n: int) -> int:
+        """With a Mamba ``"align"`` group a scheduler ends a prefill chunk on a block boundary
+        (but the prompt's last chunk), so that the state there is cached; mostly do the same."""
+        block = self.lay.mamba_align_block
+        start = req.computed + hit
+        if block is None or start + n >= len(req.tokens):
+            return n
+        aligned = (start + n) // block * block - start
+        return aligned if aligned > 0 else n
 
     def _prefilling(self) -> bool:
         return any(r.running and r.computed < len(r.tokens) for r in self.live.values())
@@ -292,6 +378,8 @@ class DifferentialMachine(RuleBasedStateMachine):
         if n <= 0:
             return
         lookahead = data.draw(st.sampled_from([0, 0, 0, 1, 2]))
+        if data.draw(st.integers(0, 3)):
+            n = self._align_chunk(req, 0, n)
         if self._allocate(req, n, None, lookahead, False) or not data.draw(st.booleans()):
             return
         # Out of blocks: preempt the most recently admitted other request, then retry once.
@@ -320,6 +408,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         """Append one token (or a few, as speculative decoding does) and allocate them."""
         req = self._pick_where(data, prefilling=False)
         self._count("decode")
+        req.drafts = 0
         room = self.lay.max_model_len - len(req.tokens)
         if room > 0:
             tokens = data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=min(3, room)))
@@ -349,8 +438,48 @@ class DifferentialMachine(RuleBasedStateMachine):
         found = self._lookup(req)
         n = len(req.tokens) - req.computed - found[0].num_hit_tokens
         lookahead = data.draw(st.sampled_from([0, 3]))
+        full = self.lay.full_prompt_admission and data.draw(st.booleans())
         if n > 0:
-            self._allocate(req, n, found, lookahead, False)
+            self._allocate(req, n, found, lookahead, False, full)
+
+    @precondition(lambda self: self.allocated_in_step)
+    @rule()
+    def new_step(self) -> None:
+        """``new_step_starts()``: a Mamba state cached before it may now be adopted (a step
+        begins after some allocation; until then the same-step rule refuses such a hit)."""
+        self._count("new_step")
+        self.allocated_in_step = False
+        for impl in self.impls:
+            impl.new_step()
+
+    @precondition(lambda self: self._decoding())
+    @rule(data=st.data())
+    def speculative_decode(self, data: st.DataObject) -> None:
+        """A decode step with drafts: settle the previous step (its first ``k`` drafts accepted,
+        appended with the bonus token; ``num_computed_tokens += k``), then schedule the known
+        token plus ``d`` drafts: ``allocate_slots(1 + d, num_lookahead_tokens=d)``."""
+        req = self._pick_where(data, prefilling=False)
+        self._count("speculative_decode")
+        accepted = data.draw(st.integers(0, req.drafts)) if req.drafts else 0
+        room = self.lay.max_model_len - 1 - len(req.tokens)
+        accepted = min(accepted, room - 1)
+        if accepted < 0:
+            return
+        tokens = data.draw(
+            st.lists(st.integers(0, 3), min_size=accepted + 1, max_size=accepted + 1)
+        )
+        req.tokens.extend(tokens)
+        for impl, handle in zip(self.impls, req.handles, strict=True):
+            impl.append_tokens(handle, tokens)
+        self._set_computed(req, req.computed + accepted)
+        self.stats.accepted_drafts += accepted
+        req.drafts = 0
+        drafts = min(data.draw(st.integers(1, 3)), self.lay.max_model_len - 1 - len(req.tokens))
+        if drafts < 1:
+            return
+        self.stats.speculative_steps += 1
+        if self._allocate(req, 1 + drafts, None, drafts, False):
+            req.drafts = drafts
 
     @precondition(lambda self: self._has(running=True))
     @rule(data=st.data())
@@ -435,12 +564,15 @@ class DifferentialMachine(RuleBasedStateMachine):
 
 
 def machine_for(
-    backends: Sequence[Backend], stats: RunStats, family: str = "hybrid"
+    backends: Sequence[Backend],
+    stats: RunStats,
+    family: str = "hybrid",
+    stand_in: Backend | None = None,
 ) -> type[DifferentialMachine]:
     """A ``DifferentialMachine`` over these backends and one layout family, counting into
-    ``stats``."""
+    ``stats``; ``stand_in`` joins an example in which a backend refuses the layout by name."""
     stats.backends = tuple(name for name, _ in backends)
-    attrs = {"backends": tuple(backends), "stats": stats, "family": family}
+    attrs = {"backends": tuple(backends), "stats": stats, "family": family, "stand_in": stand_in}
     return type(f"DifferentialMachine_{family}", (DifferentialMachine,), attrs)
 
 
@@ -454,6 +586,7 @@ def run_differential(
     shrink: bool = True,
     families: Sequence[str] = FAMILIES,
     hypothesis_backend: str = "hypothesis",
+    stand_in: Backend | None = None,
 ) -> RunStats:
     """Run the machine over ``backends``; raise on the first difference or broken invariant.
 
@@ -463,6 +596,10 @@ def run_differential(
     shows it (``shrink=False``: raise at once, quietly, as the mutant hunt wants).
     ``hypothesis_backend="crosshair"`` (with the ``hypothesis-crosshair`` package) draws the
     choices symbolically: about 18× slower, an advisory extra lane, not the main one.
+
+    A backend whose factory refuses a drawn layout by name (``adapters.NOT_IMPLEMENTED``) skips
+    that example (``RunStats.skipped``); ``stand_in`` (default: an independent reference,
+    ``reference-again``) then joins so that the example still compares two implementations.
     """
     stats = RunStats() if stats is None else stats
     run_settings = settings(
@@ -478,7 +615,9 @@ def run_differential(
         backend=hypothesis_backend,
     )
     for family in families:
-        machine = machine_for(backends, stats, family)
+        machine = machine_for(
+            backends, stats, family, reference_stand_in() if stand_in is None else stand_in
+        )
         # Hypothesis types this helper only in recent releases: call it through Any.
         make_test: Any = get_state_machine_test
         test: Any = make_test(machine, settings=run_settings)
