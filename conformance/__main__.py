@@ -170,11 +170,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n".join(stats.lines()))
 
     _section("oracles (brute force)")
-    from hybridkv.conformance.oracles import run_hit_oracle, run_planner_oracle
+    from hybridkv.conformance.oracles import (
+        run_engine_hit_oracle,
+        run_hit_oracle,
+        run_planner_oracle,
+    )
 
     oracle = run_hit_oracle(profile.hit_states, seed=args.seed or 0)
     run_planner_oracle(profile.planner_models, seed=7 + (args.seed or 0), stats=oracle)
-    print("\n".join(oracle.lines()))
+    engine_oracle = run_engine_hit_oracle(profile.hit_states, seed=args.seed or 0)
+    oracle.failures = [*(oracle.failures or []), *engine_oracle.failures]
+    print("\n".join([*oracle.lines(), *engine_oracle.lines()]))
     for failure in (oracle.failures or [])[:5]:
         print(f"  FAILED: {failure}")
     results["oracles"] = not oracle.failures
