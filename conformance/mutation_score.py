@@ -56,8 +56,8 @@ from hybridkv.reference import KVCacheManager
 EVERY = {every}
 
 
-def _factory(config, max_model_len, caching):
-    return KVCacheManager(config, max_model_len, enable_caching=caching)
+def _factory(config, max_model_len, caching, /, **engine):
+    return KVCacheManager(config, max_model_len, enable_caching=caching, **engine)
 
 
 def test_golden_traces():
