@@ -188,7 +188,7 @@ def test_a_wrong_implementation_is_caught(cls: type[ProtocolAdapter]) -> None:
     # three requests share a prefix under sparse retention (sliding windows); a missed step
     # only when a Mamba state is adopted in a later step.
     examples, families = {
-        _NoSharedPrefixBoundary: (100, ("no_full_attention", "mixed_block_sizes")),
+        _NoSharedPrefixBoundary: (200, ("no_full_attention", "mixed_block_sizes")),
         _NoNewStep: (60, ("mamba_align",)),
     }.get(cls, (50, FAMILIES))
     with pytest.raises(ConformanceError):
