@@ -186,11 +186,13 @@ def _backend(cls: type[ProtocolAdapter], *, drop_engine: str | None = None) -> B
 def test_a_wrong_implementation_is_caught(cls: type[ProtocolAdapter]) -> None:
     # Rare situations are looked for where they happen: a forgotten boundary shows only when
     # three requests share a prefix under sparse retention (sliding windows); a missed step
-    # only when a Mamba state is adopted in a later step.
-    examples, families = {
-        _NoSharedPrefixBoundary: (200, ("no_full_attention", "mixed_block_sizes")),
-        _NoNewStep: (60, ("mamba_align",)),
-    }.get(cls, (50, FAMILIES))
+    # only when a Mamba state is adopted in a later step. The boundary search uses a fixed
+    # seed: a derandomized run's examples depend on what ran before it in the same process
+    # (seen after tests/test_cli.py), and this bug is found by a minority of example sequences.
+    examples, families, seed = {
+        _NoSharedPrefixBoundary: (200, ("no_full_attention", "mixed_block_sizes"), 4),
+        _NoNewStep: (60, ("mamba_align",), None),
+    }.get(cls, (50, FAMILIES, None))
     with pytest.raises(ConformanceError):
         run_differential(
             [reference_backend(), _backend(cls)],
@@ -198,6 +200,7 @@ def test_a_wrong_implementation_is_caught(cls: type[ProtocolAdapter]) -> None:
             steps=30,
             shrink=False,
             families=families,
+            seed=seed,
         )
 
 
