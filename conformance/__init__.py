@@ -2,7 +2,8 @@
 
 * ``golden``: replay the traces recorded from vLLM 0.33 against any backend;
 * ``adapters``: the adapter protocol an implementation joins through, and the backends;
-* ``stateful``: the Hypothesis state machine that drives implementations in lockstep;
+* ``stateful``: the Hypothesis state machine that drives implementations in lockstep (split
+  into ``strategies``, ``invariants`` and ``machine``; ``stateful`` re-exports them);
 * ``oracles``: brute-force checks of the longest hit and of the planner;
 * ``harnesses``, ``planted_bugs``, ``crosshair_manifest``, ``crosshair_runner``: CrossHair;
 * ``mutants``: planted bugs in the reference that the suite must catch;

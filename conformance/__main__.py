@@ -26,6 +26,7 @@ from typing import Any
 from hybridkv.conformance.adapters import (
     AdapterFactory,
     Backend,
+    EngineOptions,
     ProtocolAdapter,
     backends_named,
     optimized_backend,
@@ -84,21 +85,17 @@ def _section(title: str) -> None:
 def _golden_factory(factory: AdapterFactory) -> ManagerFactory:
     """The golden replay drives a manager's scheduler API: unwrap a ``ProtocolAdapter``.
 
-    An engine trace also sets the manager's engine keywords; the adapter's manager class is
-    then built again with them (the adapter factory takes layout settings only).
+    An engine trace also sets the manager's engine keywords: the adapter factory gets them as
+    its ``EngineOptions``.
     """
 
     def build(
         config: KVCacheConfig, max_model_len: int, caching: bool, /, **engine: Any
     ) -> KVCacheManagerLike:
-        adapter = factory(config, max_model_len, caching, False)
+        adapter = factory(config, max_model_len, caching, False, EngineOptions(**engine))
         if not isinstance(adapter, ProtocolAdapter):
             raise TypeError(f"{adapter.name}: the golden replay needs a ProtocolAdapter")
-        if not engine:
-            return adapter.manager
-        manager_class: Any = type(adapter.manager)
-        rebuilt: KVCacheManagerLike = manager_class(config, max_model_len, caching, **engine)
-        return rebuilt
+        return adapter.manager
 
     return build
 
@@ -161,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results["golden traces"] = run_golden(backends)
 
     _section("stateful differential machine")
-    from hybridkv.conformance.stateful import RunStats, run_differential
+    from hybridkv.conformance.machine import RunStats, run_differential
 
     stats = RunStats()
     try:
@@ -173,11 +170,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n".join(stats.lines()))
 
     _section("oracles (brute force)")
-    from hybridkv.conformance.oracles import run_hit_oracle, run_planner_oracle
+    from hybridkv.conformance.oracles import (
+        run_engine_hit_oracle,
+        run_hit_oracle,
+        run_planner_oracle,
+    )
 
     oracle = run_hit_oracle(profile.hit_states, seed=args.seed or 0)
     run_planner_oracle(profile.planner_models, seed=7 + (args.seed or 0), stats=oracle)
-    print("\n".join(oracle.lines()))
+    engine_oracle = run_engine_hit_oracle(profile.hit_states, seed=args.seed or 0)
+    oracle.failures = [*(oracle.failures or []), *engine_oracle.failures]
+    print("\n".join([*oracle.lines(), *engine_oracle.lines()]))
     for failure in (oracle.failures or [])[:5]:
         print(f"  FAILED: {failure}")
     results["oracles"] = not oracle.failures

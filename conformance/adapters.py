@@ -10,10 +10,13 @@ and ``hybridkv.optimized.TorchKVCacheManager`` already have the scheduler API of
 Plugging in another implementation
 ----------------------------------
 Write a class with the methods of ``ManagerAdapter`` (most are one line), and a factory
-``(config, max_model_len, enable_caching, enable_kv_cache_events) -> adapter``. Then::
+``(config, max_model_len, enable_caching, enable_kv_cache_events, engine) -> adapter``, where
+``engine`` is an ``EngineOptions`` (the engine's keywords: ``max_in_flight_tokens``,
+``use_eagle``, ``num_hash_lookahead_tokens``) that the implementation must honour; requests are
+hashed at ``hash_block_size_of(config, enable_caching)`` with ``engine``'s lookahead. Then::
 
     from hybridkv.conformance.adapters import reference_backend
-    from hybridkv.conformance.stateful import run_differential
+    from hybridkv.conformance.machine import run_differential
 
     stats = run_differential([reference_backend(), ("mine", my_factory)], max_examples=200)
 
@@ -21,6 +24,10 @@ Write a class with the methods of ``ManagerAdapter`` (most are one line), and a 
 scheduler calls that shows it. ``ProtocolAdapter`` is the example adapter, used on the reference
 itself. An adapter may return ``None`` from ``snapshot``, ``take_events`` or ``take_stats`` when
 its implementation cannot show them: those observables are then not compared for it.
+
+An implementation that does not implement a drawn layout or engine setting yet raises, from its
+factory, a ``ValueError`` whose message contains ``NOT_IMPLEMENTED`` ("does not implement"): the
+machine then skips that example for that backend only (the run summary counts the skips).
 """
 
 from __future__ import annotations
@@ -33,10 +40,36 @@ from typing import Any, Protocol
 
 from hybridkv.conformance.protocol import KVCacheManagerLike
 from hybridkv.reference.request import Request
-from hybridkv.spec import KVCacheConfig
+from hybridkv.spec import KVCacheConfig, MambaSpec, rules
 
 BlockIds = tuple[tuple[int, ...], ...]
 """Block ids per KV cache group, positions in order (null positions hold block 0)."""
+
+
+NOT_IMPLEMENTED = "does not implement"
+"""The words of a ``ValueError`` that refuses a feature an implementation lacks (by name)."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """An engine's keywords of ``KVCacheManager`` (vLLM's names; see its docstring).
+
+    ``max_in_flight_tokens`` sizes a window's reservation in a full-prompt admission;
+    ``use_eagle`` drops the last block of a hit; ``num_hash_lookahead_tokens`` hashes each block
+    with the tokens after it (requests are built with the same value).
+    """
+
+    max_in_flight_tokens: int | None = None
+    use_eagle: bool = False
+    num_hash_lookahead_tokens: int = 0
+
+    def kwargs(self) -> dict[str, Any]:
+        """The keywords that differ from the defaults, for a manager's constructor."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != f.default
+        }
 
 
 @dataclass(frozen=True)
@@ -47,6 +80,7 @@ class Lookup:
     block_ids: BlockIds
     num_hit_tokens: int
     handle: Any
+    shared_prefix_boundary: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,7 +106,15 @@ class ManagerAdapter(Protocol):
 
     def set_num_computed_tokens(self, request: Any, num_computed_tokens: int) -> None: ...
 
+    def set_shared_prefix_boundary(self, request: Any, boundary: int) -> None:
+        """The scheduler stores a lookup's third result on the request."""
+        ...
+
     def lookup(self, request: Any) -> Lookup: ...
+
+    def new_step(self) -> None:
+        """``new_step_starts()``: the scheduler begins a step."""
+        ...
 
     def allocate(
         self,
@@ -81,6 +123,8 @@ class ManagerAdapter(Protocol):
         hit: Lookup | None,
         num_lookahead_tokens: int,
         delay_cache_blocks: bool,
+        *,
+        full_sequence_must_fit: bool = False,
     ) -> BlockIds | None: ...
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None: ...
@@ -104,8 +148,9 @@ class ManagerAdapter(Protocol):
     def check_invariants(self) -> None: ...
 
 
-AdapterFactory = Callable[[KVCacheConfig, int, bool, bool], ManagerAdapter]
-"""Builds an adapter from (config, max_model_len, enable_caching, enable_kv_cache_events)."""
+AdapterFactory = Callable[[KVCacheConfig, int, bool, bool, EngineOptions], ManagerAdapter]
+"""Builds an adapter from (config, max_model_len, enable_caching, enable_kv_cache_events,
+engine options)."""
 
 Backend = tuple[str, AdapterFactory]
 """A name for reports, and the factory."""
@@ -129,15 +174,28 @@ class ProtocolAdapter:
     shared between the implementations under test by accident.
     """
 
-    def __init__(self, name: str, manager: KVCacheManagerLike, block_size: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        manager: KVCacheManagerLike,
+        block_size: int,
+        num_hash_lookahead_tokens: int = 0,
+    ) -> None:
         self.name = name
         self.manager = manager
         self.block_size = block_size
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
 
     def new_request(
         self, request_id: str, prompt: Sequence[int], cache_salt: str | None
     ) -> Request:
-        return Request(request_id, prompt, hash_block_size=self.block_size, cache_salt=cache_salt)
+        return Request(
+            request_id,
+            prompt,
+            hash_block_size=self.block_size,
+            cache_salt=cache_salt,
+            num_hash_lookahead_tokens=self.num_hash_lookahead_tokens,
+        )
 
     def append_tokens(self, request: Request, tokens: Sequence[int]) -> None:
         request.append_output_token_ids(tokens)
@@ -145,9 +203,15 @@ class ProtocolAdapter:
     def set_num_computed_tokens(self, request: Request, num_computed_tokens: int) -> None:
         request.num_computed_tokens = num_computed_tokens
 
+    def set_shared_prefix_boundary(self, request: Request, boundary: int) -> None:
+        request.shared_prefix_boundary = boundary
+
     def lookup(self, request: Request) -> Lookup:
-        blocks, num_hit_tokens, _ = self.manager.get_computed_blocks(request)
-        return Lookup(_as_ids(blocks), num_hit_tokens, blocks)
+        blocks, num_hit_tokens, boundary = self.manager.get_computed_blocks(request)
+        return Lookup(_as_ids(blocks), num_hit_tokens, blocks, boundary)
+
+    def new_step(self) -> None:
+        self.manager.new_step_starts()
 
     def allocate(
         self,
@@ -156,6 +220,8 @@ class ProtocolAdapter:
         hit: Lookup | None,
         num_lookahead_tokens: int,
         delay_cache_blocks: bool,
+        *,
+        full_sequence_must_fit: bool = False,
     ) -> BlockIds | None:
         new = self.manager.allocate_slots(
             request,
@@ -164,6 +230,7 @@ class ProtocolAdapter:
             new_computed_blocks=None if hit is None else hit.handle,
             num_lookahead_tokens=num_lookahead_tokens,
             delay_cache_blocks=delay_cache_blocks,
+            full_sequence_must_fit=full_sequence_must_fit,
         )
         return None if new is None else _as_ids(new)
 
@@ -206,27 +273,50 @@ class ProtocolAdapter:
 
 
 def block_size_of(config: KVCacheConfig) -> int:
-    """The one block size every group shares (the request hash block size)."""
+    """The first group's block size (every group's, when they share one)."""
     return config.groups[0].spec.block_size
+
+
+def hash_block_size_of(config: KVCacheConfig, enable_caching: bool = True) -> int:
+    """The hash block size a manager resolves by default (requests are hashed at it): one
+    group's block size; else the gcd of the block sizes, or their lcm with caching off or a
+    Mamba group in ``"none"`` mode."""
+    sizes = [group.spec.block_size for group in config.groups]
+    if len(sizes) == 1:
+        return sizes[0]
+    lcm_hashing = not enable_caching or any(
+        isinstance(g.spec, MambaSpec) and g.spec.mamba_cache_mode == "none" for g in config.groups
+    )
+    return rules.hash_block_size(sizes, lcm_hashing=lcm_hashing)
 
 
 def manager_backend(
     name: str, manager_class: Callable[..., KVCacheManagerLike], **kw: Any
 ) -> Backend:
     """A backend for any class constructed like ``KVCacheManager(config, max_model_len,
-    enable_caching=..., enable_kv_cache_events=..., **kw)``."""
+    enable_caching=..., enable_kv_cache_events=..., **engine_keywords, **kw)``."""
 
     def factory(
-        config: KVCacheConfig, max_model_len: int, enable_caching: bool, events: bool
+        config: KVCacheConfig,
+        max_model_len: int,
+        enable_caching: bool,
+        events: bool,
+        engine: EngineOptions,
     ) -> ManagerAdapter:
         manager = manager_class(
             config,
             max_model_len,
             enable_caching=enable_caching,
             enable_kv_cache_events=events,
+            **engine.kwargs(),
             **kw,
         )
-        return ProtocolAdapter(name, manager, block_size_of(config))
+        return ProtocolAdapter(
+            name,
+            manager,
+            hash_block_size_of(config, enable_caching),
+            engine.num_hash_lookahead_tokens,
+        )
 
     return name, factory
 
@@ -236,6 +326,13 @@ def reference_backend() -> Backend:
     from hybridkv.reference import KVCacheManager
 
     return manager_backend("reference", KVCacheManager)
+
+
+def reference_stand_in() -> Backend:
+    """An independent second reference: it stands in for a backend that refuses a layout."""
+    from hybridkv.reference import KVCacheManager
+
+    return manager_backend("reference-again", KVCacheManager)
 
 
 def optimized_backend(device: str = "cpu", max_num_reqs: int = 32) -> Backend | None:

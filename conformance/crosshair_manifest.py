@@ -89,6 +89,9 @@ MANIFEST: tuple[Target, ...] = (
     Target(f"{HARNESSES}.hybrid_hit_without_full_attention", scale=4.0),
     Target(f"{HARNESSES}.hybrid_hit_length_is_longest_accepted", scale=4.0),
     Target(f"{HARNESSES}.block_pool_operations_keep_invariants", scale=4.0),
+    Target(f"{HARNESSES}.scheduler_block_size_is_lcm"),
+    Target(f"{HARNESSES}.replay_boundaries_leave_the_dropped_block"),
+    Target(f"{HARNESSES}.mamba_retention_keeps_reachable_states", scale=2.0),
     # --- conformance/planted_bugs.py: the checker must catch each ----------------------------
     Target(f"{PLANTED}.sliding_window_skipped_tokens_off_by_one", "counterexample"),
     Target(f"{PLANTED}.chunked_local_skipped_tokens_previous_chunk", "counterexample"),
@@ -99,4 +102,8 @@ MANIFEST: tuple[Target, ...] = (
     Target(f"{PLANTED}.sliding_window_scan_equivalence_skip_too_far", "counterexample"),
     Target(f"{PLANTED}.hybrid_one_pass_is_longest_accepted", "counterexample", scale=12.0),
     Target(f"{PLANTED}.block_pool_touch_keeps_queued", "counterexample"),
+    Target(f"{PLANTED}.mamba_prefill_checkpoint_position_forgets_logits_token", "counterexample"),
+    Target(f"{PLANTED}.scheduler_block_size_is_lcm_as_product", "counterexample"),
+    Target(f"{PLANTED}.replay_boundaries_without_eagle_shift", "counterexample"),
+    Target(f"{PLANTED}.mamba_retention_drops_the_replay_boundary", "counterexample", scale=2.0),
 )

@@ -14,6 +14,7 @@ confirmed harness is a bounded search, not a proof for unbounded inputs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -204,3 +205,55 @@ def hybrid_hit_length_is_longest_accepted(
         lookup, [t.kind == "full" for t in types], [False] * len(types), max(num_tokens - 1, 0)
     )
     return hit == block_size * brute_force_hit_blocks(groups, num_tokens, block_size)
+
+
+# --- Engine rules: lcm alignment, replay boundaries, Mamba retention ------------------------
+
+
+def scheduler_block_size_is_lcm(a: int, b: int) -> bool:
+    """The scheduler block of two block sizes is their least common multiple (not merely a
+    common multiple): ``lcm · gcd = a · b``.
+
+    pre: 0 < a <= 64
+    pre: 0 < b <= 64
+    post: __return__
+    """
+    return rules.scheduler_block_size([a, b]) * math.gcd(a, b) == a * b
+
+
+def replay_boundaries_leave_the_dropped_block(
+    num_prompt_tokens: int, scheduler_block_size: int
+) -> bool:
+    """With the EAGLE drop, a replay resumes one scheduler block below what the prompt covers:
+    every boundary leaves at least one whole block before the prompt's end (or is 0).
+
+    pre: 0 <= num_prompt_tokens <= 1000
+    pre: 0 < scheduler_block_size <= 64
+    post: __return__
+    """
+    boundaries = rules.replay_boundaries(num_prompt_tokens, scheduler_block_size, True)
+    return all(b == 0 or b + scheduler_block_size <= num_prompt_tokens for b in boundaries)
+
+
+def mamba_retention_keeps_reachable_states(
+    start_block: int, end_block: int, block_size: int, retention_interval: int, boundary: int
+) -> bool:
+    """Sparse Mamba retention keeps the state at a reachable boundary (a replay, a shared
+    prefix) whenever that state is among the positions being cached.
+
+    pre: 0 <= start_block <= end_block <= 12
+    pre: 0 < block_size <= 8
+    pre: 0 <= retention_interval <= 64 and retention_interval % block_size == 0
+    pre: 0 <= boundary <= 100
+    post: __return__
+    """
+    mask = rules.mamba_retention_mask(
+        start_block,
+        end_block,
+        alignment_tokens=block_size,
+        block_size=block_size,
+        retention_interval=retention_interval,
+        reachable_boundaries=(boundary,),
+    )
+    position = boundary // block_size - 1
+    return mask is None or not start_block <= position < end_block or mask[position - start_block]

@@ -7,8 +7,10 @@ real modules untouched, and ``hunt`` runs the conformance checks against it, che
 until one fails:
 
 * manager mutants: the stateful differential machine (mutant vs the pristine reference, every
-  observable and invariant after every step), then the longest-hit oracle on built cache
-  states, then the golden vLLM traces;
+  observable and invariant after every step), then the longest-hit oracles on built cache
+  states (the first set's layouts, then Mamba "align" and mixed block sizes), then the golden
+  vLLM traces: the engine set (Mamba, mixed block sizes, retention, full-prompt admission,
+  speculative decoding), then the unit set;
 * planner mutants: the grouping, memory-layout and padding oracles over the document's models
   and random ones.
 
@@ -275,6 +277,46 @@ MUTANTS: tuple[Mutant, ...] = (
             '"mamba": lambda spec, n: 0,',
         ),
     ),
+    # --- Engine rules (the engine golden traces and the engine oracle pin these) -----------
+    _m(
+        "mamba_same_step_rule_removed",
+        "a Mamba state cached in this step may be adopted in the same step",
+        "reference.single_type_managers",
+        (
+            "if new_computed_blocks and new_computed_blocks[-1].block_hash in (",
+            "if False and new_computed_blocks[-1].block_hash in (",
+        ),
+    ),
+    _m(
+        "eagle_drop_not_applied",
+        "use_eagle hits keep their last block (the drafter never recomputes it)",
+        "reference.coordinator",
+        (
+            "drop = attention_type.use_eagle and index not in eagle_verified",
+            "drop = False",
+        ),
+    ),
+    _m(
+        "full_prompt_without_window_cap",
+        "a full-prompt admission counts a window's every block, not what it holds at once",
+        "reference.single_type_managers",
+        (
+            "if apply_admission_cap and self.max_admission_blocks is not None:",
+            "if False and self.max_admission_blocks is not None:",
+        ),
+    ),
+    _m(
+        "retention_mask_ignored",
+        "sparse retention is ignored: sliding-window groups cache every block (dense)",
+        "reference.single_type_managers",
+        ("            block_mask=mask,\n", "            block_mask=None,\n"),
+    ),
+    _m(
+        "hash_view_first_hash",
+        "a block larger than the hash block is keyed by its first hash instead of its last",
+        "reference.block_pool",
+        ("return block_hashes[scale - 1 :: scale]", "return block_hashes[:: scale]"),
+    ),
     _p(
         "group_size_max",
         "the group size is the largest layer count of any type, not the smallest",
@@ -451,20 +493,28 @@ def manager_checks(
     backend: Backend = manager_backend("mutant", bundle.KVCacheManager)
 
     def differential() -> None:
-        from hybridkv.conformance.stateful import run_differential
+        from hybridkv.conformance.machine import run_differential
 
         run_differential(
             [reference_backend(), backend], max_examples=examples, steps=30, shrink=False
         )
 
-    def golden() -> None:
-        def factory(config: Any, max_model_len: int, caching: bool) -> Any:
-            return bundle.KVCacheManager(config, max_model_len, enable_caching=caching)
+    def factory(config: Any, max_model_len: int, caching: bool, /, **engine: Any) -> Any:
+        return bundle.KVCacheManager(config, max_model_len, enable_caching=caching, **engine)
 
-        for name in trace_names("unit"):
+    def replay(trace_set: str) -> None:
+        for name in trace_names(trace_set):
             _, divergence = replay_trace(name, factory)
             if divergence is not None:
                 raise AssertionError(str(divergence).splitlines()[0])
+
+    def golden() -> None:
+        replay("unit")
+
+    def engine_golden() -> None:
+        """The engine traces (Mamba, mixed block sizes, retention, full-prompt admission,
+        speculative decoding): the only recorded vLLM behaviour for the engine rules."""
+        replay("engine")
 
     def longest_hit() -> None:
         rng = random.Random(4)
@@ -473,9 +523,16 @@ def manager_checks(
             hit = oracles.reference_hit(groups, prompt, block_size, bundle.KVCacheManager)
             if (hit.hit_tokens, hit.block_ids) != (hit.brute_force_tokens, hit.expected_block_ids):
                 raise AssertionError(f"longest hit {hit} for {groups}")
+        engine = oracles.run_engine_hit_oracle(200, seed=4, manager_class=bundle.KVCacheManager)
+        if engine.failures:
+            raise AssertionError(engine.failures[0])
 
     yield "differential machine", differential
     yield "longest-hit oracle", longest_hit
+    # The engine set first: it replays faster than the unit set (13 s vs 20 s for the
+    # reference) and exercises the same code plus the engine rules, so most mutants that get
+    # this far fail within its first traces.
+    yield "engine golden traces", engine_golden
     yield "golden traces", golden
 
 

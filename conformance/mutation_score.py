@@ -52,13 +52,13 @@ KILL_TESTS = '''"""Conformance checks that run against every mutmut mutant of re
 from hybridkv.conformance import oracles
 from hybridkv.conformance.adapters import optimized_backend, reference_backend
 from hybridkv.conformance.golden import replay_trace, trace_names
-from hybridkv.conformance.stateful import run_differential
+from hybridkv.conformance.machine import run_differential
 from hybridkv.reference import KVCacheManager
 
 EVERY = {every}
 
 
-def _factory(config, max_model_len, caching, **engine):
+def _factory(config, max_model_len, caching, /, **engine):
     return KVCacheManager(config, max_model_len, enable_caching=caching, **engine)
 
 

@@ -10,6 +10,7 @@ Nothing imports these functions; they exist only to be checked.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from hybridkv.conformance.harnesses import full_window_chunk, hit_is_brute_force
@@ -179,3 +180,103 @@ def block_pool_touch_keeps_queued(ops: list[int]) -> bool:
         if {b.block_id for b in pool.free_block_queue} != zero:
             return False
     return True
+
+
+# --- Engine rules ---------------------------------------------------------------------------
+
+
+def mamba_prefill_checkpoint_position_forgets_logits_token(
+    num_tokens: int, hash_block_size: int, drop_eagle_block: bool, num_hash_lookahead_tokens: int
+) -> int:
+    """Bug: the checkpoint may sit at the prefill's end (no token left for its logits).
+
+    pre: 0 <= num_tokens <= 1000
+    pre: 0 < hash_block_size <= 64
+    pre: 0 <= num_hash_lookahead_tokens <= 4
+    post: __return__ % hash_block_size == 0
+    post: 0 <= __return__ < max(num_tokens, 1)
+    """
+    proof_limit = num_tokens if drop_eagle_block else num_tokens - num_hash_lookahead_tokens
+    position = max(proof_limit, 0) // hash_block_size * hash_block_size
+    if drop_eagle_block:
+        position -= hash_block_size
+    return max(position, 0)
+
+
+def _scheduler_block_size_product(block_sizes: Sequence[int]) -> int:
+    """Bug: the product of the block sizes, a common multiple but not the least."""
+    product = 1
+    for size in block_sizes:
+        product *= size
+    return product
+
+
+def scheduler_block_size_is_lcm_as_product(a: int, b: int) -> bool:
+    """The lcm harness on a scheduler block computed as a product.
+
+    pre: 0 < a <= 64
+    pre: 0 < b <= 64
+    post: __return__
+    """
+    return _scheduler_block_size_product([a, b]) * math.gcd(a, b) == a * b
+
+
+def _replay_boundaries_without_eagle_shift(
+    num_prompt_tokens: int, scheduler_block_size: int, use_eagle: bool
+) -> tuple[int, ...]:
+    """Bug: with the EAGLE drop the boundaries are not moved one block lower."""
+    if not use_eagle:
+        return (num_prompt_tokens - 1,)
+    block = scheduler_block_size
+    resend = (num_prompt_tokens - 1) // block * block
+    extension = num_prompt_tokens // block * block
+    return tuple(sorted({max(resend, 0), max(extension, 0)}))
+
+
+def replay_boundaries_without_eagle_shift(
+    num_prompt_tokens: int, scheduler_block_size: int
+) -> bool:
+    """The dropped-block harness on replay boundaries that forget the EAGLE shift.
+
+    pre: 0 <= num_prompt_tokens <= 1000
+    pre: 0 < scheduler_block_size <= 64
+    post: __return__
+    """
+    boundaries = _replay_boundaries_without_eagle_shift(
+        num_prompt_tokens, scheduler_block_size, True
+    )
+    return all(b == 0 or b + scheduler_block_size <= num_prompt_tokens for b in boundaries)
+
+
+def _mamba_retention_mask_without_boundaries(
+    start_block: int, end_block: int, block_size: int, retention_interval: int
+) -> tuple[bool, ...] | None:
+    """Bug: sparse retention keeps the interval's states but drops the reachable boundaries
+    (the replay boundary and the shared prefix)."""
+    mask = [False] * (end_block - start_block)
+    if retention_interval > 0:
+        per_segment = retention_interval // block_size
+        if per_segment <= 1:
+            return None
+        first_boundary = (start_block + per_segment) // per_segment * per_segment - 1
+        for i in range(first_boundary - start_block, len(mask), per_segment):
+            mask[i] = True
+    return tuple(mask)
+
+
+def mamba_retention_drops_the_replay_boundary(
+    start_block: int, end_block: int, block_size: int, retention_interval: int, boundary: int
+) -> bool:
+    """The reachable-states harness on a retention mask that ignores the boundaries.
+
+    pre: 0 <= start_block <= end_block <= 12
+    pre: 0 < block_size <= 8
+    pre: 0 <= retention_interval <= 64 and retention_interval % block_size == 0
+    pre: 0 <= boundary <= 100
+    post: __return__
+    """
+    mask = _mamba_retention_mask_without_boundaries(
+        start_block, end_block, block_size, retention_interval
+    )
+    position = boundary // block_size - 1
+    return mask is None or not start_block <= position < end_block or mask[position - start_block]

@@ -53,3 +53,24 @@ def test_a_patch_that_no_longer_applies_fails_loudly() -> None:
     stale = Mutant("stale", "gone", "hybridkv.reference.block_pool", (("no such text", "x"),))
     with pytest.raises(ValueError, match="found 0 times"):
         mutants.patched_source(stale)
+
+
+ENGINE_MUTANTS = {
+    "mamba_same_step_rule_removed",
+    "eagle_drop_not_applied",
+    "full_prompt_without_window_cap",
+    "retention_mask_ignored",
+    "hash_view_first_hash",
+}
+
+
+def test_the_engine_rules_have_mutants_and_the_engine_traces_are_in_the_kill_set() -> None:
+    assert {m.name for m in MUTANTS} >= ENGINE_MUTANTS
+    unpatched = Mutant("none", "no change", "hybridkv.reference.block_pool", ())
+    names = [name for name, _ in mutants.manager_checks(load_mutant(unpatched))]
+    assert names == [
+        "differential machine",
+        "longest-hit oracle",
+        "engine golden traces",
+        "golden traces",
+    ]

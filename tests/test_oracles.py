@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -299,3 +300,54 @@ def test_random_cache_states_cover_every_shape() -> None:
     shapes = {len({g.type_key for g in random_cache_state(rng)[0]}) for _ in range(200)}
     assert {1, 2, 3} <= shapes
     assert random_models(random.Random(0), 5)
+
+
+# --- Engine layouts: Mamba "align" and groups of different block sizes ----------------------
+
+
+def _mamba(cached: tuple[bool, ...], size: int = 2) -> oracles.EngineGroupState:
+    return oracles.EngineGroupState("mamba", 0, size, cached)
+
+
+def test_brute_force_takes_a_mamba_hit_only_where_its_state_is_cached() -> None:
+    full = oracles.EngineGroupState("full", 0, 2, (True, True, True, True))
+    # The state after 4 tokens is cached, the one after 8 is not: the hit is 4, not 6 or 8.
+    groups = [full, _mamba((False, True, False, False))]
+    assert oracles.brute_force_engine_hit(groups, 9) == 4
+    assert oracles.brute_force_engine_hit([_mamba((False, False, True, True))], 9) == 8
+    assert oracles.brute_force_engine_hit([full, _mamba((False,) * 4)], 9) == 0
+
+
+def test_brute_force_hits_land_on_the_lcm_of_the_block_sizes() -> None:
+    small = oracles.EngineGroupState("full", 0, 2, (True,) * 6)
+    large = oracles.EngineGroupState("full", 0, 4, (True,) * 3)
+    assert oracles.brute_force_engine_hit([small, large], 11) == 8  # 10 is no multiple of 4
+    window = oracles.EngineGroupState("sliding_window", 3, 4, (False, True, True))
+    assert oracles.brute_force_engine_hit([small, window], 13) == 12
+
+
+def test_the_reference_hit_equals_brute_force_on_engine_layouts() -> None:
+    stats = oracles.run_engine_hit_oracle(1200 if LONG else 300)
+    print("\n".join(stats.lines()))
+    assert not stats.failures, stats.failures[:3]
+    assert stats.with_mamba > 100
+    assert stats.mixed_block_sizes > 100
+    assert stats.hits > 50
+
+
+def test_a_mamba_hit_one_block_off_is_caught_by_the_engine_oracle() -> None:
+    """A lookup that takes the state after the previous block (a plausible off-by-one)."""
+    from hybridkv.reference import single_type_managers
+
+    original = single_type_managers.MambaManager.find_longest_cache_hit
+
+    def off_by_one(self: Any, *args: Any, **kwargs: Any) -> Any:
+        hits, length = original(self, *args, **kwargs)
+        return hits, max(0, length - self.block_size) if length else 0
+
+    single_type_managers.MambaManager.find_longest_cache_hit = off_by_one  # type: ignore[method-assign]
+    try:
+        stats = oracles.run_engine_hit_oracle(100)
+    finally:
+        single_type_managers.MambaManager.find_longest_cache_hit = original  # type: ignore[method-assign]
+    assert stats.failures

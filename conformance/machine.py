@@ -1,0 +1,627 @@
+"""The differential machine: a scheduler driving implementations in lockstep (see
+``hybridkv.conformance.stateful`` for what it draws and compares), ``RunStats`` (what a run
+covered), ``machine_for`` and ``run_differential``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from hypothesis import HealthCheck, Phase, Verbosity, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    get_state_machine_test,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from hybridkv.conformance.adapters import (
+    NOT_IMPLEMENTED,
+    AdapterFactory,
+    Backend,
+    BlockIds,
+    Lookup,
+    ManagerAdapter,
+    reference_stand_in,
+)
+from hybridkv.conformance.invariants import (
+    ConformanceError,
+    check_failed_allocation,
+    check_observable_invariants,
+    require,
+)
+from hybridkv.conformance.strategies import FAMILIES, SYSTEM_PROMPTS, Layout, layouts
+
+MAX_LIVE_REQUESTS = 8
+
+
+# --- What a run covered ----------------------------------------------------------------------
+
+
+@dataclass
+class RunStats:
+    """Counts for the report: what the machine did and checked."""
+
+    examples: int = 0
+    steps: int = 0
+    rules: Counter[str] = field(default_factory=Counter)
+    invariant_checks: int = 0
+    comparisons: int = 0
+    type_mixes: Counter[str] = field(default_factory=Counter)
+    group_counts: Counter[int] = field(default_factory=Counter)
+    allocations: int = 0
+    failed_allocations: int = 0
+    hits: int = 0
+    lookups: int = 0
+    evictions: int = 0
+    caching_off: int = 0
+    backends: tuple[str, ...] = ()
+    features: Counter[str] = field(default_factory=Counter)
+    skipped: Counter[str] = field(default_factory=Counter)
+    stand_ins: int = 0
+    shared_prefix_boundaries: int = 0
+    full_prompt_admissions: int = 0
+    full_prompt_refusals: int = 0
+    speculative_steps: int = 0
+    accepted_drafts: int = 0
+
+    def lines(self) -> list[str]:
+        mixes = ", ".join(f"{mix} ×{n}" for mix, n in sorted(self.type_mixes.items()))
+        groups = ", ".join(f"{k} groups ×{n}" for k, n in sorted(self.group_counts.items()))
+        rule_counts = ", ".join(f"{name} {n}" for name, n in sorted(self.rules.items()))
+        features = ", ".join(f"{name} ×{n}" for name, n in sorted(self.features.items()))
+        skipped = ", ".join(f"{name} {self.skipped[name]}" for name in self.backends) or "none"
+        return [
+            f"  backends: {' vs '.join(self.backends)}",
+            f"  examples {self.examples}, steps {self.steps} "
+            f"(operations on each backend: {sum(self.rules.values())})",
+            f"  rules: {rule_counts}",
+            f"  lookups {self.lookups} ({self.hits} with a hit), allocations {self.allocations} "
+            f"({self.failed_allocations} returned None), cache evictions {self.evictions}",
+            f"  observables compared {self.comparisons}, invariant checks {self.invariant_checks}",
+            f"  layouts: {groups}; caching off in {self.caching_off}",
+            f"  type mixes: {mixes}",
+            f"  engine features (layouts): {features or 'none'}",
+            f"  shared-prefix boundaries stored {self.shared_prefix_boundaries}, full-prompt "
+            f"admissions {self.full_prompt_admissions} ({self.full_prompt_refusals} returned "
+            f"None), speculative decode steps {self.speculative_steps} "
+            f"({self.accepted_drafts} accepted drafts)",
+            f"  skipped examples (layout not implemented): {skipped}"
+            + (f"; reference-again stood in {self.stand_ins}×" if self.stand_ins else ""),
+        ]
+
+
+# --- The machine -----------------------------------------------------------------------------
+
+
+@dataclass
+class LiveRequest:
+    """A request as the scheduler sees it, with each implementation's own request object."""
+
+    rid: str
+    tokens: list[int]
+    salt: str | None
+    handles: list[Any]
+    computed: int = 0
+    running: bool = False
+    delayed: bool = False
+    drafts: int = 0
+    """Draft tokens the last speculative decode step scheduled (0: none pending)."""
+
+
+class DifferentialMachine(RuleBasedStateMachine):
+    """Drives ``backends`` in lockstep; the first is the model. Subclass via ``machine_for``."""
+
+    backends: ClassVar[Sequence[Backend]] = ()
+    stats: ClassVar[RunStats] = RunStats()
+    family: ClassVar[str] = "hybrid"
+    stand_in: ClassVar[Backend | None] = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layout: Layout | None = None
+        self.impls: list[ManagerAdapter] = []
+        self.live: dict[str, LiveRequest] = {}
+        self.history: list[tuple[int, ...]] = []
+        self.counter = 0
+        self.last_rule = ""
+        self.allocated_in_step = False
+
+    # --- Set-up -------------------------------------------------------------------------------
+
+    @initialize(data=st.data())
+    def set_up(self, data: st.DataObject) -> None:
+        """The layout, and one to three waiting requests (a scheduler rarely starts empty)."""
+        layout = data.draw(layouts(self.family), label="layout")
+        self.layout = layout
+        self.impls = self._build(layout)
+        stats = self.stats
+        stats.examples += 1
+        stats.features.update(layout.features())
+        stats.type_mixes["+".join(sorted(set(layout.kinds)))] += 1
+        stats.group_counts[len(layout.specs)] += 1
+        stats.caching_off += not layout.enable_caching
+        for _ in range(data.draw(st.integers(1, 3))):
+            self.add_request(data)
+
+    def _build(self, layout: Layout) -> list[ManagerAdapter]:
+        """One implementation per backend. A backend that refuses the layout by name (a
+        ``ValueError`` saying it does not implement it) sits this example out; the model may
+        not. If fewer than two remain, the stand-in (an independent reference) joins, so the
+        example is still checked differentially."""
+        config = layout.config()
+        impls: list[ManagerAdapter] = []
+
+        def make(factory: AdapterFactory) -> ManagerAdapter:
+            return factory(
+                config,
+                layout.max_model_len,
+                layout.enable_caching,
+                layout.enable_events,
+                layout.engine,
+            )
+
+        for index, (name, factory) in enumerate(self.backends):
+            try:
+                impls.append(make(factory))
+            except ValueError as error:
+                if index == 0 or NOT_IMPLEMENTED not in str(error):
+                    raise
+                self.stats.skipped[name] += 1
+        if len(impls) < min(2, len(self.backends)) and self.stand_in is not None:
+            impls.append(make(self.stand_in[1]))
+            self.stats.stand_ins += 1
+        return impls
+
+    # --- Helpers ------------------------------------------------------------------------------
+
+    @property
+    def lay(self) -> Layout:
+        assert self.layout is not None
+        return self.layout
+
+    def _agree(self, what: str, values: Sequence[object]) -> None:
+        """Every implementation's value equals the model's (``None`` means not shown)."""
+        self.stats.comparisons += 1
+        model = values[0]
+        for impl, value in zip(self.impls[1:], values[1:], strict=True):
+            if value is not None and model is not None and value != model:
+                raise ConformanceError(
+                    f"{what}: {impl.name} differs from {self.impls[0].name}:\n"
+                    f"  {self.impls[0].name}: {model!r}\n  {impl.name}: {value!r}"
+                )
+
+    def _count(self, name: str) -> None:
+        self.last_rule = name
+        self.stats.steps += 1
+        self.stats.rules[name] += 1
+
+    def _pick(self, data: st.DataObject, running: bool) -> LiveRequest:
+        candidates = sorted(r for r, req in self.live.items() if req.running == running)
+        return self.live[data.draw(st.sampled_from(candidates))]
+
+    def _has(self, running: bool) -> bool:
+        return any(req.running == running for req in self.live.values())
+
+    def _tables(self, impl: ManagerAdapter) -> dict[str, BlockIds]:
+        return {rid: impl.block_table(rid) for rid in sorted(self.live)}
+
+    def _set_computed(self, req: LiveRequest, value: int) -> None:
+        req.computed = value
+        for impl, handle in zip(self.impls, req.handles, strict=True):
+            impl.set_num_computed_tokens(handle, value)
+
+    def _allocate(
+        self,
+        req: LiveRequest,
+        n: int,
+        hits: list[Lookup] | None,
+        lookahead: int,
+        delay: bool,
+        full: bool = False,
+    ) -> bool:
+        """``allocate_slots`` on every implementation; compare; check a failure changed nothing
+        but window releases. Returns whether it succeeded."""
+        before = [(impl.snapshot(), self._tables(impl)) for impl in self.impls]
+        results = [
+            impl.allocate(
+                handle,
+                n,
+                None if hits is None else hits[i],
+                lookahead,
+                delay,
+                # Only when set: an adapter written before full-prompt admission still works.
+                **({"full_sequence_must_fit": True} if full else {}),
+            )
+            for i, (impl, handle) in enumerate(zip(self.impls, req.handles, strict=True))
+        ]
+        self._agree(f"allocate_slots({req.rid}, {n}, lookahead={lookahead}, full={full})", results)
+        self.stats.allocations += 1
+        self.stats.full_prompt_admissions += full
+        self.allocated_in_step = True
+        if results[0] is None:
+            self.stats.failed_allocations += 1
+            self.stats.full_prompt_refusals += full
+            for impl, (snap, tables) in zip(self.impls, before, strict=True):
+                after = impl.snapshot()
+                if snap is not None and after is not None:
+                    check_failed_allocation(
+                        self.lay, req.rid, snap, after, tables, self._tables(impl)
+                    )
+                    self.stats.invariant_checks += 1
+            return False
+        hit = 0 if hits is None else hits[0].num_hit_tokens
+        self._set_computed(req, min(req.computed + hit + n, len(req.tokens)))
+        req.running = True
+        req.delayed = req.delayed or delay
+        return True
+
+    def _lookup(self, req: LiveRequest) -> list[Lookup]:
+        found = [impl.lookup(h) for impl, h in zip(self.impls, req.handles, strict=True)]
+        self._agree(
+            f"get_computed_blocks({req.rid})",
+            [(f.block_ids, f.num_hit_tokens, f.shared_prefix_boundary) for f in found],
+        )
+        self.stats.lookups += 1
+        self.stats.hits += found[0].num_hit_tokens > 0
+        # The scheduler stores the boundary on the request: sparse groups cache there too.
+        for impl, handle, result in zip(self.impls, req.handles, found, strict=True):
+            impl.set_shared_prefix_boundary(handle, result.shared_prefix_boundary)
+        self.stats.shared_prefix_boundaries += found[0].shared_prefix_boundary > 0
+        return found
+
+    def _free(self, req: LiveRequest) -> None:
+        for impl, handle in zip(self.impls, req.handles, strict=True):
+            impl.free(handle)
+
+    def _new_request(self, prompt: Sequence[int], salt: str | None) -> None:
+        rid = f"r{self.counter}"
+        self.counter += 1
+        handles = [impl.new_request(rid, prompt, salt) for impl in self.impls]
+        self.live[rid] = LiveRequest(rid, list(prompt), salt, handles)
+
+    # --- Rules --------------------------------------------------------------------------------
+
+    def _can_add(self) -> bool:
+        waiting = sum(not r.running for r in self.live.values())
+        return len(self.live) < MAX_LIVE_REQUESTS and waiting < 3
+
+    @precondition(lambda self: self._can_add())
+    @rule(data=st.data())
+    def add_request(self, data: st.DataObject) -> None:
+        """A fresh prompt, or a shared system prompt followed by a question."""
+        limit = self.lay.max_model_len - 1
+        alphabet = st.integers(0, 3) if data.draw(st.booleans()) else st.integers(0, 50)
+        size = data.draw(st.sampled_from([None, None, limit, limit - 1]))
+        if size is None or size < 1:
+            prompt = data.draw(st.lists(alphabet, min_size=1, max_size=limit))
+        else:  # as long as the model allows: lookahead slots then reach max_model_len
+            prompt = data.draw(st.lists(alphabet, min_size=size, max_size=size))
+        # A shared system prompt (most often under sparse retention, where the shared-prefix
+        # boundary decides what the sparse groups cache).
+        if data.draw(st.integers(0, 3)) >= (1 if self.lay.retention is not None else 2):
+            prompt = list(data.draw(st.sampled_from(SYSTEM_PROMPTS))) + prompt
+        salt = data.draw(st.sampled_from([None, None, None, "a", "b"]))
+        self._count("add_request")
+        self._new_request(prompt[:limit], salt)
+
+    @precondition(lambda self: self._can_add() and bool(self.history))
+    @rule(data=st.data())
+    def add_follow_up(self, data: st.DataObject) -> None:
+        """The next turn of an earlier conversation, or the exact same prompt again."""
+        limit = self.lay.max_model_len - 1
+        earlier = list(data.draw(st.sampled_from(self.history)))
+        turn = data.draw(st.lists(st.integers(0, 50), max_size=8))
+        salt = data.draw(st.sampled_from([None, None, None, "a", "b"]))
+        self._count("add_follow_up")
+        self._new_request((earlier + turn)[:limit], salt)
+
+    @precondition(lambda self: self._has(running=False))
+    @rule(data=st.data())
+    def lookup(self, data: st.DataObject) -> None:
+        req = self._pick(data, running=False)
+        self._count("lookup")
+        self._lookup(req)
+
+    @precondition(lambda self: self._has(running=False))
+    @rule(data=st.data())
+    def admit(self, data: st.DataObject) -> None:
+        """Look up, then allocate the first chunk (with or without the hit) as a scheduler does."""
+        req = self._pick(data, running=False)
+        self._count("admit")
+        found = self._lookup(req)
+        use_hit = data.draw(st.booleans() | st.just(True))
+        hit = found[0].num_hit_tokens if use_hit else 0
+        budget = data.draw(st.integers(1, self.lay.max_model_len))
+        n = min(len(req.tokens) - req.computed - hit, budget)
+        if n <= 0:
+            return
+        lookahead = data.draw(st.sampled_from([0, 0, 0, 1, 3]))
+        delay = self.lay.enable_caching and data.draw(st.integers(0, 4)) == 0
+        full = self.lay.full_prompt_admission and data.draw(st.booleans())
+        n = self._align_chunk(req, hit, n)
+        self._allocate(req, n, found if use_hit else None, lookahead, delay, full)
+
+    def _align_chunk(self, req: LiveRequest, hit: int, n: int) -> int:
+        """With a Mamba ``"align"`` group a scheduler ends a prefill chunk on a block boundary
+        (but the prompt's last chunk), so that the state there is cached; mostly do the same."""
+        block = self.lay.mamba_align_block
+        start = req.computed + hit
+        if block is None or start + n >= len(req.tokens):
+            return n
+        aligned = (start + n) // block * block - start
+        return aligned if aligned > 0 else n
+
+    def _prefilling(self) -> bool:
+        return any(r.running and r.computed < len(r.tokens) for r in self.live.values())
+
+    def _decoding(self) -> bool:
+        return any(r.running and r.computed >= len(r.tokens) for r in self.live.values())
+
+    def _pick_where(self, data: st.DataObject, prefilling: bool) -> LiveRequest:
+        candidates = sorted(
+            rid
+            for rid, req in self.live.items()
+            if req.running and (req.computed < len(req.tokens)) == prefilling
+        )
+        return self.live[data.draw(st.sampled_from(candidates))]
+
+    def _continue(self, data: st.DataObject, req: LiveRequest) -> None:
+        budget = data.draw(st.integers(1, self.lay.max_model_len))
+        n = min(len(req.tokens) - req.computed, budget, self.lay.max_model_len - req.computed - 1)
+        if n <= 0:
+            return
+        lookahead = data.draw(st.sampled_from([0, 0, 0, 1, 2]))
+        if data.draw(st.integers(0, 3)):
+            n = self._align_chunk(req, 0, n)
+        if self._allocate(req, n, None, lookahead, False) or not data.draw(st.booleans()):
+            return
+        # Out of blocks: preempt the most recently admitted other request, then retry once.
+        others = [r for r in self.live.values() if r.running and r is not req]
+        if others:
+            self._preempt(others[-1])
+            self._allocate(req, n, None, lookahead, False)
+
+    def _preempt(self, req: LiveRequest) -> None:
+        self._free(req)
+        self._set_computed(req, 0)
+        req.running = False
+        req.delayed = False
+
+    @precondition(lambda self: self._prefilling())
+    @rule(data=st.data())
+    def prefill(self, data: st.DataObject) -> None:
+        """A running request's next prefill chunk, within a token budget."""
+        req = self._pick_where(data, prefilling=True)
+        self._count("prefill")
+        self._continue(data, req)
+
+    @precondition(lambda self: self._decoding())
+    @rule(data=st.data())
+    def decode(self, data: st.DataObject) -> None:
+        """Append one token (or a few, as speculative decoding does) and allocate them."""
+        req = self._pick_where(data, prefilling=False)
+        self._count("decode")
+        req.drafts = 0
+        room = self.lay.max_model_len - len(req.tokens)
+        if room > 0:
+            tokens = data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=min(3, room)))
+            req.tokens.extend(tokens)
+            for impl, handle in zip(self.impls, req.handles, strict=True):
+                impl.append_tokens(handle, tokens)
+        self._continue(data, req)
+
+    @precondition(lambda self: any(r.delayed and r.running for r in self.live.values()))
+    @rule(data=st.data())
+    def cache_delayed(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(r for r, q in self.live.items() if q.delayed)))
+        req = self.live[rid]
+        if not req.running:
+            return
+        self._count("cache_delayed")
+        upto = data.draw(st.integers(0, req.computed))
+        for impl, handle in zip(self.impls, req.handles, strict=True):
+            impl.cache_blocks(handle, upto)
+
+    @precondition(lambda self: self._has(running=False))
+    @rule(data=st.data())
+    def admit_whole_prompt(self, data: st.DataObject) -> None:
+        """Look up and admit a whole prompt at once with its hit (no chunking)."""
+        req = self._pick(data, running=False)
+        self._count("admit_whole_prompt")
+        found = self._lookup(req)
+        n = len(req.tokens) - req.computed - found[0].num_hit_tokens
+        lookahead = data.draw(st.sampled_from([0, 3]))
+        full = self.lay.full_prompt_admission and data.draw(st.booleans())
+        if n > 0:
+            self._allocate(req, n, found, lookahead, False, full)
+
+    @precondition(lambda self: self.allocated_in_step)
+    @rule()
+    def new_step(self) -> None:
+        """``new_step_starts()``: a Mamba state cached before it may now be adopted (a step
+        begins after some allocation; until then the same-step rule refuses such a hit)."""
+        self._count("new_step")
+        self.allocated_in_step = False
+        for impl in self.impls:
+            impl.new_step()
+
+    @precondition(lambda self: self._decoding())
+    @rule(data=st.data())
+    def speculative_decode(self, data: st.DataObject) -> None:
+        """A decode step with drafts: settle the previous step (its first ``k`` drafts accepted,
+        appended with the bonus token; ``num_computed_tokens += k``), then schedule the known
+        token plus ``d`` drafts: ``allocate_slots(1 + d, num_lookahead_tokens=d)``."""
+        req = self._pick_where(data, prefilling=False)
+        self._count("speculative_decode")
+        accepted = data.draw(st.integers(0, req.drafts)) if req.drafts else 0
+        room = self.lay.max_model_len - 1 - len(req.tokens)
+        accepted = min(accepted, room - 1)
+        if accepted < 0:
+            return
+        tokens = data.draw(
+            st.lists(st.integers(0, 3), min_size=accepted + 1, max_size=accepted + 1)
+        )
+        req.tokens.extend(tokens)
+        for impl, handle in zip(self.impls, req.handles, strict=True):
+            impl.append_tokens(handle, tokens)
+        self._set_computed(req, req.computed + accepted)
+        self.stats.accepted_drafts += accepted
+        req.drafts = 0
+        drafts = min(data.draw(st.integers(1, 3)), self.lay.max_model_len - 1 - len(req.tokens))
+        if drafts < 1:
+            return
+        self.stats.speculative_steps += 1
+        if self._allocate(req, 1 + drafts, None, drafts, False):
+            req.drafts = drafts
+
+    @precondition(lambda self: self._has(running=True))
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        req = self._pick(data, running=True)
+        self._count("finish")
+        self._free(req)
+        self.history = [*self.history[-7:], tuple(req.tokens)]
+        del self.live[req.rid]
+
+    @precondition(lambda self: sum(not r.running for r in self.live.values()) >= 3)
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        """A waiting request is aborted: freeing a request that holds no blocks is a no-op."""
+        req = self._pick(data, running=False)
+        self._count("abort")
+        self._free(req)
+        del self.live[req.rid]
+
+    @precondition(lambda self: self._has(running=True))
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        req = self._pick(data, running=True)
+        self._count("preempt")
+        self._preempt(req)
+
+    @precondition(lambda self: bool(self.history) and self.last_rule != "reset_prefix_cache")
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        self._count("reset_prefix_cache")
+        self._agree("reset_prefix_cache()", [impl.reset_prefix_cache() for impl in self.impls])
+
+    @precondition(lambda self: len(self.live) >= 3)
+    @rule(reset=st.booleans())
+    def drain(self, reset: bool) -> None:
+        """Free every request: nothing may stay in use, and a prefix-cache reset must succeed
+        (done when ``reset``; otherwise the cache is kept for the requests that follow)."""
+        self._count("drain")
+        for req in list(self.live.values()):
+            self._free(req)
+            if req.running:
+                self.history = [*self.history[-7:], tuple(req.tokens)]
+        self.live.clear()
+        for impl in self.impls:
+            require(impl.usage() == 0.0, f"{impl.name}: usage {impl.usage()} after freeing all")
+            free = impl.num_free_blocks()
+            require(free == self.lay.num_blocks - 1, f"{impl.name}: {free} free after draining")
+            if not reset:
+                continue
+            require(impl.reset_prefix_cache(), f"{impl.name}: reset refused with nothing in use")
+            snap = impl.snapshot()
+            if snap is not None:
+                require(snap.num_cached_keys == 0, f"{impl.name}: cache keys survive a reset")
+            self.stats.invariant_checks += 1
+
+    # --- After every rule ---------------------------------------------------------------------
+
+    @invariant()
+    def everything_agrees(self) -> None:
+        if self.layout is None:
+            return
+        lay = self.lay
+        computed = {rid: req.computed for rid, req in self.live.items()}
+        snaps = [impl.snapshot() for impl in self.impls]
+        tables = [self._tables(impl) for impl in self.impls]
+        self._agree("block tables", tables)
+        self._agree("pool snapshot", snaps)
+        self._agree("num_free_blocks", [impl.num_free_blocks() for impl in self.impls])
+        self._agree("usage", [impl.usage() for impl in self.impls])
+        events = [impl.take_events() for impl in self.impls]
+        self._agree("events", events)
+        self._agree("prefix cache stats", [impl.take_stats() for impl in self.impls])
+        if events[0] is not None:
+            self.stats.evictions += sum(1 for e in events[0] if e[0] == "BlockRemoved")
+        for impl, snap, table in zip(self.impls, snaps, tables, strict=True):
+            if snap is not None:
+                check_observable_invariants(
+                    lay, snap, impl.num_free_blocks(), impl.usage(), table, computed
+                )
+            impl.check_invariants()
+            self.stats.invariant_checks += 2
+
+
+def machine_for(
+    backends: Sequence[Backend],
+    stats: RunStats,
+    family: str = "hybrid",
+    stand_in: Backend | None = None,
+) -> type[DifferentialMachine]:
+    """A ``DifferentialMachine`` over these backends and one layout family, counting into
+    ``stats``; ``stand_in`` joins an example in which a backend refuses the layout by name."""
+    stats.backends = tuple(name for name, _ in backends)
+    attrs = {"backends": tuple(backends), "stats": stats, "family": family, "stand_in": stand_in}
+    return type(f"DifferentialMachine_{family}", (DifferentialMachine,), attrs)
+
+
+def run_differential(
+    backends: Sequence[Backend],
+    *,
+    max_examples: int = 100,
+    steps: int = 50,
+    seed: int | None = None,
+    stats: RunStats | None = None,
+    shrink: bool = True,
+    families: Sequence[str] = FAMILIES,
+    hypothesis_backend: str = "hypothesis",
+    stand_in: Backend | None = None,
+) -> RunStats:
+    """Run the machine over ``backends``; raise on the first difference or broken invariant.
+
+    ``max_examples`` is split evenly between the layout ``families``. With ``seed=None`` the run
+    is derandomized (the same examples every time, as CI needs); with a seed, that seed picks
+    the examples. Hypothesis shrinks a failure and prints the shortest sequence of steps that
+    shows it (``shrink=False``: raise at once, quietly, as the mutant hunt wants).
+    ``hypothesis_backend="crosshair"`` (with the ``hypothesis-crosshair`` package) draws the
+    choices symbolically: about 18× slower, an advisory extra lane, not the main one.
+
+    A backend whose factory refuses a drawn layout by name (``adapters.NOT_IMPLEMENTED``) skips
+    that example (``RunStats.skipped``); ``stand_in`` (default: an independent reference,
+    ``reference-again``) then joins so that the example still compares two implementations.
+    """
+    stats = RunStats() if stats is None else stats
+    run_settings = settings(
+        max_examples=max(1, max_examples // len(families)),
+        stateful_step_count=steps,
+        deadline=None,
+        derandomize=seed is None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.explicit, Phase.generate, *([Phase.shrink] if shrink else [])],
+        report_multiple_bugs=False,
+        verbosity=Verbosity.normal if shrink else Verbosity.quiet,
+        backend=hypothesis_backend,
+    )
+    for family in families:
+        machine = machine_for(
+            backends, stats, family, reference_stand_in() if stand_in is None else stand_in
+        )
+        # Hypothesis types this helper only in recent releases: call it through Any.
+        make_test: Any = get_state_machine_test
+        test: Any = make_test(machine, settings=run_settings)
+        if seed is not None:
+            test._hypothesis_internal_use_seed = seed
+        test()
+    return stats
