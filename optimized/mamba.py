@@ -475,7 +475,9 @@ def _cache_checkpoint(
         )
         is_retained = mask is None or mask[0]
     shared = int(getattr(request, "shared_prefix_boundary", 0))
-    if not (is_prompt_checkpoint or is_retained or position == shared):
+    # A checkpoint past the request's hashes has no key yet: transient (see the reference).
+    hashed = position <= len(request.block_hashes) * m.hash_block_size
+    if not hashed or not (is_prompt_checkpoint or is_retained or position == shared):
         if block:
             m.pool.remove_keys(block)
         return None

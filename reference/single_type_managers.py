@@ -762,7 +762,13 @@ class MambaManager(SingleTypeKVCacheManager):
             state_index = position // self.block_size - 1
             mask = self.reachable_block_mask(state_index, state_index + 1, retention_interval, ())
             is_retained = mask is None or mask[0]
-        if not (is_prompt_checkpoint or is_retained or position == shared_prefix_boundary(request)):
+        # A checkpoint past the request's hashes (a speculative step's drafts reach beyond its
+        # known tokens) has no key yet: it is transient (vLLM would fail an assertion here).
+        hashed = position <= len(request.block_hashes) * self.block_pool.hash_block_size
+        reachable = (
+            is_prompt_checkpoint or is_retained or position == shared_prefix_boundary(request)
+        )
+        if not (hashed and reachable):
             self.block_pool.maybe_evict_cached_block(block)
             return None
         if block.block_hash_num_tokens == position:

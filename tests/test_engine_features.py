@@ -742,3 +742,42 @@ def test_optimized_backend_refuses_unported_engine_features_by_name(
     )
     with pytest.raises(ValueError, match=exactly(message)):
         TorchKVCacheManager(layout, 256, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_checkpoint_beyond_the_known_tokens_is_transient_on_both_backends() -> None:
+    """A speculative step can reserve a Mamba prefill checkpoint past the request's known
+    tokens (1 known + 2 drafts with block 1): that boundary has no hash yet, so the block is
+    kept as a transient slot and nothing is cached there (vLLM 0.33 fails an assertion at this
+    point). Found by the differential machine; both backends agree block for block."""
+    from hybridkv.optimized import TorchKVCacheManager
+
+    kv = {"block_size": 1, "num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
+    mamba = MambaSpec(
+        block_size=1,
+        state_bytes=4,
+        mamba_cache_mode="align",
+        num_prefill_checkpoint_blocks=1,
+        prefill_checkpoint_alignment=1,
+        num_speculative_blocks=1,
+    )
+    config = KVCacheConfig(
+        64,
+        (
+            KVCacheGroup(("m",), mamba),
+            KVCacheGroup(("f",), FullAttentionSpec(**kv), is_eagle_group=True),
+            KVCacheGroup(("s",), SlidingWindowSpec(sliding_window=2, **kv)),
+        ),
+    )
+    observed = []
+    for manager_class in (KVCacheManager, TorchKVCacheManager):
+        manager = manager_class(config, 64, use_eagle=True)
+        request = Request("r", [5], hash_block_size=1)
+        assert manager.allocate_slots(request, 1) is not None
+        request.num_computed_tokens = 1
+        request.append_output_token_ids(6)
+        new = manager.allocate_slots(request, 3, num_lookahead_tokens=2)
+        assert new is not None
+        manager.check_invariants()
+        observed.append((new.get_block_ids(), manager.get_block_ids("r"), manager.snapshot()))
+    assert observed[0] == observed[1]
+    assert observed[0][1] == ([1, 0, 2, 5, 6], [3, 7, 8, 9, 10, 11], [4, 12, 13, 14, 15, 16])
