@@ -290,9 +290,9 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "eagle_drop_not_applied",
         "use_eagle hits keep their last block (the drafter never recomputes it)",
-        "reference.coordinator",
+        "spec.rules",
         (
-            "drop = attention_type.use_eagle and index not in eagle_verified",
+            "drop = drops_eagle_block[t] and t not in eagle_verified",
             "drop = False",
         ),
     ),

@@ -729,19 +729,27 @@ def test_mamba_retention_0_mask_of_the_40_token_prompt() -> None:
     ],
     ids=["mixed-block-sizes", "mamba-align", "retention-sliding", "use-eagle", "lookahead"],
 )
-def test_optimized_backend_refuses_unported_engine_features_by_name(
+def test_the_optimized_backend_takes_every_engine_layout_the_reference_takes(
     layout: KVCacheConfig, kwargs: dict[str, object], feature: str
 ) -> None:
+    """Each engine feature runs on both backends: the same admission of a 100-token prompt
+    returns the same blocks, and both are left in the same state."""
     pytest.importorskip("torch")
     from hybridkv.optimized import TorchKVCacheManager
 
-    KVCacheManager(layout, 256, **kwargs)  # type: ignore[arg-type]  # the reference accepts it
-    message = (
-        f"the optimized backend does not implement {feature} yet; "
-        "use hybridkv.reference.KVCacheManager"
-    )
-    with pytest.raises(ValueError, match=exactly(message)):
-        TorchKVCacheManager(layout, 256, **kwargs)  # type: ignore[arg-type]
+    results = []
+    for manager_class in (KVCacheManager, TorchKVCacheManager):
+        manager = manager_class(layout, 256, **kwargs)  # type: ignore[arg-type]
+        request = Request(
+            "r",
+            list(range(100)),
+            hash_block_size=manager.hash_block_size,
+            num_hash_lookahead_tokens=int(kwargs.get("num_hash_lookahead_tokens", 0)),  # type: ignore[call-overload]
+        )
+        new = manager.allocate_slots(request, 100)
+        manager.check_invariants()
+        results.append((new, manager.snapshot()))
+    assert results[0] == results[1], feature
 
 
 def test_a_checkpoint_beyond_the_known_tokens_is_transient_on_both_backends() -> None:
