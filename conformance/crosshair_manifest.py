@@ -87,7 +87,6 @@ MANIFEST: tuple[Target, ...] = (
     Target(f"{HARNESSES}.sliding_window_scan_equivalence", scale=3.0),
     Target(f"{HARNESSES}.hybrid_hit_is_longest_accepted", scale=4.0),
     Target(f"{HARNESSES}.hybrid_hit_without_full_attention", scale=4.0),
-    Target(f"{HARNESSES}.hybrid_hit_length_is_longest_accepted", scale=4.0),
     Target(f"{HARNESSES}.block_pool_operations_keep_invariants", scale=4.0),
     Target(f"{HARNESSES}.scheduler_block_size_is_lcm"),
     Target(f"{HARNESSES}.replay_boundaries_leave_the_dropped_block"),

@@ -22,8 +22,6 @@ from hybridkv.conformance.oracles import (
     GroupCacheState,
     brute_force_hit_blocks,
     hybrid_hit_tokens,
-    joint_type_states,
-    type_longest_hit_blocks,
 )
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.block_pool import BlockPool
@@ -171,40 +169,6 @@ def block_pool_operations_keep_invariants(ops: list[int]) -> bool:
         if any(b.ref_cnt != sum(1 for h in held if h is b) for b in pool.blocks[1:]):
             return False
     return True
-
-
-def hybrid_hit_length_is_longest_accepted(
-    full: list[bool],
-    window: list[bool],
-    chunk: list[bool],
-    block_size: int,
-    sliding_window: int,
-    attention_chunk_size: int,
-    num_tokens: int,
-) -> bool:
-    """``rules.hybrid_hit_length`` (the intersection every backend calls), fed each type's own
-    longest hit, returns the brute-force longest hit: full + sliding window + chunked local.
-
-    pre: 1 <= block_size <= 2
-    pre: 2 <= sliding_window <= 5
-    pre: 1 <= attention_chunk_size <= 5
-    pre: 1 <= num_tokens <= 6
-    pre: len(full) == len(window) == len(chunk) == num_tokens // block_size
-    post: __return__
-    """
-    groups = full_window_chunk(full, window, chunk, sliding_window, attention_chunk_size)
-    types = joint_type_states(groups)
-
-    def lookup(t: int, length: int, drop: bool) -> int:
-        state = types[t]
-        return block_size * type_longest_hit_blocks(
-            state.kind, state.param, state.cached, length, block_size
-        )
-
-    hit, _ = rules.hybrid_hit_length(
-        lookup, [t.kind == "full" for t in types], [False] * len(types), max(num_tokens - 1, 0)
-    )
-    return hit == block_size * brute_force_hit_blocks(groups, num_tokens, block_size)
 
 
 # --- Engine rules: lcm alignment, replay boundaries, Mamba retention ------------------------

@@ -98,26 +98,30 @@ def joint_type_states(groups: Sequence[GroupCacheState]) -> list[GroupCacheState
 def hybrid_hit_tokens(
     groups: Sequence[GroupCacheState], num_tokens: int, block_size: int, *, iterate: bool = True
 ) -> int:
-    """The hybrid coordinator's fixed point, in tokens (a multiple of ``block_size``).
+    """The hybrid coordinator's hit, in tokens (a multiple of ``block_size``): the intersection
+    rule every backend calls, ``rules.hybrid_hit_length``, fed each type's own scan.
 
-    Start from ``num_tokens − 1`` (the last token is always recomputed); ask each type, full
-    attention first, for its longest hit within the current length; repeat until a whole pass
-    lowers nothing. ``iterate=False`` stops after one pass (what vLLM does for exactly one full
-    attention type plus one other).
+    Start from ``num_tokens − 1`` (the last token is always recomputed); each type, full
+    attention first, gives its longest hit within the current length; the rule repeats until a
+    pass lowers nothing (one pass for one full type plus one other, as vLLM does).
+    ``iterate=False`` is the planted bug: one pass whatever the types.
     """
     types = joint_type_states(groups)
-    length = max(num_tokens - 1, 0)
-    while True:
-        current = length
-        for t in types:
-            current = block_size * type_longest_hit_blocks(
-                t.kind, t.param, t.cached, current, block_size
-            )
-        if current >= length:
-            return length
-        length = current
-        if not iterate:
-            return length
+    max_length = max(num_tokens - 1, 0)
+
+    def lookup(index: int, length: int, drop: bool) -> int:
+        t = types[index]
+        return block_size * type_longest_hit_blocks(t.kind, t.param, t.cached, length, block_size)
+
+    if not iterate:
+        length = max_length
+        for index in range(len(types)):
+            length = lookup(index, length, False)
+        return min(length, max_length)
+    hit, _ = rules.hybrid_hit_length(
+        lookup, [t.kind == "full" for t in types], [False] * len(types), max_length
+    )
+    return hit
 
 
 # --- The brute force -------------------------------------------------------------------------

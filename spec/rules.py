@@ -758,8 +758,9 @@ def hybrid_hit_length(
     The reference coordinator, the optimized backend and the conformance oracle all call this.
 
     The contract holds for any ``lookup`` (lengths only fall); that the result is the longest
-    hit every type accepts is checked against the brute force by the harness
-    ``hybridkv.conformance.harnesses.hybrid_hit_length_is_longest_accepted``.
+    hit every type accepts is checked against the brute force by the CrossHair harnesses
+    ``hybridkv.conformance.harnesses.hybrid_hit_is_longest_accepted`` and
+    ``hybrid_hit_without_full_attention`` (through ``oracles.hybrid_hit_tokens``).
 
     pre: 0 <= max_length <= 1000
     pre: len(full_attention) == len(drops_eagle_block) <= 4
