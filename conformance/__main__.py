@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -166,6 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         results["differential machine"] = True
     except Exception as error:
         print(f"  FAILED: {type(error).__name__}: {error}")
+        # The traceback and Hypothesis's notes (the shortest failing sequence of calls).
+        print("    " + "".join(traceback.format_exception(error)).replace("\n", "\n    "))
         results["differential machine"] = False
     print("\n".join(stats.lines()))
 
