@@ -425,6 +425,8 @@ def _cache_partial_tail(
     checkpoint = m._mamba.checkpoints.get((request_id, g))
     if checkpoint is not None:
         position, index = checkpoint
+        if index >= length:
+            return None  # reserved by an allocation that failed (see the reference)
         return _cache_checkpoint(m, request, row, g, position, m._tab.a[base + index])
     if num_tokens <= 0 or num_tokens % hbs:
         return None

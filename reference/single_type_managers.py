@@ -718,6 +718,10 @@ class MambaManager(SingleTypeKVCacheManager):
         table = self.req_to_blocks[request.request_id]
         checkpoint = self.checkpoints.get(request.request_id)
         if checkpoint is not None:
+            if checkpoint[1] >= len(table):
+                # Reserved by an allocation that then failed, and cached later (delayed
+                # caching): no block was taken for it, so nothing is cached (vLLM asserts).
+                return None
             return self._cache_checkpoint(request, table, *checkpoint, retention_interval)
         hash_block_size = self.block_pool.hash_block_size
         if num_tokens <= 0 or num_tokens % hash_block_size:

@@ -18,7 +18,6 @@ calls the rule in ``hybridkv.spec.rules``; a new attention type is added here, i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 from hybridkv.spec import rules
 from hybridkv.spec.errors import check_non_negative, check_positive
@@ -57,8 +56,8 @@ class AttentionSpec:
 class FullAttentionSpec(AttentionSpec):
     """Full (global) attention: every token keeps its KV for the life of the request."""
 
-    kind: ClassVar[str] = "full"
-    sparse_retention: ClassVar[bool] = False
+    kind = "full"
+    sparse_retention = False
 
     def skipped_tokens(self, num_computed_tokens: int) -> int:
         return rules.full_attention_skipped_tokens(num_computed_tokens)
@@ -78,8 +77,8 @@ class SlidingWindowSpec(AttentionSpec):
     """Sliding-window attention: a token attends to itself and the ``sliding_window − 1`` before."""
 
     sliding_window: int
-    kind: ClassVar[str] = "sliding_window"
-    sparse_retention: ClassVar[bool] = True
+    kind = "sliding_window"
+    sparse_retention = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -107,8 +106,8 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
     """Chunked local attention (Llama 4): a token attends only to tokens of its own chunk."""
 
     attention_chunk_size: int
-    kind: ClassVar[str] = "chunked_local"
-    sparse_retention: ClassVar[bool] = False
+    kind = "chunked_local"
+    sparse_retention = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -161,8 +160,8 @@ class MambaSpec:
     num_speculative_blocks: int = 0
     num_prefill_checkpoint_blocks: int = 0
     prefill_checkpoint_alignment: int | None = None
-    kind: ClassVar[str] = "mamba"
-    sparse_retention: ClassVar[bool] = True
+    kind = "mamba"
+    sparse_retention = True
 
     def __post_init__(self) -> None:
         check_positive("block_size", self.block_size)

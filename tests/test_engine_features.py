@@ -789,3 +789,37 @@ def test_a_checkpoint_beyond_the_known_tokens_is_transient_on_both_backends() ->
         observed.append((new.get_block_ids(), manager.get_block_ids("r"), manager.snapshot()))
     assert observed[0] == observed[1]
     assert observed[0][1] == ([1, 0, 2, 5, 6], [3, 7, 8, 9, 10, 11], [4, 12, 13, 14, 15, 16])
+
+
+def test_a_checkpoint_reserved_by_a_failed_allocation_is_not_cached_later() -> None:
+    """A speculative step reserves a Mamba prefill checkpoint (position 10 of a 12-token query)
+    while counting blocks, then fails for want of blocks; a delayed ``cache_blocks`` afterwards
+    must not use that reservation (no block was taken for it; vLLM 0.33 fails an assertion).
+    Found by the long conformance run; both backends agree."""
+    from hybridkv.optimized import TorchKVCacheManager
+
+    kv = {"block_size": 2, "num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
+    mamba = MambaSpec(
+        block_size=2,
+        state_bytes=4,
+        mamba_cache_mode="align",
+        num_prefill_checkpoint_blocks=1,
+        prefill_checkpoint_alignment=2,
+    )
+    config = KVCacheConfig(
+        7, (KVCacheGroup(("f",), FullAttentionSpec(**kv)), KVCacheGroup(("m",), mamba))
+    )
+    observed = []
+    for manager_class in (KVCacheManager, TorchKVCacheManager):
+        manager = manager_class(config, 64)
+        request = Request("r", list(range(8)), hash_block_size=2)
+        assert manager.allocate_slots(request, 8, delay_cache_blocks=True) is not None
+        assert manager.num_free_blocks == 0
+        request.num_computed_tokens = 8
+        request.append_output_token_ids(8)
+        assert manager.allocate_slots(request, 4, num_lookahead_tokens=3) is None
+        manager.cache_blocks(request, 8)
+        manager.check_invariants()
+        observed.append((manager.get_block_ids("r"), manager.snapshot()))
+    assert observed[0] == observed[1]
+    assert observed[0][0] == ([1, 2, 3, 4], [0, 0, 0, 6])
