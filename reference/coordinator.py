@@ -85,6 +85,10 @@ class KVCacheCoordinator(ABC):
             for manager in self.managers:
                 if isinstance(manager, MambaManager):
                     manager.drop_eagle_checkpoint_block = True
+        self._configure()
+
+    def _configure(self) -> None:  # noqa: B027 (a hook: only some coordinators set anything up)
+        """What a coordinator sets up beyond the groups (its types, which groups drop EAGLE)."""
 
     @abstractmethod
     def find_longest_cache_hit(
@@ -188,20 +192,7 @@ class NoPrefixCacheCoordinator(KVCacheCoordinator):
 class UnitaryCoordinator(KVCacheCoordinator):
     """A single KV cache group: no intersection needed."""
 
-    def __init__(
-        self,
-        config: KVCacheConfig,
-        settings: EngineSettings,
-        *,
-        enable_caching: bool,
-        enable_kv_cache_events: bool,
-    ) -> None:
-        super().__init__(
-            config,
-            settings,
-            enable_caching=enable_caching,
-            enable_kv_cache_events=enable_kv_cache_events,
-        )
+    def _configure(self) -> None:
         self.managers[0].use_eagle = 0 in self.drop_eagle_group_ids
 
     def find_longest_cache_hit(
@@ -240,22 +231,9 @@ class HybridCoordinator(KVCacheCoordinator):
     attention, the lookup repeats at the lowered length until no type lowers it further.
     """
 
-    def __init__(
-        self,
-        config: KVCacheConfig,
-        settings: EngineSettings,
-        *,
-        enable_caching: bool,
-        enable_kv_cache_events: bool,
-    ) -> None:
-        super().__init__(
-            config,
-            settings,
-            enable_caching=enable_caching,
-            enable_kv_cache_events=enable_kv_cache_events,
-        )
-        self.hash_block_size = settings.hash_block_size
-        self.attention_types = self._split_attention_types(config)
+    def _configure(self) -> None:
+        self.hash_block_size = self.settings.hash_block_size
+        self.attention_types = self._split_attention_types(self.config)
         for attention_type in self.attention_types:
             for group_id in attention_type.group_ids:
                 self.managers[group_id].use_eagle = attention_type.use_eagle
