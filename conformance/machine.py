@@ -393,6 +393,8 @@ class DifferentialMachine(RuleBasedStateMachine):
         self._set_computed(req, 0)
         req.running = False
         req.delayed = False
+        # Drafts scheduled before the preemption are gone: the next step accepts none of them.
+        req.drafts = 0
 
     @precondition(lambda self: self._prefilling())
     @rule(data=st.data())
