@@ -43,6 +43,8 @@ PROJECT_TESTS = (
     "test_oracles.py",
     "test_document_examples.py",
     "test_engine_features.py",
+    "test_grouping_policies.py",
+    "test_kv_cache_blocks_surface.py",
     "test_planner.py",
     "test_plan_report.py",
 )
