@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 from hybridkv.conformance.protocol import KVCacheManagerLike
 from hybridkv.reference.request import Request
-from hybridkv.spec import KVCacheConfig, MambaSpec, rules
+from hybridkv.spec import KVCacheConfig, rules
 
 BlockIds = tuple[tuple[int, ...], ...]
 """Block ids per KV cache group, positions in order (null positions hold block 0)."""
@@ -284,9 +284,7 @@ def hash_block_size_of(config: KVCacheConfig, enable_caching: bool = True) -> in
     sizes = [group.spec.block_size for group in config.groups]
     if len(sizes) == 1:
         return sizes[0]
-    lcm_hashing = not enable_caching or any(
-        isinstance(g.spec, MambaSpec) and g.spec.mamba_cache_mode == "none" for g in config.groups
-    )
+    lcm_hashing = not enable_caching or any(g.spec.lcm_hashing for g in config.groups)
     return rules.hash_block_size(sizes, lcm_hashing=lcm_hashing)
 
 

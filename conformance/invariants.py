@@ -14,8 +14,6 @@ from hybridkv.conformance.strategies import Layout
 from hybridkv.spec import (
     ChunkedLocalAttentionSpec,
     KVCacheSpec,
-    MambaSpec,
-    SlidingWindowSpec,
     rules,
     spec_kind,
 )
@@ -34,17 +32,9 @@ def skipped_block_count(spec: KVCacheSpec, num_computed_tokens: int) -> int:
     adopts those nulls. They still never reach past the hit's last block, so the bound there
     is every position the computed tokens fill.
     """
-    if isinstance(spec, SlidingWindowSpec):
-        skipped = rules.sliding_window_skipped_tokens(num_computed_tokens, spec.sliding_window)
-    elif isinstance(spec, MambaSpec):
-        skipped = rules.mamba_skipped_tokens(num_computed_tokens)
-    elif isinstance(spec, ChunkedLocalAttentionSpec):
-        if spec.attention_chunk_size % spec.block_size:
-            return rules.cdiv(num_computed_tokens, spec.block_size)
-        skipped = rules.chunked_local_skipped_tokens(num_computed_tokens, spec.attention_chunk_size)
-    else:
-        return 0
-    return rules.skipped_block_positions(skipped, spec.block_size)
+    if isinstance(spec, ChunkedLocalAttentionSpec) and spec.attention_chunk_size % spec.block_size:
+        return rules.cdiv(num_computed_tokens, spec.block_size)
+    return rules.skipped_block_positions(spec.skipped_tokens(num_computed_tokens), spec.block_size)
 
 
 def check_observable_invariants(
@@ -73,14 +63,15 @@ def check_observable_invariants(
     for rid, table in tables.items():
         for gid, (spec, ids) in enumerate(zip(layout.specs, table, strict=True)):
             nulls = [i for i, block in enumerate(ids) if block == 0]
-            if isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align":
-                # The state, the previous one, a checkpoint and the speculative blocks.
-                limit = 3 + spec.num_speculative_blocks
+            live = spec.max_live_blocks
+            if live is not None:
+                # Mamba "align": the state, the previous one, a checkpoint, speculative blocks.
                 require(
-                    len(ids) - len(nulls) <= limit,
-                    f"{rid} g{gid}: a Mamba table of {len(ids) - len(nulls)} blocks (> {limit})",
+                    len(ids) - len(nulls) <= live,
+                    f"{rid} g{gid}: a {spec.title} table of {len(ids) - len(nulls)} blocks "
+                    f"(> {live})",
                 )
-            elif isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec | MambaSpec):
+            elif spec.null_positions == "leading":
                 require(
                     nulls == list(range(len(nulls))), f"{rid} g{gid}: nulls {nulls} not a prefix"
                 )
@@ -160,8 +151,7 @@ def check_failed_allocation(
                 continue
             spec = layout.specs[gid]
             require(
-                b == 0
-                and isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec | MambaSpec),
+                b == 0 and spec.null_positions != "none",
                 f"failed allocation changed {rid} g{gid} position {position}: {a} -> {b}",
             )
             released[a] += 1

@@ -12,8 +12,8 @@ The tests that run against each mutant (``--tests``):
 * ``kill`` (default): the project's fast unit tests of the manager and planner (and of the
   invariant checker), plus a kill file of conformance checks: golden traces (every engine
   trace, a sixth of the unit traces; invariants after every step), the longest-hit oracle,
-  the planner oracle, and a state-machine run against the optimized backend (independent
-  code; when torch imports);
+  the planner oracle, and state-machine runs against the optimized backend (independent
+  code; when torch imports), one of them on the Mamba and mixed-block-size layouts;
 * ``golden``: the kill set with all 189 unit traces instead of a sample (slower).
 
 A mutant no test reaches ("no tests") counts as surviving in the score. The score is
@@ -94,6 +94,16 @@ def test_state_machine_against_the_optimized_backend():
     if optimized is not None:
         backends.append(optimized)
     run_differential(backends, max_examples=25, steps=30, shrink=False)
+
+
+def test_state_machine_on_mamba_and_mixed_block_sizes():
+    """Partial entries, Mamba checkpoints and their events: few golden traces reach them."""
+    backends = [reference_backend()]
+    optimized = optimized_backend()
+    if optimized is not None:
+        backends.append(optimized)
+    families = ("mamba_align", "mixed_block_sizes")
+    run_differential(backends, max_examples=60, steps=40, shrink=False, families=families)
 '''
 
 

@@ -12,6 +12,10 @@ Two claims of the design document are checked here by trying every candidate:
 
 Cache states here are plain flags: ``cached[i]`` says whether block ``i`` of the request is in the
 prefix cache of that group. ``hit_blocks_of_manager`` builds such states inside a real manager.
+
+The oracles branch on the spec classes themselves instead of calling the specs' dispatch
+(``skipped_tokens``, ``hit_is_prefix``...): an oracle that went through the code it checks
+would share its bugs.
 """
 
 from __future__ import annotations

@@ -172,11 +172,11 @@ def _engine(
     rng: random.Random, specs: list[KVCacheSpec], max_model_len: int, b: int
 ) -> dict[str, Any]:
     """Engine settings for a caching layout (only combinations the reference accepts)."""
-    sparse = any(isinstance(spec, SlidingWindowSpec | MambaSpec) for spec in specs)
+    sparse = any(spec.sparse_retention for spec in specs)
     retention: int | None = rng.choice([None, None, 0, 0, -1] if sparse else [None, None, 0])
     if retention == -1:
         retention = rng.randint(1, 4) * b
-    chunked = [isinstance(spec, ChunkedLocalAttentionSpec) for spec in specs]
+    chunked = [not spec.supports_eagle_drop for spec in specs]
     use_eagle, lookahead = False, 0
     flags: tuple[bool, ...] = ()
     mode = rng.choice(["none", "none", "eagle", "lookahead"])

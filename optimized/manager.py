@@ -41,8 +41,9 @@ give the same results as the single ones).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -51,7 +52,6 @@ from hybridkv.optimized._buffers import IntBuffer, int32_from_bytes, tensor_from
 from hybridkv.optimized.batch import BATCH_MIN, BUSY_BATCH_MIN, INSERT_MIN
 from hybridkv.optimized.block_pool import TorchBlockPool, hash_key
 from hybridkv.optimized.lookup import PRELOAD_MAX, VECTOR_MIN, Lookup, TypeProbe, WindowedFlags
-from hybridkv.reference.engine_settings import EngineSettings
 from hybridkv.reference.events import BlockStored, KVCacheEvent, PrefixCacheStats
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import RequestLike
@@ -91,17 +91,8 @@ class GroupRule:
 
     @staticmethod
     def of(spec: KVCacheSpec) -> GroupRule:
-        if isinstance(spec, SlidingWindowSpec):
-            return GroupRule(SLIDING, spec.block_size, spec.sliding_window)
-        if isinstance(spec, ChunkedLocalAttentionSpec):
-            return GroupRule(CHUNKED, spec.block_size, spec.attention_chunk_size)
-        if isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align":
-            return GroupRule(MAMBA, spec.block_size, 0, spec.num_speculative_blocks)
-        if isinstance(spec, MambaSpec):
-            # One running state ("none" mode): the states before the one holding the last
-            # computed token are released, exactly as a window of two tokens releases.
-            return GroupRule(SLIDING, spec.block_size, 2, spec.num_speculative_blocks)
-        return GroupRule(FULL, spec.block_size)
+        """The hooks of ``spec``'s attention type, from ``GROUP_RULES``."""
+        return GROUP_RULES[spec.kind](spec)
 
     def skipped_positions(self, num_computed_tokens: int) -> int:
         if self.kind == SLIDING:
@@ -121,6 +112,23 @@ class GroupRule:
     @property
     def releases(self) -> bool:
         return self.kind in (SLIDING, CHUNKED)
+
+
+def _mamba_rule(spec: MambaSpec) -> GroupRule:
+    if spec.mamba_cache_mode == "align":
+        return GroupRule(MAMBA, spec.block_size, 0, spec.num_speculative_blocks)
+    # One running state ("none" mode): the states before the one holding the last computed
+    # token are released, exactly as a window of two tokens releases.
+    return GroupRule(SLIDING, spec.block_size, 2, spec.num_speculative_blocks)
+
+
+GROUP_RULES: dict[str, Callable[[Any], GroupRule]] = {
+    "full": lambda spec: GroupRule(FULL, spec.block_size),
+    "sliding_window": lambda spec: GroupRule(SLIDING, spec.block_size, spec.sliding_window),
+    "chunked_local": lambda spec: GroupRule(CHUNKED, spec.block_size, spec.attention_chunk_size),
+    "mamba": _mamba_rule,
+}
+"""Each attention type's hooks, by ``spec.kind``: the one place this backend dispatches on it."""
 
 
 class TorchKVCacheManager:
@@ -209,7 +217,10 @@ class TorchKVCacheManager:
         self._chunk_or_1 = torch.tensor(chunks).clamp(min=1)
         self.retention_interval = config.prefix_cache_retention_interval
         self._admission_caps = [
-            _admission_cap(group.spec, self.settings) for group in config.groups
+            group.spec.admission_cap(
+                self.settings.max_model_len, self.settings.max_in_flight_tokens
+            )
+            for group in config.groups
         ]
         # When each row next needs work (see ``_refresh``), for ``allocate_slots_batch``.
         self._next = IntBuffer(3 * r, typecode="q")
@@ -262,7 +273,7 @@ class TorchKVCacheManager:
         for group_id, group in enumerate(config.groups):
             types.setdefault(group.spec, []).append(group_id)
         ordered = list(types.items())
-        ordered.sort(key=lambda item: not isinstance(item[0], FullAttentionSpec))
+        ordered.sort(key=lambda item: not item[0].hit_is_prefix)
         return ordered
 
     # --- Block tables -----------------------------------------------------------------------
@@ -345,7 +356,7 @@ class TorchKVCacheManager:
                     self.pool, request, b, self.vector_min, self.lookahead, b // hbs
                 )
             # An EAGLE type of a hybrid matches one block beyond the candidate, then drops it.
-            extra = b if eagle and self.num_groups > 1 and not isinstance(spec, MambaSpec) else 0
+            extra = b if eagle and self.num_groups > 1 and not spec.holds_state else 0
             limit = min((max_length + extra) // b, len(lookup.hashes))
             memos.append(TypeProbe(lookup, group_ids, limit))
         limit = memos[0].length
@@ -385,49 +396,18 @@ class TorchKVCacheManager:
         drop: bool = False,
         alignment: int = 0,
     ) -> tuple[list[int], ...]:
-        """One type's longest hit of at most ``max_length`` tokens (the ``longest_hit`` hook);
-        with ``drop`` (EAGLE) one block shorter; its length a multiple of ``alignment`` (the
-        scheduler block)."""
-        b = spec.block_size
-        align = alignment or self.block_size
-        length = min(max_length // b, memo.length)
-        if isinstance(spec, FullAttentionSpec):
-            if length >= self.vector_min:
-                num = memo.leading_hits(length)
-            else:
-                flags = WindowedFlags(memo, length, leftwards=False, span=length)
-                num = rules.full_attention_hit_blocks(flags, length)
-            hit_length = num * b
-            if drop and hit_length > 0:
-                hit_length -= min(align, b)
-            hit_length -= hit_length % align
-            return memo.blocks(0, rules.cdiv(hit_length, b))
-        if isinstance(spec, SlidingWindowSpec):
-            needed = rules.sliding_window_contiguous_blocks(spec.sliding_window, b, drop)
-            flags = WindowedFlags(memo, length, leftwards=True, span=needed)
-            if align == b:
-                num, first = rules.sliding_window_hit_blocks(flags, needed)
-                if drop and num > 0:
-                    num -= 1
-                return memo.blocks(first, num)
-            num, first = _aligned_window_hit(flags, length, needed, b, align, drop)
-            return memo.blocks(first, num)
-        if isinstance(spec, ChunkedLocalAttentionSpec):
-            chunk = spec.attention_chunk_size
-            flags = WindowedFlags(memo, length, leftwards=False, span=chunk // b + 1)
-            num, first = rules.chunked_local_hit_blocks(flags, max_length, b, chunk)
-            return memo.blocks(first, num)
-        if isinstance(spec, MambaSpec):
-            # The largest aligned block boundary whose state is cached (Case 3).
-            flags = WindowedFlags(memo, length, leftwards=True, span=1)
-            for index in range(length - 1, -1, -1):
-                if not flags[index]:
-                    continue
-                if b != align and (index + 1) * b % align:
-                    continue
-                return memo.blocks(index, index + 1)
-            return memo.blocks(0, 0)
-        raise AssertionError(f"no lookup for {spec!r}")
+        """One type's longest hit of at most ``max_length`` tokens (the ``longest_hit`` hook,
+        from ``TYPE_HITS``); with ``drop`` (EAGLE) one block shorter; its length a multiple of
+        ``alignment`` (the scheduler block)."""
+        probe = _HitProbe(
+            memo,
+            max_length,
+            min(max_length // spec.block_size, memo.length),
+            alignment or self.block_size,
+            drop,
+            self.vector_min,
+        )
+        return TYPE_HITS[spec.kind](spec, probe)
 
     def _hybrid_hit(
         self, memos: list[TypeProbe], max_length: int
@@ -440,7 +420,7 @@ class TorchKVCacheManager:
 
         def lookup(index: int, length: int, drop: bool) -> int:
             spec, group_ids = self._types[index]
-            extend = drop and not isinstance(spec, MambaSpec)
+            extend = drop and not spec.holds_state
             max_len = min(length + spec.block_size, num_hashed) if extend else length
             found = self._type_hit(spec, memos[index], max_len, drop, self.block_size)
             for group_id, blocks in zip(group_ids, found, strict=True):
@@ -449,12 +429,12 @@ class TorchKVCacheManager:
 
         hit_length, longest = rules.hybrid_hit_length(
             lookup,
-            [isinstance(spec, FullAttentionSpec) for spec, _ in self._types],
+            [spec.hit_is_prefix for spec, _ in self._types],
             self._type_eagle,
             max_length,
         )
         for spec, group_ids in self._types:
-            if isinstance(spec, FullAttentionSpec):
+            if spec.hit_is_prefix:
                 for group_id in group_ids:
                     del hits[group_id][hit_length // spec.block_size :]
         return hits, hit_length, longest
@@ -1067,23 +1047,77 @@ class TorchKVCacheManager:
                 )
 
 
-def _admission_cap(spec: KVCacheSpec, settings: EngineSettings) -> int | None:
-    """A window's reservation in a full-prompt admission (``rules.max_blocks_*``)."""
-    if isinstance(spec, SlidingWindowSpec):
-        return rules.max_blocks_sliding_window(
-            settings.max_model_len,
-            spec.block_size,
-            spec.sliding_window,
-            settings.max_in_flight_tokens,
-        )
-    if isinstance(spec, ChunkedLocalAttentionSpec):
-        return rules.max_blocks_chunked_local(
-            settings.max_model_len,
-            spec.block_size,
-            spec.attention_chunk_size,
-            settings.max_in_flight_tokens,
-        )
-    return None
+@dataclass(frozen=True)
+class _HitProbe:
+    """One type's lookup: its memo, the token limit, the blocks within it, the alignment of
+    the hit (the scheduler block), the EAGLE drop, and the length from which to vectorise."""
+
+    memo: TypeProbe
+    max_length: int
+    length: int
+    align: int
+    drop: bool
+    vector_min: int
+
+
+def _full_attention_hit(spec: FullAttentionSpec, p: _HitProbe) -> tuple[list[int], ...]:
+    """The leading run of cached blocks, less the EAGLE drop, cut to the alignment."""
+    b = spec.block_size
+    if p.length >= p.vector_min:
+        num = p.memo.leading_hits(p.length)
+    else:
+        flags = WindowedFlags(p.memo, p.length, leftwards=False, span=p.length)
+        num = rules.full_attention_hit_blocks(flags, p.length)
+    hit_length = num * b
+    if p.drop and hit_length > 0:
+        hit_length -= min(p.align, b)
+    hit_length -= hit_length % p.align
+    return p.memo.blocks(0, rules.cdiv(hit_length, b))
+
+
+def _sliding_window_hit(spec: SlidingWindowSpec, p: _HitProbe) -> tuple[list[int], ...]:
+    """The rightmost run of cached blocks that covers the window (Prefix caching, Case 2)."""
+    b = spec.block_size
+    needed = rules.sliding_window_contiguous_blocks(spec.sliding_window, b, p.drop)
+    flags = WindowedFlags(p.memo, p.length, leftwards=True, span=needed)
+    if p.align == b:
+        num, first = rules.sliding_window_hit_blocks(flags, needed)
+        if p.drop and num > 0:
+            num -= 1
+        return p.memo.blocks(first, num)
+    num, first = _aligned_window_hit(flags, p.length, needed, b, p.align, p.drop)
+    return p.memo.blocks(first, num)
+
+
+def _chunked_local_hit(spec: ChunkedLocalAttentionSpec, p: _HitProbe) -> tuple[list[int], ...]:
+    """The current chunk's cached blocks; the chunks before it are not needed."""
+    b = spec.block_size
+    chunk = spec.attention_chunk_size
+    flags = WindowedFlags(p.memo, p.length, leftwards=False, span=chunk // b + 1)
+    num, first = rules.chunked_local_hit_blocks(flags, p.max_length, b, chunk)
+    return p.memo.blocks(first, num)
+
+
+def _mamba_hit(spec: MambaSpec, p: _HitProbe) -> tuple[list[int], ...]:
+    """The largest aligned block boundary whose state is cached (Case 3)."""
+    b = spec.block_size
+    flags = WindowedFlags(p.memo, p.length, leftwards=True, span=1)
+    for index in range(p.length - 1, -1, -1):
+        if not flags[index]:
+            continue
+        if b != p.align and (index + 1) * b % p.align:
+            continue
+        return p.memo.blocks(index, index + 1)
+    return p.memo.blocks(0, 0)
+
+
+TYPE_HITS: dict[str, Callable[[Any, _HitProbe], tuple[list[int], ...]]] = {
+    "full": _full_attention_hit,
+    "sliding_window": _sliding_window_hit,
+    "chunked_local": _chunked_local_hit,
+    "mamba": _mamba_hit,
+}
+"""Each attention type's longest hit, by ``spec.kind`` (``find_longest_cache_hit``)."""
 
 
 def _aligned_window_hit(

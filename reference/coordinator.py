@@ -32,10 +32,8 @@ from hybridkv.reference.single_type_managers import (
     prompt_tokens,
 )
 from hybridkv.spec import (
-    FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
-    MambaSpec,
     rules,
 )
 
@@ -219,7 +217,8 @@ class AttentionType:
 
     @property
     def is_full_attention(self) -> bool:
-        return isinstance(self.spec, FullAttentionSpec)
+        """Whether the type's hit is a prefix, as full attention's is (it goes first)."""
+        return self.spec.hit_is_prefix
 
 
 class HybridCoordinator(KVCacheCoordinator):
@@ -269,8 +268,9 @@ class HybridCoordinator(KVCacheCoordinator):
             attention_type = self.attention_types[index]
             manager = self.managers[attention_type.group_ids[0]]
             max_length = length
-            if drop and not isinstance(attention_type.spec, MambaSpec):
-                # Match one block beyond the candidate, then drop it.
+            if drop and not attention_type.spec.holds_state:
+                # Match one block beyond the candidate, then drop it (a state type drops its
+                # checkpoint instead).
                 max_length = min(
                     length + manager.block_size, len(block_hashes) * self.hash_block_size
                 )

@@ -27,11 +27,8 @@ from hybridkv.reference.validation import (
     validate_manager_config,
 )
 from hybridkv.spec import (
-    ChunkedLocalAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
-    MambaSpec,
-    SlidingWindowSpec,
 )
 from hybridkv.spec.errors import check_non_negative, require
 
@@ -351,14 +348,16 @@ def _check_null_positions(spec: KVCacheSpec, request_id: str, table: list[int]) 
     Mamba table holds nulls anywhere but at most a few real blocks (the state, the previous
     one, a prefill checkpoint and the speculative blocks)."""
     nulls = [i for i, block_id in enumerate(table) if block_id == 0]
-    if isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align":
+    limit = spec.max_live_blocks
+    if limit is not None:
         real = len(table) - len(nulls)
-        limit = 3 + spec.num_speculative_blocks
-        require(real <= limit, f"request {request_id!r} holds {real} Mamba blocks (> {limit})")
-    elif isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec | MambaSpec):
+        require(
+            real <= limit, f"request {request_id!r} holds {real} {spec.title} blocks (> {limit})"
+        )
+    if spec.null_positions == "leading":
         require(
             nulls == list(range(len(nulls))),
             f"request {request_id!r} has null positions {nulls} after a real block",
         )
-    else:
-        require(not nulls, f"request {request_id!r} of a full-attention group holds null blocks")
+    elif spec.null_positions == "none":
+        require(not nulls, f"request {request_id!r} of a {spec.title} group holds null blocks")

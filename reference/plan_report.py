@@ -26,7 +26,6 @@ from hybridkv.spec.errors import check_positive
 from hybridkv.spec.kv_cache_config import KVCacheConfig, KVCacheGroup
 from hybridkv.spec.kv_cache_spec import (
     KVCacheSpec,
-    MambaSpec,
     spec_kind,
 )
 
@@ -312,25 +311,14 @@ def max_blocks_per_request(
 
 def _full_attention_bytes_per_token(groups: tuple[GroupPlan, ...]) -> int:
     """One token's KV in every own attention layer; a Mamba layer's state does not grow."""
-    return sum(
-        group.num_own_layers * group.spec.kv_hidden_size
-        for group in groups
-        if not isinstance(group.spec, MambaSpec)
-    )
+    return sum(group.num_own_layers * group.spec.kv_bytes_per_token for group in groups)
 
 
 def _full_attention_bytes_per_request(groups: tuple[GroupPlan, ...], max_model_len: int) -> int:
     """One longest request when every own attention layer keeps all its blocks, layer by layer."""
     return sum(
         group.num_own_layers
-        * _full_attention_blocks(group.spec, max_model_len)
+        * group.spec.blocks_without_release(max_model_len)
         * group.spec.page_size_bytes
         for group in groups
     )
-
-
-def _full_attention_blocks(spec: KVCacheSpec, max_model_len: int) -> int:
-    """Blocks a non-hybrid manager gives one layer of ``spec`` for the longest request."""
-    if isinstance(spec, MambaSpec):
-        return rules.max_blocks_mamba(max_model_len)
-    return rules.max_blocks_full_attention(max_model_len, spec.block_size)

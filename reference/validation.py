@@ -13,12 +13,7 @@ from collections.abc import Callable, Sequence
 from hybridkv.reference.engine_settings import EngineSettings
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import RequestLike
-from hybridkv.spec import (
-    ChunkedLocalAttentionSpec,
-    KVCacheConfig,
-    MambaSpec,
-    rules,
-)
+from hybridkv.spec import KVCacheConfig, rules
 from hybridkv.spec.errors import check_non_negative, check_positive
 
 
@@ -42,14 +37,9 @@ def validate_manager_config(
     if not isinstance(use_eagle, bool):
         raise ValueError(f"use_eagle must be a bool, got {use_eagle!r}")
     check_non_negative("num_hash_lookahead_tokens", num_hash_lookahead_tokens)
-    mambas = [g.spec for g in config.groups if isinstance(g.spec, MambaSpec)]
     if enable_caching:
-        for spec in mambas:
-            if spec.mamba_cache_mode != "align":
-                raise ValueError(
-                    "mamba_cache_mode must be 'align' for a Mamba group when prefix caching is "
-                    f"on (enable_caching=True), got {spec.mamba_cache_mode!r}"
-                )
+        for group in config.groups:
+            group.spec.check_prefix_caching()
     block_sizes = [group.spec.block_size for group in config.groups]
     scheduler_block_size = rules.scheduler_block_size(block_sizes)
     resolved = _resolve_hash_block_size(
@@ -66,7 +56,7 @@ def validate_manager_config(
         num_hash_lookahead_tokens=num_hash_lookahead_tokens,
     )
     if enable_caching:
-        _check_caching_layout(config, settings, mambas)
+        _check_caching_layout(config, settings)
     return settings
 
 
@@ -80,10 +70,7 @@ def _resolve_hash_block_size(
     """The given hash block size, checked; else one group's block size, else the gcd (the lcm
     with caching off or a Mamba group in ``"none"`` mode, where nothing is looked up finer)."""
     if hash_block_size is None:
-        lcm_hashing = not enable_caching or any(
-            isinstance(g.spec, MambaSpec) and g.spec.mamba_cache_mode == "none"
-            for g in config.groups
-        )
+        lcm_hashing = not enable_caching or any(g.spec.lcm_hashing for g in config.groups)
         if len(block_sizes) == 1:
             return block_sizes[0]
         return rules.hash_block_size(block_sizes, lcm_hashing=lcm_hashing)
@@ -99,32 +86,26 @@ def _resolve_hash_block_size(
     return hash_block_size
 
 
-def _check_caching_layout(
-    config: KVCacheConfig, settings: EngineSettings, mambas: list[MambaSpec]
-) -> None:
+def _check_caching_layout(config: KVCacheConfig, settings: EngineSettings) -> None:
     """Caching layouts this manager implements exactly as vLLM 0.33 does."""
     sizes = sorted({group.spec.block_size for group in config.groups})
-    for spec in mambas:
-        if spec.block_size > settings.hash_block_size:
-            raise ValueError(
-                f"a Mamba 'align' group's block_size ({spec.block_size}) must equal the hash "
-                f"block size ({settings.hash_block_size}): hits inside a Mamba block are not "
-                "supported; give every group the Mamba block size"
-            )
-    if len(sizes) > 1 and any(
-        isinstance(group.spec, ChunkedLocalAttentionSpec) for group in config.groups
-    ):
+    for group in config.groups:
+        group.spec.check_hash_block_size(settings.hash_block_size)
+    shared = [g.spec for g in config.groups if g.spec.needs_shared_block_size]
+    if len(sizes) > 1 and shared:
         raise ValueError(
-            "a chunked local attention group needs every group to share its block size when "
+            f"a {shared[0].title} group needs every group to share its block size when "
             f"prefix caching is on, got block sizes {sizes}"
         )
-    if settings.use_eagle and any(
-        isinstance(g.spec, ChunkedLocalAttentionSpec)
-        and (g.is_eagle_group or not any(h.is_eagle_group for h in config.groups))
+    dropped = [
+        g.spec
         for g in config.groups
-    ):
+        if not g.spec.supports_eagle_drop
+        and (g.is_eagle_group or not any(h.is_eagle_group for h in config.groups))
+    ]
+    if settings.use_eagle and dropped:
         raise ValueError(
-            "use_eagle=True cannot drop a block from a chunked local attention group; flag the "
+            f"use_eagle=True cannot drop a block from a {dropped[0].title} group; flag the "
             "drafter's groups with is_eagle_group"
         )
     interval = config.prefix_cache_retention_interval

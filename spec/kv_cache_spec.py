@@ -11,13 +11,18 @@ never reach the planner or the manager.
 Each spec class is also the one place where its attention type's behaviour is dispatched: its
 ``kind``, the leading tokens it no longer needs (``skipped_tokens``), the most blocks one
 request holds (``max_blocks_per_request``), its cap in a full-prompt admission
-(``admission_cap``) and whether it caches sparsely under a retention interval. Each method
-calls the rule in ``hybridkv.spec.rules``; a new attention type is added here, in one place.
+(``admission_cap``), whether it caches sparsely under a retention interval, whether its hit is
+a prefix (``hit_is_prefix``), whether it holds a state rather than per-token KV
+(``holds_state``), where its table may hold null blocks (``null_positions``,
+``max_live_blocks``), and what prefix caching requires of it (``check_prefix_caching``,
+``lcm_hashing``, ``needs_shared_block_size``, ``supports_eagle_drop``). Each method calls the
+rule in ``hybridkv.spec.rules``; a new attention type is added here, in one place.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from hybridkv.spec import rules
 from hybridkv.spec.errors import check_non_negative, check_positive
@@ -34,6 +39,14 @@ class AttentionSpec:
     num_kv_heads: int
     head_size: int
     dtype_bytes: int
+    hit_is_prefix = False
+    """Every shorter length of a hit is a hit too (full attention; Prefix caching, Case 2)."""
+    holds_state = False
+    """A recurrent state per request instead of KV per token (Mamba; Allocation, Case 4)."""
+    needs_shared_block_size = False
+    """With prefix caching, every group must share this type's block size."""
+    supports_eagle_drop = True
+    """``use_eagle`` may drop the last block of this type's hit."""
 
     def __post_init__(self) -> None:
         check_positive("block_size", self.block_size)
@@ -51,13 +64,51 @@ class AttentionSpec:
         """Bytes of one block of one layer (the code's ``page_size_bytes``, not the group's)."""
         return self.block_size * self.kv_hidden_size
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one more token adds to one layer: its KV."""
+        return self.kv_hidden_size
+
+    @property
+    def null_positions(self) -> Literal["none", "leading", "anywhere"]:
+        """Where a request's table may hold the null block: a window or chunk releases from
+        the front only; full attention keeps every position."""
+        return "leading"
+
+    @property
+    def max_live_blocks(self) -> int | None:
+        """The most real blocks one request's table holds at once, when the type bounds it."""
+        return None
+
+    @property
+    def lcm_hashing(self) -> bool:
+        """Whether this type forces hashing at the scheduler block (nothing finer is looked up)."""
+        return False
+
+    def blocks_without_release(self, max_model_len: int) -> int:
+        """Blocks a non-hybrid manager gives one layer of this type for the longest request."""
+        return rules.max_blocks_full_attention(max_model_len, self.block_size)
+
+    def check_prefix_caching(self) -> None:
+        """Refuse a spec prefix caching cannot serve (``ValueError``)."""
+
+    def check_hash_block_size(self, hash_block_size: int) -> None:
+        """Refuse a hash block size this type's hits cannot land on (``ValueError``)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class FullAttentionSpec(AttentionSpec):
     """Full (global) attention: every token keeps its KV for the life of the request."""
 
     kind = "full"
+    title = "full-attention"
+    """The type in words, for messages."""
     sparse_retention = False
+    hit_is_prefix = True
+
+    @property
+    def null_positions(self) -> Literal["none", "leading", "anywhere"]:
+        return "none"
 
     def skipped_tokens(self, num_computed_tokens: int) -> int:
         return rules.full_attention_skipped_tokens(num_computed_tokens)
@@ -78,6 +129,8 @@ class SlidingWindowSpec(AttentionSpec):
 
     sliding_window: int
     kind = "sliding_window"
+    title = "sliding-window"
+    """The type in words, for messages."""
     sparse_retention = True
 
     def __post_init__(self) -> None:
@@ -107,7 +160,11 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
     attention_chunk_size: int
     kind = "chunked_local"
+    title = "chunked local attention"
+    """The type in words, for messages."""
     sparse_retention = False
+    needs_shared_block_size = True
+    supports_eagle_drop = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -161,7 +218,13 @@ class MambaSpec:
     num_prefill_checkpoint_blocks: int = 0
     prefill_checkpoint_alignment: int | None = None
     kind = "mamba"
+    title = "Mamba"
+    """The type in words, for messages."""
     sparse_retention = True
+    hit_is_prefix = False
+    holds_state = True
+    needs_shared_block_size = False
+    supports_eagle_drop = True
 
     def __post_init__(self) -> None:
         check_positive("block_size", self.block_size)
@@ -195,6 +258,46 @@ class MambaSpec:
         if self.page_size_padded is None:
             return self.state_bytes
         return self.page_size_padded
+
+    kv_bytes_per_token = 0
+    """A state does not grow with the request."""
+
+    @property
+    def null_positions(self) -> Literal["none", "leading", "anywhere"]:
+        """``"align"`` keeps a few state blocks anywhere in the table; ``"none"`` releases the
+        states before the running one, from the front."""
+        return "anywhere" if self.mamba_cache_mode == "align" else "leading"
+
+    @property
+    def max_live_blocks(self) -> int | None:
+        """``"align"``: the state, the previous one, a prefill checkpoint and the speculative
+        blocks."""
+        return 3 + self.num_speculative_blocks if self.mamba_cache_mode == "align" else None
+
+    @property
+    def lcm_hashing(self) -> bool:
+        """``"none"`` mode looks nothing up: hashes need only the scheduler block."""
+        return self.mamba_cache_mode == "none"
+
+    def blocks_without_release(self, max_model_len: int) -> int:
+        return rules.max_blocks_mamba(max_model_len)
+
+    def check_prefix_caching(self) -> None:
+        """Prefix caching keeps states only in ``"align"`` mode."""
+        if self.mamba_cache_mode != "align":
+            raise ValueError(
+                "mamba_cache_mode must be 'align' for a Mamba group when prefix caching is "
+                f"on (enable_caching=True), got {self.mamba_cache_mode!r}"
+            )
+
+    def check_hash_block_size(self, hash_block_size: int) -> None:
+        """Hits land on Mamba block boundaries only."""
+        if self.block_size > hash_block_size:
+            raise ValueError(
+                f"a Mamba 'align' group's block_size ({self.block_size}) must equal the hash "
+                f"block size ({hash_block_size}): hits inside a Mamba block are not "
+                "supported; give every group the Mamba block size"
+            )
 
     def skipped_tokens(self, num_computed_tokens: int) -> int:
         return rules.mamba_skipped_tokens(num_computed_tokens)

@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.reference import KVCacheBlocks, KVCacheManager, Request
+from hybridkv.reference.block_hash import DEFAULT_NONE_HASH_SEED, none_hash_seed
 from hybridkv.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -483,6 +484,12 @@ def _none_hash_in_subprocess(environ: dict[str, str]) -> bytes:
         [sys.executable, "-c", script], env=environ, capture_output=True, text=True, check=True
     )
     return bytes.fromhex(result.stdout.strip())
+
+
+def test_none_hash_seed_is_pythonhashseed_when_set_else_the_default() -> None:
+    assert none_hash_seed({"PYTHONHASHSEED": "7"}) == "7"
+    assert none_hash_seed({"PYTHONHASHSEED": "0", "OTHER": "1"}) == "0"
+    assert none_hash_seed({}) == DEFAULT_NONE_HASH_SEED == "vllm-none-hash"
 
 
 def test_none_hash_follows_pythonhashseed() -> None:

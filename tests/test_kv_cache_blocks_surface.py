@@ -48,3 +48,10 @@ def test_max_cache_hit_length_and_estimate_cached_tokens() -> None:
     _, capped, _ = manager.get_computed_blocks(second, max_cache_hit_length=8)
     assert capped == 8
     assert manager.estimate_cached_tokens("unknown") == 0
+
+
+def test_without_prefix_caching_the_coordinator_finds_no_hit() -> None:
+    manager = KVCacheManager(CONFIG, 64, enable_caching=False)
+    request = Request("r", list(range(16)), hash_block_size=4)
+    assert manager.coordinator.find_longest_cache_hit(request.block_hashes, 16) == (([], []), 0, 0)
+    assert manager.get_computed_blocks(request) == (KVCacheBlocks.empty(2), 0, 0)

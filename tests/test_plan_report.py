@@ -277,3 +277,65 @@ def test_report_is_consistent_with_its_config(
         report.full_attention_max_num_requests * report.full_attention_bytes_per_request
         <= (report.num_blocks - 1) * report.page_size_bytes
     )
+
+
+# --- Capacity edges -----------------------------------------------------------------------------
+
+
+def test_case2_report_max_concurrency_is_blocks_over_blocks_per_request() -> None:
+    report = plan_report(case2_model(), GiB, max_model_len=112, max_num_batched_tokens=16)
+    assert report.max_concurrency == 1638 / 15
+
+
+def test_jamba_like_report_with_prefix_caching_holds_two_state_blocks() -> None:
+    mamba = MambaSpec(block_size=16, state_bytes=1_000_000)
+    layers = model([FULL if i % 8 == 4 else mamba for i in range(32)], {FULL: "attn", mamba: "m"})
+    report = plan_report(
+        layers, GiB, max_model_len=8192, max_num_batched_tokens=2048, enable_prefix_caching=True
+    )
+    assert [g.max_blocks_per_request for g in report.groups] == [32] + [2] * 7
+    assert report.blocks_per_request == 32 + 14
+    assert report.enable_prefix_caching is True
+
+
+def test_two_pipeline_stages_count_the_slots_of_both() -> None:
+    """Case 2's model over two stages (layers 0–14 and 15–29): the first sliding group lives
+    on stage 0, the second on stage 1, full attention half on each; every stage's tensors
+    hold 10 slots per group, so each group has 20 slots for its 10 own layers."""
+    report = plan_report(
+        case2_model(), GiB, max_model_len=112, max_num_batched_tokens=16, pipeline_parallel_size=2
+    )
+    assert [(g.num_own_layers, g.num_padding_slots) for g in report.groups] == [(10, 10)] * 3
+    assert report.num_padding_slots == 30
+    assert report.padding_fraction == 30 / 60
+    assert report.pipeline_parallel_size == 2
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    memory_blocks=st.integers(1, 40),
+    max_model_len=st.integers(1, 300),
+    batched=st.sampled_from([1, 16, 48]),
+    window=st.sampled_from([16, 32, 40]),
+)
+def test_max_fitting_model_len_is_the_longest_length_whose_request_fits(
+    memory_blocks: int, max_model_len: int, batched: int, window: int
+) -> None:
+    """vLLM's auto-fit, by brute force: the longest length up to ``max_model_len`` whose one
+    request fits in every block but the null block (0 when not even one token fits)."""
+    sw = SlidingWindowSpec(**ATTENTION, sliding_window=window)
+    layers = model([FULL, sw, sw], {FULL: "full", sw: "sw"})
+    page = 65536  # one layer per group, one block of 16 tokens of 4096 bytes
+    report = plan_report(
+        layers,
+        memory_blocks * 2 * page,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=batched,
+    )
+    usable = report.num_blocks - 1
+
+    def blocks(length: int) -> int:
+        return sum(max_blocks_per_request(g.spec, length, batched) for g in report.groups)
+
+    fitting = [n for n in range(1, max_model_len + 1) if blocks(n) <= usable]
+    assert report.max_fitting_model_len == (max(fitting) if fitting else 0)

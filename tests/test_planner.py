@@ -694,3 +694,22 @@ def test_tensor_i_holds_the_ith_own_layer_of_every_group(
     in_tensors = [name for t in config.tensors for name in t.shared_by]
     assert sorted(in_tensors) == sorted(layers.keys() - sharing.keys())
     assert config.num_blocks == memory // (g * page)
+
+
+def test_with_mamba_cache_mode_is_align_with_caching_and_none_without() -> None:
+    """An engine runs a plan's Mamba groups in ``"align"`` mode with prefix caching
+    (Prefix caching, Case 3) and in ``"none"`` without; attention groups are untouched."""
+    from hybridkv.reference.planner import with_mamba_cache_mode
+    from hybridkv.spec import KVCacheConfig, KVCacheGroup, MambaSpec
+
+    mamba = MambaSpec(block_size=16, state_bytes=64)
+    config = KVCacheConfig(
+        8, (KVCacheGroup(("attn",), FULL), KVCacheGroup(("m",), mamba)), tensors=()
+    )
+    cached = with_mamba_cache_mode(config, True)
+    assert cached.groups[0] == config.groups[0]
+    assert cached.groups[1] == KVCacheGroup(("m",), replace(mamba, mamba_cache_mode="align"))
+    assert cached.num_blocks == 8
+    uncached = with_mamba_cache_mode(cached, False)
+    assert uncached.groups[1].spec == mamba
+    assert uncached.groups[0] == config.groups[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -195,3 +196,71 @@ def test_tensor_rejects_a_negative_size(size: object) -> None:
 def test_tensor_rejects_no_layers() -> None:
     with pytest.raises(ValueError, match=r"^shared_by must name at least one layer, got \(\)$"):
         KVCacheTensor(size=0, shared_by=())
+
+
+# --- Per-type dispatch --------------------------------------------------------------------------
+
+
+def test_each_attention_type_answers_the_dispatch() -> None:
+    """The one table of per-type behaviour, read from the spec classes: the reference, the
+    optimized backend and the planner ask these instead of branching on the class."""
+    attention = {"block_size": 16, "num_kv_heads": 2, "head_size": 8, "dtype_bytes": 2}
+    specs: dict[str, KVCacheSpec] = {
+        "full": FullAttentionSpec(**attention),
+        "sliding_window": SlidingWindowSpec(**attention, sliding_window=64),
+        "chunked_local": ChunkedLocalAttentionSpec(**attention, attention_chunk_size=64),
+        "mamba_none": MambaSpec(block_size=16, state_bytes=100),
+        "mamba_align": MambaSpec(
+            block_size=16, state_bytes=100, mamba_cache_mode="align", num_speculative_blocks=2
+        ),
+    }
+    table = {
+        name: (
+            spec.kind,
+            spec.title,
+            spec.hit_is_prefix,
+            spec.holds_state,
+            spec.sparse_retention,
+            spec.null_positions,
+            spec.max_live_blocks,
+            spec.lcm_hashing,
+            spec.needs_shared_block_size,
+            spec.supports_eagle_drop,
+            spec.kv_bytes_per_token,
+            spec.blocks_without_release(100),
+        )
+        for name, spec in specs.items()
+    }
+    assert table == {
+        "full": (
+            "full", "full-attention", True, False, False, "none", None, False, False, True, 64, 7,
+        ),
+        "sliding_window": (
+            "sliding_window", "sliding-window", False, False, True, "leading", None, False,
+            False, True, 64, 7,
+        ),
+        "chunked_local": (
+            "chunked_local", "chunked local attention", False, False, False, "leading", None,
+            False, True, False, 64, 7,
+        ),
+        "mamba_none": (
+            "mamba", "Mamba", False, True, True, "leading", None, True, False, True, 0, 1,
+        ),
+        "mamba_align": (
+            "mamba", "Mamba", False, True, True, "anywhere", 5, False, False, True, 0, 1,
+        ),
+    }  # fmt: skip
+
+
+def test_prefix_caching_checks_of_a_mamba_spec_name_the_field() -> None:
+    none = MambaSpec(block_size=16, state_bytes=100)
+    with pytest.raises(ValueError, match=r"mamba_cache_mode must be 'align' .* got 'none'"):
+        none.check_prefix_caching()
+    align = replace(none, mamba_cache_mode="align")
+    align.check_prefix_caching()
+    align.check_hash_block_size(16)
+    with pytest.raises(ValueError, match=r"block_size \(16\) must equal the hash block size \(8\)"):
+        align.check_hash_block_size(8)
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype_bytes=2)
+    full.check_prefix_caching()
+    full.check_hash_block_size(1)

@@ -30,7 +30,7 @@ from typing import Any, Literal
 from hybridkv.integrations.vllm.convert import from_vllm_config
 from hybridkv.integrations.vllm.errors import UnsupportedInternal, UnsupportedSetting, refuse
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
-from hybridkv.spec import FullAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
+from hybridkv.spec import KVCacheConfig
 
 Backend = Literal["reference", "optimized"]
 BACKENDS: tuple[Backend, ...] = ("reference", "optimized")
@@ -241,9 +241,7 @@ class KVCacheManager:
             in inspect.getsource(inspect.getmodule(type(self.core)) or type(self.core))
             or backend == "reference"
         )
-        self._windowed = any(
-            not isinstance(group.spec, FullAttentionSpec) for group in self.config.groups
-        )
+        self._windowed = any(not group.spec.hit_is_prefix for group in self.config.groups)
         core_block_size = int(getattr(self.core, "scheduler_block_size", scheduler_block_size))
         refuse(
             core_block_size != scheduler_block_size,
@@ -281,7 +279,7 @@ class KVCacheManager:
         self._zeroed_groups = tuple(
             i
             for i, group in enumerate(self.config.groups)
-            if zeroing and not isinstance(group.spec, MambaSpec)
+            if zeroing and not group.spec.holds_state
         )
         self._new_block_ids: list[int] = []
         # Whole-block tokens committed to the cache per request (``estimate_cached_tokens`` of
@@ -517,8 +515,7 @@ class KVCacheManager:
         sparse = self.config.prefix_cache_retention_interval is not None
         refuse(
             any(
-                isinstance(group.spec, MambaSpec)
-                or (sparse and isinstance(group.spec, SlidingWindowSpec))
+                group.spec.holds_state or (sparse and group.spec.sparse_retention)
                 for group in self.config.groups
             ),
             f"estimate_cached_tokens with backend={self.backend!r} under sparse retention "
