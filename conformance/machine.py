@@ -121,6 +121,7 @@ class DifferentialMachine(RuleBasedStateMachine):
     backends: ClassVar[Sequence[Backend]] = ()
     stats: ClassVar[RunStats] = RunStats()
     family: ClassVar[str] = "hybrid"
+    roomy: ClassVar[bool] = False
     stand_in: ClassVar[Backend | None] = None
 
     def __init__(self) -> None:
@@ -138,7 +139,7 @@ class DifferentialMachine(RuleBasedStateMachine):
     @initialize(data=st.data())
     def set_up(self, data: st.DataObject) -> None:
         """The layout, and one to three waiting requests (a scheduler rarely starts empty)."""
-        layout = data.draw(layouts(self.family), label="layout")
+        layout = data.draw(layouts(self.family, roomy=self.roomy), label="layout")
         self.layout = layout
         self.impls = self._build(layout)
         stats = self.stats
@@ -570,11 +571,19 @@ def machine_for(
     stats: RunStats,
     family: str = "hybrid",
     stand_in: Backend | None = None,
+    roomy: bool = False,
 ) -> type[DifferentialMachine]:
     """A ``DifferentialMachine`` over these backends and one layout family, counting into
-    ``stats``; ``stand_in`` joins an example in which a backend refuses the layout by name."""
+    ``stats``; ``stand_in`` joins an example in which a backend refuses the layout by name;
+    ``roomy`` draws pools of two to twelve longest requests (prefills and decodes succeed)."""
     stats.backends = tuple(name for name, _ in backends)
-    attrs = {"backends": tuple(backends), "stats": stats, "family": family, "stand_in": stand_in}
+    attrs = {
+        "backends": tuple(backends),
+        "stats": stats,
+        "family": family,
+        "stand_in": stand_in,
+        "roomy": roomy,
+    }
     return type(f"DifferentialMachine_{family}", (DifferentialMachine,), attrs)
 
 
@@ -589,6 +598,7 @@ def run_differential(
     families: Sequence[str] = FAMILIES,
     hypothesis_backend: str = "hypothesis",
     stand_in: Backend | None = None,
+    roomy: bool = False,
 ) -> RunStats:
     """Run the machine over ``backends``; raise on the first difference or broken invariant.
 
@@ -602,6 +612,7 @@ def run_differential(
     A backend whose factory refuses a drawn layout by name (``adapters.NOT_IMPLEMENTED``) skips
     that example (``RunStats.skipped``); ``stand_in`` (default: an independent reference,
     ``reference-again``) then joins so that the example still compares two implementations.
+    ``roomy`` draws pools large enough that most allocations succeed.
     """
     stats = RunStats() if stats is None else stats
     run_settings = settings(
@@ -618,7 +629,7 @@ def run_differential(
     )
     for family in families:
         machine = machine_for(
-            backends, stats, family, reference_stand_in() if stand_in is None else stand_in
+            backends, stats, family, reference_stand_in() if stand_in is None else stand_in, roomy
         )
         # Hypothesis types this helper only in recent releases: call it through Any.
         make_test: Any = get_state_machine_test

@@ -103,7 +103,9 @@ def test_state_machine_on_mamba_and_mixed_block_sizes():
     if optimized is not None:
         backends.append(optimized)
     families = ("mamba_align", "mixed_block_sizes")
-    run_differential(backends, max_examples=60, steps=40, shrink=False, families=families)
+    run_differential(
+        backends, max_examples=60, steps=40, shrink=False, families=families, roomy=True
+    )
 '''
 
 

@@ -197,10 +197,11 @@ def _engine(
 
 
 @st.composite
-def layouts(draw: st.DrawFn, family: str = "hybrid") -> Layout:
+def layouts(draw: st.DrawFn, family: str = "hybrid", *, roomy: bool = False) -> Layout:
     """A layout of ``family``: 1–4 groups; windows and chunks that are and are not multiples of
     the block size; equal specs may repeat (jointly looked-up groups); pools from a fraction of
-    one longest request (allocations fail, caches evict) to a few of them."""
+    one longest request (allocations fail, caches evict) to a few of them, or with ``roomy``
+    from two to twelve of them (prefills and decodes succeed, hits stay cached)."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
     rng = random.Random(draw(st.integers(0, 2**32 - 1)))
@@ -260,7 +261,7 @@ def layouts(draw: st.DrawFn, family: str = "hybrid") -> Layout:
                 specs.insert(rng.randint(0, len(specs)), _mamba_none(rng, b, max_model_len))
     caching = family not in ("uncached", "mamba")
     longest = sum(_blocks_per_request(spec, max_model_len) for spec in specs)
-    quarters = rng.choice([1, 2, 4, 6, 8, 12, 24])
+    quarters = rng.choice([8, 16, 24, 48] if roomy else [1, 2, 4, 6, 8, 12, 24])
     num_blocks = 1 + max(1, longest * quarters // 4)
     events = caching and rng.random() < 0.5
     scheduler_block = rules.scheduler_block_size([spec.block_size for spec in specs])

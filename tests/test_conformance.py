@@ -291,6 +291,20 @@ def test_a_backend_that_refuses_a_layout_by_name_skips_that_example() -> None:
         )
 
 
+def test_roomy_pools_let_most_allocations_succeed() -> None:
+    """The default pools starve (half the allocations fail, few prefills); ``roomy`` pools of
+    two to twelve longest requests feed prefills and decodes."""
+    families = ("mamba_align",)
+    tight = run_differential([reference_backend()], max_examples=20, steps=30, families=families)
+    roomy = run_differential(
+        [reference_backend()], max_examples=20, steps=30, families=families, roomy=True
+    )
+    assert roomy.failed_allocations * 4 < roomy.allocations
+    assert tight.failed_allocations * 4 > tight.allocations
+    fed = roomy.rules["prefill"] + roomy.rules["decode"]
+    assert fed > tight.rules["prefill"] + tight.rules["decode"]
+
+
 def test_a_seed_changes_the_examples_and_a_run_is_reproducible() -> None:
     def run(seed: int | None) -> tuple[int, int]:
         stats = run_differential([reference_backend()], max_examples=10, steps=10, seed=seed)
