@@ -116,9 +116,9 @@ def test_the_equality_check_names_the_backend_that_differs() -> None:
 
 
 def test_decode_stops_when_a_backend_hands_out_other_block_ids() -> None:
-    _, reference, _ = hybridkv_backends("cpu", 8)
+    _, reference, _ = hybridkv_backends("cpu")
 
-    def shifted(config: KVCacheConfig, max_model_len: int) -> bench.Manager:
+    def shifted(config: KVCacheConfig, max_model_len: int, max_num_reqs: int) -> bench.Manager:
         manager = KVCacheManager(config, max_model_len)
         assert manager.allocate_slots(Request("other", [1] * 16, hash_block_size=16), 16)
         return manager

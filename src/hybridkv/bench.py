@@ -19,9 +19,10 @@ Scenarios (full sizes; ``--quick`` shrinks them):
    so that every step 1/16 of the requests enters a new block). One step appends one token to
    every request and allocates one slot for each: as B separate ``allocate_slots`` calls (what
    vLLM's scheduler does) on every backend, and as one ``allocate_slots_batch`` call on the
-   optimized backend. Each way has its own manager, filled by one prefill call per request and
-   one untimed step (which releases what left each window); then 32 timed steps, the median
-   per step reported with the allocation calls' share ("of which") beside it. vLLM has no
+   optimized backend. Each way has its own manager (the optimized backend's block tables have
+   B + 8 rows), filled by one prefill call per request and one untimed step (which releases
+   what left each window); then 32 timed steps, the median per step reported with the
+   allocation calls' share ("of which") beside it. vLLM has no
    batched call: the batched row's ratio is vLLM's B calls ÷ the optimized batch.
 2. hash: the block hashes of a 131,072-token prompt, on the hash function alone (vLLM: its
    request block hasher on a ``Request`` built without one; reference: ``hash_full_blocks``;
@@ -32,7 +33,8 @@ Scenarios (full sizes; ``--quick`` shrinks them):
    one earlier request; per request, building it (which hashes it), ``get_computed_blocks`` and
    ``allocate_slots`` of the rest of the prompt; median per request.
 5. host memory of an empty 1,000,000-block pool per block (``tracemalloc`` around building the
-   manager); for the optimized backend also its per-block tensors and its block tables.
+   manager, max_model_len 8,192); for the optimized backend (256 table rows) also its per-block
+   tensors and its block tables apart.
 
 Timed scenarios interleave the backends inside each repetition (a decode step, a hash and
 lookup repetition, an admitted request: vLLM, then the reference, then the optimized backend),
@@ -45,7 +47,7 @@ first step of decode; hit and new blocks of the first admission), hit lengths an
 or the benchmark stops with the difference (``Mismatch``).
 
 Without vLLM the reference stands in for it, hashing by the definition (one ``cbor2`` call per
-block, as vLLM does), and the output says so; the targets are then not judged.
+block, as vLLM does), and the output says so; the targets on ratios are then not judged.
 
 ``--scaling`` measures instead the decode step (both ways) for B = 64, 128, …, 4,096 on pools of
 10⁴, 10⁵ and 10⁶ blocks, with ~100-token prompts (100 − i mod 16; 16 timed steps) so that the
@@ -135,7 +137,8 @@ class Backend:
 
     name: str
     kind: str  # "vllm", "reference" or "optimized": what is built
-    make: Callable[[KVCacheConfig, int], Manager]
+    make: Callable[[KVCacheConfig, int, int], Manager]
+    """``(config, max_model_len, max_num_reqs)`` → a manager (vLLM's ignores the last)."""
     request: Callable[[str, list[int]], BenchRequest]
     hash_job: Callable[[list[int]], Callable[[], Sequence[bytes]]]
     """A prompt → a call that hashes all of its full blocks (the timed part)."""
@@ -205,7 +208,7 @@ def vllm_backend() -> Backend:
     hasher = get_request_block_hasher(BLOCK, sha256_cbor)
     params = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
 
-    def make(config: KVCacheConfig, max_model_len: int) -> Manager:
+    def make(config: KVCacheConfig, max_model_len: int, max_num_reqs: int) -> Manager:
         manager: Manager = VllmManager(
             to_vllm_config(config),
             max_model_len,
@@ -226,7 +229,7 @@ def vllm_backend() -> Backend:
 
 
 def _hybridkv_backend(
-    name: str, kind: str, make: Callable[[KVCacheConfig, int], Manager], hasher: BlockHasher
+    name: str, kind: str, make: Callable[[KVCacheConfig, int, int], Manager], hasher: BlockHasher
 ) -> Backend:
     def request(request_id: str, prompt: list[int]) -> BenchRequest:
         return Request(request_id, prompt, hash_block_size=BLOCK, block_hasher=hasher)
@@ -239,14 +242,14 @@ def _hybridkv_backend(
     return Backend(name, kind, make, request, hash_job)
 
 
-def hybridkv_backends(device: str, max_num_reqs: int) -> tuple[Backend, Backend, Backend]:
+def hybridkv_backends(device: str) -> tuple[Backend, Backend, Backend]:
     """The stand-in for vLLM (the reference, hashing by the definition), the reference and the
     optimized backend."""
 
-    def reference(config: KVCacheConfig, max_model_len: int) -> Manager:
+    def reference(config: KVCacheConfig, max_model_len: int, max_num_reqs: int) -> Manager:
         return KVCacheManager(config, max_model_len)
 
-    def optimized(config: KVCacheConfig, max_model_len: int) -> Manager:
+    def optimized(config: KVCacheConfig, max_model_len: int, max_num_reqs: int) -> Manager:
         return TorchKVCacheManager(config, max_model_len, device=device, max_num_reqs=max_num_reqs)
 
     return (
@@ -352,7 +355,7 @@ def decode(
     max_model_len = prompt + steps + 64
     states, prefills = [], []
     for way in ways:
-        manager = way.backend.make(config, max_model_len)
+        manager = way.backend.make(config, max_model_len, batch + 8)
         requests, allocated = [], []
         for i, ids in enumerate(prompts):
             r = way.backend.request(f"r{i}", ids.tolist())
@@ -390,7 +393,7 @@ def lookup(
     config = gemma_like(GROUPS * (length // BLOCK + 1) + 64)
     managers, hashes, hits = [], [], []
     for backend in backends:
-        manager = backend.make(config, length + 1)
+        manager = backend.make(config, length + 1, 8)
         first = backend.request("a", prompt.tolist())
         if manager.allocate_slots(first, length) is None:
             raise RuntimeError(f"{backend.name}: the prompt does not fit in the pool")
@@ -438,7 +441,7 @@ def admission(backends: Sequence[Backend], count: int, shared: int, own: int) ->
     config = gemma_like((count + 2) * per_request)
     managers = []
     for backend in backends:
-        manager = backend.make(config, shared + own + 1)
+        manager = backend.make(config, shared + own + 1, count + 8)
         warm = backend.request("warm", system.tolist() + owns[0].tolist())
         if manager.allocate_slots(warm, warm.num_tokens) is None:
             raise RuntimeError(f"{backend.name}: the first prompt does not fit in the pool")
@@ -469,7 +472,7 @@ def memory(backend: Backend, num_blocks: int) -> float:
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        manager = backend.make(gemma_like(num_blocks), 8192)
+        manager = backend.make(gemma_like(num_blocks), 8192, 256)
         used = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
@@ -840,9 +843,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     markdown = args.format == "markdown"
     scaling = args.scaling or args.plot is not None
     version = vllm_version()
-    stand_in, ref, opt = hybridkv_backends(
-        args.device, max(*sizes.batches, *sizes.scaling_batches) + 8
-    )
+    stand_in, ref, opt = hybridkv_backends(args.device)
     bases = (vllm_backend() if version else stand_in, ref, opt)
     threads = "--threads 1" if args.threads == "1" else "--threads default: torch's own setting"
     lines = [
