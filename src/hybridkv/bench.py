@@ -756,7 +756,7 @@ def run_scaling(
     print_table(header, rows, markdown)
     if skipped:
         print(
-            f"\nnot run (B requests need {per_request} blocks each plus 64 and do not fit): "
+            f"\nnot run, {per_request} blocks per request (plus 64) exceeding the pool: "
             + "; ".join(skipped)
         )
     return curves
