@@ -1,21 +1,172 @@
-"""``python -m hybridkv.bench --quick`` runs and prints its table (a smoke test, no timings
-asserted: the command runs in its own process, which sets torch's thread count)."""
+"""``python -m hybridkv.bench``: smoke runs at tiny sizes (with vLLM when it imports, and with vLLM
+made absent), the busy-core process, the equality check and ``--plot``. No timing is asserted.
+
+The runs call ``main`` in this process with ``--threads default``, so torch's thread count is left
+alone."""
 
 from __future__ import annotations
 
-import subprocess
+import importlib.util
+import runpy
 import sys
+from pathlib import Path
+
+import pytest
+
+from hybridkv import bench
+from hybridkv.bench import BusyCore, Mismatch, Sizes, Way, check_same, decode, hybridkv_backends
+from hybridkv.reference import KVCacheManager, Request
+from hybridkv.spec import KVCacheConfig
+
+TINY = Sizes(
+    batches=(4,),
+    steps=2,
+    prompt=48,
+    long_prompt=256,
+    repeat=1,
+    admitted=2,
+    shared=64,
+    own=16,
+    pool_blocks=2000,
+    scaling_batches=(2, 4, 64),
+    scaling_pools=(600, 2000),
+    scaling_steps=2,
+)
 
 
-def test_the_benchmark_command_prints_its_table() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "hybridkv.bench", "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+@pytest.fixture
+def tiny(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench, "QUICK", TINY)
+
+
+@pytest.fixture
+def no_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench, "vllm_version", lambda: None)
+
+
+SCENARIOS = ("decode B=4", "allocate_slots_batch", "hash 256-token prompt", "lookup", "admission")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_the_benchmark_drives_vllms_own_manager(
+    tiny: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if bench.vllm_version() is None:
+        pytest.skip("vLLM 0.33 is not importable (scripts/install-vllm-cpu.sh installs it)")
+    assert bench.main(["--quick", "--threads", "default", "--format", "markdown"]) == 0
+    out = capsys.readouterr().out
+    assert "KVCacheManager and Request (sha256_cbor block hasher) driven" in out
+    assert (
+        "| scenario | vLLM | reference | optimized | vLLM÷ref | vLLM÷opt | target | met? |" in out
     )
-    assert result.returncode == 0, result.stderr
-    for scenario in ("decode B=16", "hash 4,096-token prompt", "lookup", "admission", "memory"):
-        assert scenario in result.stdout
-    assert "ratio" in result.stdout
+    for scenario in (*SCENARIOS, "host memory"):
+        assert scenario in out
+    assert "--threads default" in out
+    assert "n/a (no vLLM)" not in out
+
+
+def test_without_vllm_the_reference_stands_in(
+    tiny: None, no_vllm: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert bench.main(["--quick", "--threads", "default", "--busy-core"]) == 0
+    out = capsys.readouterr().out
+    stand_in = [line for line in out.splitlines() if "stands in" in line]
+    assert stand_in == [
+        "vLLM is not importable: the reference, hashing by the definition (one cbor2 call per "
+        "block), stands in for it as `stand-in`; targets are not judged"
+    ]
+    assert "busy core: a separate process keeps one core busy" in out
+    assert "stand-in÷opt" in out
+    for scenario in SCENARIOS:
+        assert scenario in out
+    assert "n/a (no vLLM)" in out
+
+
+def test_the_busy_core_process_starts_and_stops() -> None:
+    with BusyCore() as busy:
+        process = busy.process
+        assert process is not None
+        assert process.is_alive()
+    assert busy.process is None
+    assert not process.is_alive()
+
+    started = []
+
+    def interrupted() -> None:
+        with BusyCore() as busy:
+            started.append(busy.process)
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        interrupted()
+    [process] = started
+    assert process is not None
+    assert not process.is_alive()
+
+
+def test_the_equality_check_names_the_backend_that_differs() -> None:
+    same = ((1, 2, 3), (4, 5))
+    check_same("decode", [("vLLM", same), ("reference", ((1, 2, 3), (4, 5)))])
+    with pytest.raises(Mismatch, match=r"decode: optimized returned .*first difference at \[1\]"):
+        check_same(
+            "decode", [("vLLM", same), ("reference", same), ("optimized", ((1, 2, 3), (4, 6)))]
+        )
+    with pytest.raises(Mismatch, match="hit"):
+        check_same("hit", [("vLLM", 4080), ("optimized", 4064)])
+
+
+def test_decode_stops_when_a_backend_hands_out_other_block_ids() -> None:
+    _, reference, _ = hybridkv_backends("cpu")
+
+    def shifted(config: KVCacheConfig, max_model_len: int, max_num_reqs: int) -> bench.Manager:
+        manager = KVCacheManager(config, max_model_len)
+        assert manager.allocate_slots(Request("other", [1] * 16, hash_block_size=16), 16)
+        return manager
+
+    other = bench.Backend("shifted", "reference", shifted, reference.request, reference.hash_job)
+    with pytest.raises(Mismatch, match="decode B=2: the prefill's block ids: shifted returned"):
+        decode([Way(reference), Way(other)], batch=2, steps=1, prompt=32)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is None,
+    reason="matplotlib is not installed (the extra `plot`)",
+)
+def test_plot_writes_a_png(
+    tiny: None, no_vllm: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "decode.png"
+    assert bench.main(["--quick", "--threads", "default", "--plot", str(target)]) == 0
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "pool (blocks)" in out
+    assert "not run" in out
+    assert "pool 600: B = 64" in out
+
+
+def test_plot_without_matplotlib_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == "matplotlib" else real(name, *args),
+    )
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--plot", "x.png"])
+    assert exit_.value.code == 2
+    assert "pip install 'hybridkv[plot]'" in capsys.readouterr().err
+
+
+def test_hybridkv_bench_passes_the_options_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from hybridkv.cli import main
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(runpy, "run_module", lambda *args, **kwargs: seen.append(list(sys.argv)))
+    options = ["--quick", "--threads", "default", "--busy-core", "--scaling", "--plot", "p.png"]
+    result = CliRunner().invoke(main, ["bench", *options, "--format", "markdown"])
+    assert result.exit_code == 0, result.output
+    assert seen == [["python -m hybridkv.bench", *options, "--format", "markdown"]]

@@ -16,7 +16,12 @@ with warnings.catch_warnings():
         "vllm", reason="vLLM 0.33 is not installed (scripts/install-vllm-cpu.sh installs it)"
     )
 
-from hybridkv.integrations.vllm import KVCacheManager, UnsupportedSetting, from_vllm_config
+from hybridkv.integrations.vllm import (
+    KVCacheManager,
+    UnsupportedSetting,
+    from_vllm_config,
+    to_vllm_config,
+)
 from hybridkv.integrations.vllm.check import (
     LAYOUTS,
     RunConfig,
@@ -53,6 +58,33 @@ def test_from_vllm_config_keeps_each_group(layout: str) -> None:
     assert kinds == expected
     assert config.num_blocks == 64
     assert config.prefix_cache_retention_interval == 0
+
+
+def test_to_vllm_config_is_undone_by_from_vllm_config() -> None:
+    from vllm.v1.kv_cache_interface import KVCacheConfig as VConfig
+
+    from hybridkv.spec import KVCacheConfig, KVCacheGroup
+
+    sizes = {"block_size": 16, "num_kv_heads": 2, "head_size": 8, "dtype_bytes": 2}
+    config = KVCacheConfig(
+        100,
+        (
+            KVCacheGroup(("full.0", "full.1"), FullAttentionSpec(**sizes)),
+            KVCacheGroup(("sw.0",), SlidingWindowSpec(sliding_window=64, **sizes)),
+            KVCacheGroup(("ch.0",), ChunkedLocalAttentionSpec(attention_chunk_size=64, **sizes)),
+        ),
+        prefix_cache_retention_interval=0,
+    )
+    vllm_config = to_vllm_config(config)
+    assert isinstance(vllm_config, VConfig)
+    assert from_vllm_config(vllm_config) == config
+    page = FullAttentionSpec(**sizes).page_size_bytes
+    assert [t.layers for t in vllm_config.kv_cache_tensors] == [
+        ["full.0", "full.1"],
+        ["sw.0"],
+        ["ch.0"],
+    ]
+    assert {t.size for t in vllm_config.kv_cache_tensors} == {2 * page * 100}
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,8 @@
 - ``HybridKVScheduler`` / ``HybridKVAsyncScheduler``: vLLM's schedulers with that manager, for
   ``--scheduler-cls`` (``HYBRIDKV_BACKEND`` picks the backend).
 - ``install(backend=…)``: a context manager that swaps the manager of every scheduler built in it.
-- ``from_vllm_config``: vLLM's ``KVCacheConfig`` as hybridkv's.
+- ``from_vllm_config``: vLLM's ``KVCacheConfig`` as hybridkv's; ``to_vllm_config`` the other way
+  (attention layouts).
 
 vLLM is imported only when these are used; hybridkv installs and imports without it.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridkv.integrations.vllm.convert import from_vllm_config
+from hybridkv.integrations.vllm.convert import from_vllm_config, to_vllm_config
 from hybridkv.integrations.vllm.errors import UnsupportedSetting
 from hybridkv.integrations.vllm.manager import KVCacheManager
 
@@ -25,6 +26,7 @@ __all__ = [
     "UnsupportedSetting",
     "from_vllm_config",
     "install",
+    "to_vllm_config",
 ]
 
 _LAZY = {"HybridKVScheduler", "HybridKVAsyncScheduler", "install"}

@@ -1,5 +1,6 @@
 """vLLM 0.33's ``KVCacheConfig`` → hybridkv's: the groups' specs, one by one, or a refusal naming
-the spec kind or field hybridkv does not model."""
+the spec kind or field hybridkv does not model; and back (``to_vllm_config``) for attention
+layouts, built with vLLM's own classes."""
 
 from __future__ import annotations
 
@@ -133,4 +134,66 @@ def from_vllm_config(kv_cache_config: Any) -> KVCacheConfig:
         num_blocks=kv_cache_config.num_blocks,
         groups=tuple(groups),
         prefix_cache_retention_interval=kv_cache_config.prefix_cache_retention_interval,
+    )
+
+
+def _torch_dtype(dtype_bytes: int) -> Any:
+    import torch
+
+    dtypes = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}
+    if dtype_bytes not in dtypes:
+        raise ValueError(f"no torch dtype of {dtype_bytes} bytes for vLLM's spec")
+    return dtypes[dtype_bytes]
+
+
+def to_vllm_config(config: KVCacheConfig) -> Any:
+    """hybridkv's ``KVCacheConfig`` of attention groups as vLLM 0.33's, built with vLLM's
+    ``KVCacheConfig``, ``KVCacheGroupSpec``, ``FullAttentionSpec``, ``SlidingWindowSpec``,
+    ``ChunkedLocalAttentionSpec`` and ``KVCacheTensor``: the same groups (layer names, specs,
+    EAGLE flags), the same number of blocks and retention interval, and one layer-outermost
+    tensor per group as vLLM's planner lays them out (groups alias from byte 0; each block of
+    the pool is as large as the largest group's page). A dtype of 2 bytes becomes bfloat16.
+
+    ``ValueError`` for a Mamba group (its state shapes are not part of hybridkv's spec)."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec as VChunked
+    from vllm.v1.kv_cache_interface import FullAttentionSpec as VFull
+    from vllm.v1.kv_cache_interface import KVCacheConfig as VConfig
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec as VGroup
+    from vllm.v1.kv_cache_interface import KVCacheTensor as VTensor
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec as VSliding
+
+    groups: list[Any] = []
+    for index, group in enumerate(config.groups):
+        spec = group.spec
+        if isinstance(spec, MambaSpec):
+            raise ValueError(f"groups[{index}]: Mamba groups have no vLLM spec here")
+        common = {
+            "block_size": spec.block_size,
+            "num_kv_heads": spec.num_kv_heads,
+            "head_size": spec.head_size,
+            "dtype": _torch_dtype(spec.dtype_bytes),
+        }
+        if isinstance(spec, SlidingWindowSpec):
+            vspec: Any = VSliding(**common, sliding_window=spec.sliding_window)
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            vspec = VChunked(**common, attention_chunk_size=spec.attention_chunk_size)
+        else:
+            vspec = VFull(**common)
+        groups.append(VGroup(list(group.layer_names), vspec, is_eagle_group=group.is_eagle_group))
+    n = config.num_blocks
+    block_bytes = max(len(g.layer_names) * g.kv_cache_spec.page_size_bytes for g in groups)
+    tensors = [
+        VTensor(
+            size=block_bytes * n,
+            layers=list(g.layer_names),
+            layer_stride=g.kv_cache_spec.page_size_bytes * n,
+            block_stride=g.kv_cache_spec.page_size_bytes,
+        )
+        for g in groups
+    ]
+    return VConfig(
+        num_blocks=n,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=groups,
+        prefix_cache_retention_interval=config.prefix_cache_retention_interval,
     )
