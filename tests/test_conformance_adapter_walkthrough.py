@@ -43,10 +43,17 @@ def make_adapter(config, max_model_len, enable_caching, enable_kv_cache_events, 
 SMALL_BUDGET = ["--traces", "12", "--examples", "40", "--steps", "6", "--hit-states", "40"]
 
 
-def _run(folder: Path, spec: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(folder)}
+def _run(folder: Path, spec: str, *, script: bool = False) -> subprocess.CompletedProcess[str]:
+    """The command, run from ``folder`` (where the adapter module is) as the README says, with
+    ``python -m`` or, with ``script``, the ``hybridkv`` script beside this interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    command = (
+        [str(Path(sys.executable).parent / "hybridkv"), "conformance"]
+        if script
+        else [sys.executable, "-m", "hybridkv.conformance"]
+    )
     return subprocess.run(
-        [sys.executable, "-m", "hybridkv.conformance", "--adapter", spec, *SMALL_BUDGET],
+        [*command, "--adapter", spec, *SMALL_BUDGET],
         cwd=folder,
         env=env,
         capture_output=True,
@@ -86,7 +93,8 @@ def test_the_readme_adapter_passes_the_whole_suite(adapter_folder: Path) -> None
 def test_an_adapter_that_drops_the_last_hit_block_fails_with_the_trace_name(
     adapter_folder: Path,
 ) -> None:
-    result = _run(adapter_folder, "broken_adapter:make_adapter")
+    """Run through the ``hybridkv`` script: the current directory is searched there too."""
+    result = _run(adapter_folder, "broken_adapter:make_adapter", script=True)
     out = result.stdout
     assert result.returncode == 1, out[-4000:] + result.stderr[-2000:]
     failing = re.findall(r"FAIL ((?:gen|eng)_\w+): op (\d+) \{\"op\": \"lookup\"", out)

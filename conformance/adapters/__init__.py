@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -399,7 +401,8 @@ class AdapterLoadError(ValueError):
 def load_backend(spec: str) -> Backend:
     """The backend ``MODULE:FACTORY`` names: ``FACTORY`` an ``AdapterFactory`` (called as
     ``factory(config, max_model_len, enable_caching, enable_kv_cache_events, engine)``) in the
-    importable module ``MODULE`` (dots allowed in both). The backend's name is ``spec``.
+    importable module ``MODULE`` (dots allowed in both; the current directory is searched too,
+    as ``python -m`` does, also under the ``hybridkv`` script). The backend's name is ``spec``.
 
     ``AdapterLoadError`` with a one-line message when ``spec`` is not ``MODULE:FACTORY``, the
     module does not import, or the attribute is missing or not callable.
@@ -409,6 +412,9 @@ def load_backend(spec: str) -> Backend:
         raise AdapterLoadError(
             f"--adapter must be MODULE:FACTORY (e.g. my_module:make_adapter), got {spec!r}"
         )
+    # ``python -m`` puts the current directory on the path; the ``hybridkv`` script does not.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         target: Any = importlib.import_module(module_name)
     except Exception as error:
