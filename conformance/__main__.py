@@ -119,10 +119,10 @@ def _raised(section: str, error: BaseException) -> None:
 
 def sample_traces(names: Sequence[str], count: int | None) -> list[str]:
     """``count`` of ``names`` spread evenly over the sorted list (both sets), or all of them."""
+    if count is not None and count < 1:
+        raise ValueError(f"--traces must be at least 1, got {count}")
     if count is None or count >= len(names):
         return list(names)
-    if count < 1:
-        raise ValueError(f"--traces must be at least 1, got {count}")
     return [names[i * len(names) // count] for i in range(count)]
 
 

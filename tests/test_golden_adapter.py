@@ -179,3 +179,21 @@ def test_an_adapter_without_a_snapshot_is_compared_on_everything_else() -> None:
     result = check_trace(TRACE, factory)
     assert (result.status, result.states_not_shown) == ("pass", states)
     assert states > 0
+
+
+def test_a_trace_sample_spreads_over_both_sets() -> None:
+    from hybridkv.conformance.__main__ import sample_traces
+    from hybridkv.conformance.golden import trace_names
+
+    names = trace_names()
+    assert sample_traces(names, 4) == [names[0], names[84], names[169], names[254]]
+    assert [n[:4] for n in sample_traces(names, 4)] == ["eng_", "eng_", "gen_", "gen_"]
+    assert sample_traces(names, 1000) == names
+    assert sample_traces(names, None) == names
+
+
+def test_the_command_refuses_a_sample_of_no_traces(capsys: pytest.CaptureFixture[str]) -> None:
+    from hybridkv.conformance.__main__ import main
+
+    assert main(["--traces", "0"]) == 2
+    assert capsys.readouterr().err == "error: --traces must be at least 1, got 0\n"
