@@ -239,9 +239,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         _section("CrossHair (a bounded symbolic search, not a proof)")
         from hybridkv.conformance.crosshair_runner import run_manifest
 
-        report = run_manifest(args.profile)
-        print("\n".join(report.lines()))
-        results["crosshair"] = report.ok
+        try:
+            report = run_manifest(args.profile)
+            print("\n".join(report.lines()))
+            results["crosshair"] = report.ok
+            _verdict(report.ok, "CrossHair manifest")
+        except Exception as error:
+            _raised("CrossHair manifest", error)
+            results["crosshair"] = False
 
     if args.mutants:
         _section("planted bugs in the reference")
@@ -254,10 +259,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             verdict = f"caught by {hunt.caught_by}" if hunt.caught_by else "SURVIVED"
             print(f"  {hunt.mutant.name:30} {verdict}: {hunt.detail[:100]}", flush=True)
 
-        hunts = hunt_all(MUTANTS, profile.mutant_examples, progress=show)
-        caught = sum(h.caught_by is not None for h in hunts)
-        print(f"  mutants caught: {caught}/{len(hunts)}")
-        results["mutants"] = caught == len(hunts)
+        try:
+            hunts = hunt_all(MUTANTS, profile.mutant_examples, progress=show)
+            caught = sum(h.caught_by is not None for h in hunts)
+            results["mutants"] = caught == len(hunts)
+            _verdict(results["mutants"], f"mutants caught: {caught}/{len(hunts)}")
+        except Exception as error:
+            _raised("planted bugs", error)
+            results["mutants"] = False
 
     _section("summary")
     for name, ok in results.items():

@@ -197,3 +197,21 @@ def test_the_command_refuses_a_sample_of_no_traces(capsys: pytest.CaptureFixture
 
     assert main(["--traces", "0"]) == 2
     assert capsys.readouterr().err == "error: --traces must be at least 1, got 0\n"
+
+
+def test_a_section_that_raises_is_reported_as_failed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hybridkv.conformance import golden
+    from hybridkv.conformance.__main__ import main
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("vectors unreadable")
+
+    monkeypatch.setattr(golden, "check_trace", broken)
+    argv = ["--backend", "reference", "--traces", "1", "--examples", "2", "--hit-states", "4"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "  FAIL  golden traces: raised OSError: vectors unreadable\n" in out
+    summary = [line.strip() for line in out.split("== summary", 1)[1].strip().splitlines()]
+    assert summary[:3] == ["FAIL  golden traces", "PASS  differential machine", "PASS  oracles"]
