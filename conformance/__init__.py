@@ -2,6 +2,7 @@
 
 * ``golden``: replay the traces recorded from vLLM 0.33 against any backend;
 * ``adapters``: the adapter protocol an implementation joins through, and the backends;
+  ``adapters.vllm``: vLLM 0.33's own manager behind it;
 * ``stateful``: the Hypothesis state machine that drives implementations in lockstep (split
   into ``strategies``, ``invariants`` and ``machine``; ``stateful`` re-exports them);
 * ``oracles``: brute-force checks of the longest hit and of the planner;

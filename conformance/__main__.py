@@ -1,17 +1,24 @@
 """``python -m hybridkv.conformance``: run the conformance suite and print a report.
 
-Sections, in order (each prints as it finishes; the exit status is 1 if any failed):
+Sections, in order (each prints as it finishes, ends with a PASS or FAIL line with its counts;
+the exit status is 1 if any failed, 2 if the command line names nothing usable):
 
-1. golden traces: the 189 traces recorded from vLLM 0.33, replayed on every backend;
-2. stateful differential machine: scheduler traffic on every backend in lockstep, every
-   observable compared and every invariant checked after every step;
-3. oracles: the longest hit against brute force on built cache states, and the planner against
-   the grouping, memory-layout and padding rules;
+1. golden traces: the 339 traces recorded from vLLM 0.33 (189 unit-test, 150 engine), replayed
+   through every implementation's adapter with its invariant checker after every operation;
+2. stateful differential machine: scheduler traffic on every backend in lockstep with the
+   reference, every observable compared and every invariant checked after every step;
+3. oracles: the longest hit of every implementation under test against brute force on states
+   built through its adapter; for the project's own run also the reference's hit oracles on
+   states built inside its pool, and the planner against the grouping, memory-layout and
+   padding rules;
 4. ``--crosshair``: the CrossHair manifest (contracts, harnesses, planted bugs);
 5. ``--mutants``: every planted bug in the reference must be caught.
 
-Profiles: ``fast`` (CI-sized) and ``long`` (nightly: many more examples and steps, 30× the
-CrossHair budget). ``--examples`` and ``--steps`` override the profile.
+``--adapter MODULE:FACTORY`` puts an outside implementation under test instead of the
+project's backends (an ``AdapterFactory``, see ``hybridkv.conformance.adapters`` and the
+README's "Check your own implementation"). Profiles: ``fast`` (CI-sized) and ``long`` (nightly:
+many more examples and steps, 30× the CrossHair budget). ``--examples``, ``--steps``,
+``--traces`` and ``--hit-states`` override the profile.
 """
 
 from __future__ import annotations
@@ -22,18 +29,15 @@ import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from hybridkv.conformance.adapters import (
-    AdapterFactory,
+    AdapterLoadError,
     Backend,
-    EngineOptions,
-    ProtocolAdapter,
     backends_named,
+    load_backend,
     optimized_backend,
+    reference_backend,
 )
-from hybridkv.conformance.protocol import KVCacheManagerLike, ManagerFactory
-from hybridkv.spec import KVCacheConfig
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,27 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--crosshair", action="store_true", help="run the CrossHair manifest")
     parser.add_argument("--mutants", action="store_true", help="hunt the planted bugs")
     parser.add_argument("--no-golden", action="store_true", help="skip the golden traces")
+    parser.add_argument(
+        "--adapter",
+        metavar="MODULE:FACTORY",
+        default=None,
+        help="check an outside implementation: an AdapterFactory to import, e.g. "
+        "my_module:make_adapter (compared with the reference; excludes --backend)",
+    )
+    parser.add_argument(
+        "--traces",
+        type=int,
+        default=None,
+        metavar="N",
+        help="replay N golden traces spread over both sets (default: all 339)",
+    )
+    parser.add_argument(
+        "--hit-states",
+        type=int,
+        default=None,
+        metavar="N",
+        help="cache states of the longest-hit oracles (the adapter's gets N/4, each probed 3×)",
+    )
     return parser
 
 
@@ -83,80 +108,109 @@ def _section(title: str) -> None:
     print(f"\n== {title}", flush=True)
 
 
-def _golden_factory(factory: AdapterFactory) -> ManagerFactory:
-    """The golden replay drives a manager's scheduler API: unwrap a ``ProtocolAdapter``.
-
-    An engine trace also sets the manager's engine keywords: the adapter factory gets them as
-    its ``EngineOptions``.
-    """
-
-    def build(
-        config: KVCacheConfig, max_model_len: int, caching: bool, /, **engine: Any
-    ) -> KVCacheManagerLike:
-        adapter = factory(config, max_model_len, caching, False, EngineOptions(**engine))
-        if not isinstance(adapter, ProtocolAdapter):
-            raise TypeError(f"{adapter.name}: the golden replay needs a ProtocolAdapter")
-        return adapter.manager
-
-    return build
+def _verdict(ok: bool, what: str) -> None:
+    print(f"  {'PASS' if ok else 'FAIL'}  {what}", flush=True)
 
 
-def run_golden(backends: Sequence[Backend]) -> bool:
-    from hybridkv.conformance.golden import replay_trace, trace_names
+def _raised(section: str, error: BaseException) -> None:
+    print(f"  FAIL  {section}: raised {type(error).__name__}: {error}")
+    print("    " + "".join(traceback.format_exception(error)).replace("\n", "\n    "))
+
+
+def sample_traces(names: Sequence[str], count: int | None) -> list[str]:
+    """``count`` of ``names`` spread evenly over the sorted list (both sets), or all of them."""
+    if count is not None and count < 1:
+        raise ValueError(f"--traces must be at least 1, got {count}")
+    if count is None or count >= len(names):
+        return list(names)
+    return [names[i * len(names) // count] for i in range(count)]
+
+
+def run_golden(backends: Sequence[Backend], count: int | None = None) -> bool:
+    """Every (or a sample of ``count``) golden trace through each backend's adapter, with its
+    invariant checker after every operation; prints a PASS/FAIL line with counts per backend,
+    the failing traces (name, operation index, what differed or what was raised) and the
+    skipped ones (a feature refused by name)."""
+    from hybridkv.conformance.golden import check_trace, trace_names
 
     ok = True
-    names = trace_names()
+    names = sample_traces(trace_names(), count)
     for name, factory in backends:
         start = time.monotonic()
-        manager = _golden_factory(factory)
-        ops = 0
-        failed = []
-        refused = 0
-        for trace in names:
-            try:
-                matched, divergence = replay_trace(trace, manager)
-            except ValueError as error:
-                if not str(error).startswith("the optimized backend does not implement "):
-                    raise
-                refused += 1  # an engine feature this backend refuses by name
-                continue
-            ops += matched
-            if divergence is not None:
-                failed.append(str(divergence))
+        results = [check_trace(trace, factory) for trace in names]
+        failed = [r for r in results if r.status == "fail"]
+        skipped = [r for r in results if r.status == "skipped"]
+        passed = len(results) - len(failed) - len(skipped)
+        ops = sum(r.matched for r in results)
+        not_shown = sum(r.states_not_shown for r in results)
         seconds = time.monotonic() - start
-        passed = len(names) - len(failed) - refused
-        print(
-            f"  {name}: {passed}/{len(names)} traces identical, {ops} operations"
-            + (f", {refused} refused (engine features not implemented)" if refused else "")
-            + f" ({seconds:.1f}s)"
+        _verdict(
+            not failed,
+            f"{name}: {passed}/{len(names)} traces identical, {len(failed)} failed, "
+            f"{len(skipped)} skipped (feature not implemented), {ops} operations matched"
+            + (f", {not_shown} pool states not shown (snapshot None)" if not_shown else "")
+            + f" ({seconds:.1f}s)",
         )
-        for text in failed[:3]:
-            print("    " + text.replace("\n", "\n    "))
+        for result in failed[:5]:
+            print("    FAIL " + result.detail.replace("\n", "\n    "))
+        if len(failed) > 5:
+            print(f"    … and {len(failed) - 5} more: {', '.join(r.trace for r in failed[5:])}")
+        if skipped:
+            print(f"    skipped: {', '.join(r.trace for r in skipped)}")
+            print(f"      first refusal: {skipped[0].detail}")
         ok = ok and not failed
     return ok
 
 
+def _rerun_hint(argv: Sequence[str], seed: int | None) -> str:
+    command = " ".join(["python -m hybridkv.conformance", *argv])
+    if seed is None:
+        return f"  rerun: {command}  (derandomized: the same command replays the same examples)"
+    return f"  rerun: {command}  (seed {seed})"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     profile = PROFILES[args.profile]
-    choice = args.backend or ("both" if optimized_backend(args.device) is not None else "reference")
     try:
-        backends = backends_named(choice, args.device)
-    except ValueError as error:
+        if args.adapter is not None:
+            if args.backend is not None:
+                raise ValueError(
+                    "--adapter and --backend are exclusive (--adapter is compared "
+                    "with the reference)"
+                )
+            under_test = [load_backend(args.adapter)]
+            backends = [reference_backend(), *under_test]
+        else:
+            choice = args.backend or (
+                "both" if optimized_backend(args.device) is not None else "reference"
+            )
+            backends = backends_named(choice, args.device)
+            under_test = backends
+        if args.traces is not None:
+            sample_traces([], args.traces)
+    except (AdapterLoadError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     examples = args.examples if args.examples is not None else profile.examples
     steps = args.steps if args.steps is not None else profile.steps
+    hit_states = args.hit_states if args.hit_states is not None else profile.hit_states
     results: dict[str, bool] = {}
     start = time.monotonic()
     print(
-        f"hybridkv conformance: backends {', '.join(n for n, _ in backends)}; profile "
-        f"{args.profile}; seed {'derandomized' if args.seed is None else args.seed}"
+        f"hybridkv conformance: under test {', '.join(n for n, _ in under_test)}; compared "
+        f"with {backends[0][0]}; profile {args.profile}; "
+        f"seed {'derandomized' if args.seed is None else args.seed}"
     )
 
     if not args.no_golden:
         _section("golden traces (vLLM 0.33)")
-        results["golden traces"] = run_golden(backends)
+        try:
+            results["golden traces"] = run_golden(under_test, args.traces)
+        except Exception as error:
+            _raised("golden traces", error)
+            results["golden traces"] = False
 
     _section("stateful differential machine")
     from hybridkv.conformance.machine import RunStats, run_differential
@@ -169,32 +223,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  FAILED: {type(error).__name__}: {error}")
         # The traceback and Hypothesis's notes (the shortest failing sequence of calls).
         print("    " + "".join(traceback.format_exception(error)).replace("\n", "\n    "))
+        print(_rerun_hint(argv, args.seed))
         results["differential machine"] = False
     print("\n".join(stats.lines()))
-
-    _section("oracles (brute force)")
-    from hybridkv.conformance.oracles import (
-        run_engine_hit_oracle,
-        run_hit_oracle,
-        run_planner_oracle,
+    _verdict(
+        results["differential machine"],
+        f"differential machine: {stats.examples} examples, {stats.steps} steps, "
+        f"{stats.comparisons} comparisons, {stats.invariant_checks} invariant checks",
     )
 
-    oracle = run_hit_oracle(profile.hit_states, seed=args.seed or 0)
-    run_planner_oracle(profile.planner_models, seed=7 + (args.seed or 0), stats=oracle)
-    engine_oracle = run_engine_hit_oracle(profile.hit_states, seed=args.seed or 0)
-    oracle.failures = [*(oracle.failures or []), *engine_oracle.failures]
-    print("\n".join([*oracle.lines(), *engine_oracle.lines()]))
-    for failure in (oracle.failures or [])[:5]:
-        print(f"  FAILED: {failure}")
-    results["oracles"] = not oracle.failures
+    _section("oracles (brute force)")
+    results["oracles"] = run_oracles(under_test, args, profile, hit_states)
 
     if args.crosshair:
         _section("CrossHair (a bounded symbolic search, not a proof)")
         from hybridkv.conformance.crosshair_runner import run_manifest
 
-        report = run_manifest(args.profile)
-        print("\n".join(report.lines()))
-        results["crosshair"] = report.ok
+        try:
+            report = run_manifest(args.profile)
+            print("\n".join(report.lines()))
+            results["crosshair"] = report.ok
+            _verdict(report.ok, "CrossHair manifest")
+        except Exception as error:
+            _raised("CrossHair manifest", error)
+            results["crosshair"] = False
 
     if args.mutants:
         _section("planted bugs in the reference")
@@ -207,16 +259,67 @@ def main(argv: Sequence[str] | None = None) -> int:
             verdict = f"caught by {hunt.caught_by}" if hunt.caught_by else "SURVIVED"
             print(f"  {hunt.mutant.name:30} {verdict}: {hunt.detail[:100]}", flush=True)
 
-        hunts = hunt_all(MUTANTS, profile.mutant_examples, progress=show)
-        caught = sum(h.caught_by is not None for h in hunts)
-        print(f"  mutants caught: {caught}/{len(hunts)}")
-        results["mutants"] = caught == len(hunts)
+        try:
+            hunts = hunt_all(MUTANTS, profile.mutant_examples, progress=show)
+            caught = sum(h.caught_by is not None for h in hunts)
+            results["mutants"] = caught == len(hunts)
+            _verdict(results["mutants"], f"mutants caught: {caught}/{len(hunts)}")
+        except Exception as error:
+            _raised("planted bugs", error)
+            results["mutants"] = False
 
     _section("summary")
     for name, ok in results.items():
         print(f"  {'PASS' if ok else 'FAIL'}  {name}")
     print(f"  {time.monotonic() - start:.1f}s")
     return 0 if all(results.values()) else 1
+
+
+def run_oracles(
+    under_test: Sequence[Backend], args: argparse.Namespace, profile: Profile, hit_states: int
+) -> bool:
+    """The longest hit of every implementation under test against brute force, on states
+    built through its adapter; without ``--adapter`` also the reference's own oracles (the
+    longest hit on states built inside its pool, engine layouts, the planner)."""
+    from hybridkv.conformance.oracles import (
+        run_adapter_hit_oracle,
+        run_engine_hit_oracle,
+        run_hit_oracle,
+        run_planner_oracle,
+    )
+
+    seed = args.seed or 0
+    ok = True
+    for name, factory in under_test:
+        adapter_oracle = run_adapter_hit_oracle(name, factory, max(1, hit_states // 4), seed)
+        print("\n".join(adapter_oracle.lines()))
+        for failure in adapter_oracle.failures[:5]:
+            print(f"    FAIL {failure}")
+        _verdict(
+            not adapter_oracle.failures,
+            f"longest hit of {name}: {len(adapter_oracle.failures)} of "
+            f"{adapter_oracle.probes} lookups differ from brute force (seed {seed})",
+        )
+        ok = ok and not adapter_oracle.failures
+    if args.adapter is not None:
+        return ok
+    try:
+        oracle = run_hit_oracle(hit_states, seed=seed)
+        run_planner_oracle(profile.planner_models, seed=7 + seed, stats=oracle)
+        engine_oracle = run_engine_hit_oracle(hit_states, seed=seed)
+    except Exception as error:
+        _raised("reference oracles", error)
+        return False
+    failures = [*(oracle.failures or []), *engine_oracle.failures]
+    print("\n".join([*oracle.lines(), *engine_oracle.lines()]))
+    for failure in failures[:5]:
+        print(f"    FAIL {failure}")
+    _verdict(
+        not failures,
+        f"reference oracles: {len(failures)} failures over {oracle.hit_states} + "
+        f"{engine_oracle.states} cache states and {oracle.planner_models} planner models",
+    )
+    return ok and not failures
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
-"""Replay the golden traces recorded from vLLM 0.33's KV cache manager against any backend.
+"""Replay the golden traces recorded from vLLM 0.33's KV cache manager against any
+implementation, through its ``ManagerAdapter`` (``hybridkv.conformance.adapters``: the one
+protocol the suite speaks; the project's own managers replay as ``ProtocolAdapter``s).
 
 Each trace is a scenario (KV cache groups, pool size, operations) and what vLLM observed after
 every operation; ``vectors/README.md`` gives the format. The replay plays the scheduler's part
 exactly as the recorder did (how ``n`` is chosen, how ``num_computed_tokens`` advances) and
-compares every observation field, stopping at the first difference.
+compares every observation field, stopping at the first difference. ``replay_trace`` lets the
+implementation's exceptions propagate; ``check_trace`` reports them (and refusals by name).
 
 Two sets are packaged: ``gen_*`` (189 traces, vLLM's unit-test defaults) and ``eng_*`` (150
 traces, what an engine runs: Mamba prefix caching, different block sizes, sparse retention,
@@ -18,11 +21,15 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, Literal
 
-from hybridkv.conformance.protocol import KVCacheManagerLike, ManagerFactory
-from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
-from hybridkv.reference.request import Request
+from hybridkv.conformance.adapters import (
+    NOT_IMPLEMENTED,
+    AdapterFactory,
+    EngineOptions,
+    Lookup,
+    ManagerAdapter,
+)
 from hybridkv.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -153,164 +160,280 @@ def scenario_hash_block_size(scenario: Json) -> int:
 
 @dataclass
 class _RequestState:
-    request: Request
+    """A request as the replay's scheduler sees it: the adapter's handle and its counters."""
+
+    handle: Any
+    num_tokens: int
+    num_computed_tokens: int = 0
     running: bool = False
-    lookup: tuple[KVCacheBlocks, int] | None = None
+    lookup: Lookup | None = None
+
+
+def scenario_engine(scenario: Json) -> EngineOptions:
+    """The engine options a scenario sets, as the adapter factory receives them."""
+    return EngineOptions(**engine_options(scenario))
 
 
 class TraceReplay:
-    """Plays one trace's operations on a manager, yielding (recorded, observed) per operation."""
+    """Plays one trace's operations on an implementation through its ``ManagerAdapter``,
+    yielding (recorded, observed) per operation.
 
-    def __init__(self, trace: Json, factory: ManagerFactory) -> None:
+    The adapter is built by ``factory(config, max_model_len, enable_caching, False, engine)``
+    (events off: the traces record none). The replay keeps the scheduler's counters itself and
+    tells the adapter (``set_num_computed_tokens``), as the differential machine does.
+    """
+
+    def __init__(self, trace: Json, factory: AdapterFactory) -> None:
         scenario = trace["scenario"]
         self.trace = trace
-        self.hash_block_size = scenario_hash_block_size(scenario)
         self.max_model_len: int = scenario["max_model_len"]
         self.num_blocks: int = scenario["num_blocks"]
-        self.num_hash_lookahead_tokens: int = scenario.get("num_hash_lookahead_tokens", 0)
         self.record_boundary: bool = scenario.get("record_shared_prefix_boundary", False)
-        self.manager: KVCacheManagerLike = factory(
+        self.adapter: ManagerAdapter = factory(
             scenario_config(scenario),
             self.max_model_len,
             scenario["enable_caching"],
-            **engine_options(scenario),
+            False,
+            scenario_engine(scenario),
         )
         self.requests: dict[str, _RequestState] = {}
+        self.states_not_shown = 0
+        """``state`` operations whose pool snapshot the adapter does not show (``None``)."""
 
     def steps(self) -> Iterator[tuple[int, Json, Json, Json]]:
         """(index, op, recorded observation, observed) for each operation, in order."""
         for index, (op, expected) in enumerate(
             zip(self.trace["scenario"]["ops"], self.trace["observations"], strict=True)
         ):
-            observed = {"op": op["op"], "rid": op.get("rid"), **self.apply(op)}
-            yield index, op, expected, observed
+            yield index, op, expected, self.observe(op)
+
+    def observe(self, op: Json) -> Json:
+        """Perform one operation; its observation as the trace records it."""
+        return {"op": op["op"], "rid": op.get("rid"), **self.apply(op)}
+
+    def _set_computed(self, state: _RequestState, value: int) -> None:
+        state.num_computed_tokens = value
+        self.adapter.set_num_computed_tokens(state.handle, value)
 
     def apply(self, op: Json) -> Json:
         """Perform one operation as the recorder's scheduler did; return what it observes."""
         kind = op["op"]
-        m = self.manager
+        a = self.adapter
         if kind == "add":
-            request = Request(
-                op["rid"],
-                op["prompt"],
-                hash_block_size=self.hash_block_size,
-                cache_salt=op.get("cache_salt"),
-                skip_reading_prefix_cache=op.get("skip_reading_prefix_cache", False),
-                num_hash_lookahead_tokens=self.num_hash_lookahead_tokens,
+            # Only when set: an adapter written without the keyword still replays the others.
+            skip = (
+                {"skip_reading_prefix_cache": True} if op.get("skip_reading_prefix_cache") else {}
             )
-            self.requests[op["rid"]] = _RequestState(request)
+            handle = a.new_request(op["rid"], op["prompt"], op.get("cache_salt"), **skip)
+            self.requests[op["rid"]] = _RequestState(handle, len(op["prompt"]))
             return {}
         if kind == "new_step":
-            m.new_step_starts()
+            a.new_step()
             return {}
         if kind == "lookup":
             return self._lookup(op)
         if kind == "allocate":
             return self._allocate(op)
         if kind == "append":
-            request = self.requests[op["rid"]].request
-            request.append_output_token_ids(op["tokens"])
+            state = self.requests[op["rid"]]
+            a.append_tokens(state.handle, op["tokens"])
+            state.num_tokens += len(op["tokens"])
             # Accepted drafts were computed by the step that proposed them.
-            request.num_computed_tokens += op.get("num_accepted_draft_tokens", 0)
+            accepted = op.get("num_accepted_draft_tokens", 0)
+            if accepted:
+                self._set_computed(state, state.num_computed_tokens + accepted)
             return {}
         if kind in ("free", "preempt"):
             state = self.requests[op["rid"]]
-            m.free(state.request)
+            a.free(state.handle)
             if kind == "free":
                 del self.requests[op["rid"]]
             else:
-                state.request.num_computed_tokens = 0
+                self._set_computed(state, 0)
                 state.running = False
                 state.lookup = None
-            return {"num_free_blocks": m.num_free_blocks}
+            return {"num_free_blocks": a.num_free_blocks()}
         if kind == "reset_prefix_cache":
-            return {"ok": m.reset_prefix_cache()}
+            return {"ok": a.reset_prefix_cache()}
         if kind == "state":
-            snap = m.snapshot()
-            return {
-                "free_queue": list(snap.free_block_ids),
-                "num_cached_keys": snap.num_cached_keys,
-                "cached_block_ids": [list(ids) for ids in snap.cached_block_ids],
-                "ref_cnt": {str(k): v for k, v in sorted(snap.ref_counts.items())},
-                "num_free_blocks": m.num_free_blocks,
-            }
+            return self._state()
         raise ValueError(f"op {kind!r} is not an operation the traces use")
+
+    def _state(self) -> Json:
+        snap = self.adapter.snapshot()
+        observed: Json = {"num_free_blocks": self.adapter.num_free_blocks()}
+        if snap is None:
+            # The adapter cannot show its pool: only the free count is compared.
+            self.states_not_shown += 1
+            return {**observed, **dict.fromkeys(SNAPSHOT_FIELDS, NOT_SHOWN)}
+        return {
+            "free_queue": list(snap.free_block_ids),
+            "num_cached_keys": snap.num_cached_keys,
+            "cached_block_ids": [list(ids) for ids in snap.cached_block_ids],
+            "ref_cnt": {str(k): v for k, v in snap.ref_counts},
+            **observed,
+        }
 
     def _lookup(self, op: Json) -> Json:
         state = self.requests[op["rid"]]
-        blocks, hit, boundary = self.manager.get_computed_blocks(state.request)
-        state.lookup = (blocks, hit)
+        found = self.adapter.lookup(state.handle)
+        state.lookup = found
         observed: Json = {
-            "hit_tokens": hit,
-            "hit_block_ids": [list(g) for g in blocks.get_block_ids()],
+            "hit_tokens": found.num_hit_tokens,
+            "hit_block_ids": [list(g) for g in found.block_ids],
         }
         if self.record_boundary:
-            state.request.shared_prefix_boundary = boundary
-            observed["shared_prefix_boundary"] = boundary
+            self.adapter.set_shared_prefix_boundary(state.handle, found.shared_prefix_boundary)
+            observed["shared_prefix_boundary"] = found.shared_prefix_boundary
         return observed
 
     def _allocate(self, op: Json) -> Json:
-        state = self.requests[op["rid"]]
-        request = state.request
+        rid = op["rid"]
+        state = self.requests[rid]
         lookup, state.lookup = state.lookup, None
-        hit_blocks, hit = lookup if (op["use_hit"] and lookup is not None) else (None, 0)
+        used = lookup if op["use_hit"] else None
+        hit = 0 if used is None else used.num_hit_tokens
         observed: Json = {}
         n = op["num_new_tokens"]
         if n is None:
-            n = min(request.num_tokens - (request.num_computed_tokens + hit), op["token_budget"])
+            n = min(state.num_tokens - (state.num_computed_tokens + hit), op["token_budget"])
             if state.running:
-                n = min(n, self.max_model_len - request.num_computed_tokens - 1)
+                n = min(n, self.max_model_len - state.num_computed_tokens - 1)
             observed["num_new_tokens"] = max(n, 0)
             if n <= 0:
                 observed.update(skipped=True, num_new_tokens=0, new_block_ids=None)
-                return {**observed, **self._table_and_usage(request.request_id)}
-        new = self.manager.allocate_slots(
-            request,
+                return {**observed, **self._table_and_usage(rid)}
+        new = self.adapter.allocate(
+            state.handle,
             n,
-            num_new_computed_tokens=hit,
-            new_computed_blocks=hit_blocks,
-            num_lookahead_tokens=op["num_lookahead_tokens"],
+            used,
+            op["num_lookahead_tokens"],
+            False,
             **({"full_sequence_must_fit": True} if op.get("full_sequence_must_fit") else {}),
         )
         if new is None:
             observed["new_block_ids"] = None
         else:
-            observed["new_block_ids"] = [list(g) for g in new.get_block_ids()]
-            request.num_computed_tokens = min(
-                request.num_computed_tokens + hit + n, request.num_tokens
-            )
+            observed["new_block_ids"] = [list(g) for g in new]
+            self._set_computed(state, min(state.num_computed_tokens + hit + n, state.num_tokens))
             state.running = True
-        return {**observed, **self._table_and_usage(request.request_id)}
+        return {**observed, **self._table_and_usage(rid)}
 
     def _table_and_usage(self, request_id: str) -> Json:
         return {
-            "block_table": [list(g) for g in self.manager.get_block_ids(request_id)],
-            "num_free_blocks": self.manager.num_free_blocks,
-            "usage": self.manager.usage,
+            "block_table": [list(g) for g in self.adapter.block_table(request_id)],
+            "num_free_blocks": self.adapter.num_free_blocks(),
+            "usage": self.adapter.usage(),
         }
 
 
+SNAPSHOT_FIELDS = ("free_queue", "num_cached_keys", "cached_block_ids", "ref_cnt")
+"""The fields of a ``state`` observation that come from the adapter's pool snapshot."""
+
+
+class _NotShown:
+    """The observed value of a field the adapter cannot show: never compared."""
+
+    def __repr__(self) -> str:
+        return "NOT_SHOWN"
+
+
+NOT_SHOWN: Any = _NotShown()
+
+
 def observations_match(expected: Json, observed: Json) -> bool:
-    """Every recorded field equal (usage to within float rounding)."""
+    """Every recorded field equal (usage to within float rounding); fields the adapter does
+    not show (``NOT_SHOWN``) are not compared."""
     for key, value in expected.items():
+        seen = observed.get(key)
+        if seen is NOT_SHOWN:
+            continue
         if key == "usage":
-            if not math.isclose(value, observed.get(key, math.nan), rel_tol=0, abs_tol=1e-12):
+            if not isinstance(seen, int | float) or not math.isclose(
+                value, seen, rel_tol=0, abs_tol=1e-12
+            ):
                 return False
-        elif observed.get(key) != value:
+        elif seen != value:
             return False
     return True
 
 
 def replay_trace(
-    name: str, factory: ManagerFactory, *, check_invariants: bool = True
+    name: str, factory: AdapterFactory, *, check_invariants: bool = True
 ) -> tuple[int, Divergence | None]:
-    """Replay one packaged trace; return (operations matched, first divergence or None)."""
+    """Replay one packaged trace through an adapter; return (operations matched, first
+    divergence or None). An exception from the implementation propagates (``check_trace``
+    reports it instead)."""
     replay = TraceReplay(load_trace(name), factory)
     matched = 0
     for index, op, expected, observed in replay.steps():
         if not observations_match(expected, observed):
             return matched, Divergence(name, index, op, expected, observed)
         if check_invariants:
-            replay.manager.check_invariants()
+            replay.adapter.check_invariants()
         matched += 1
     return matched, None
+
+
+TraceStatus = Literal["pass", "fail", "skipped"]
+
+
+@dataclass(frozen=True)
+class TraceResult:
+    """One trace's outcome through an adapter.
+
+    ``status`` is ``"pass"`` (every observation equal, invariants held), ``"fail"`` (``detail``
+    names the operation index and what differed, or the exception and its message) or
+    ``"skipped"`` (the implementation refused a feature the trace needs: a ``ValueError`` saying
+    it ``does not implement`` it; ``detail`` holds its message). ``matched`` counts the
+    operations that matched before the outcome, of ``num_ops``; ``states_not_shown`` the
+    ``state`` operations whose pool snapshot the adapter did not show.
+    """
+
+    trace: str
+    status: TraceStatus
+    matched: int
+    num_ops: int
+    detail: str = ""
+    states_not_shown: int = 0
+
+
+def check_trace(
+    name: str, factory: AdapterFactory, *, check_invariants: bool = True
+) -> TraceResult:
+    """Replay one packaged trace through an adapter and never raise: a divergence, or an
+    exception from building the adapter, from an operation or from its invariant checker, is
+    a ``"fail"`` naming the operation index; a refusal by name a ``"skipped"``."""
+    trace = load_trace(name)
+    num_ops = len(trace["scenario"]["ops"])
+    matched = 0
+    index = -1
+    replay: TraceReplay | None = None
+
+    def failed(text: str) -> TraceResult:
+        return TraceResult(name, "fail", matched, num_ops, text, _not_shown(replay))
+
+    try:
+        replay = TraceReplay(trace, factory)
+        pairs = zip(trace["scenario"]["ops"], trace["observations"], strict=True)
+        for index, (op, expected) in enumerate(pairs):
+            observed = replay.observe(op)
+            if not observations_match(expected, observed):
+                return failed(str(Divergence(name, index, op, expected, observed)))
+            if check_invariants:
+                replay.adapter.check_invariants()
+            matched += 1
+    except Exception as error:
+        message = f"{type(error).__name__}: {error}"
+        if isinstance(error, ValueError) and NOT_IMPLEMENTED in str(error):
+            return TraceResult(name, "skipped", matched, num_ops, message, _not_shown(replay))
+        where = "building the adapter" if index < 0 else f"op {index}"
+        if index >= 0:
+            op_text = json.dumps(trace["scenario"]["ops"][index])[:200]
+            where += f" {op_text}"
+        return failed(f"{name}: {where} raised {message}")
+    return TraceResult(name, "pass", matched, num_ops, "", _not_shown(replay))
+
+
+def _not_shown(replay: TraceReplay | None) -> int:
+    return 0 if replay is None else replay.states_not_shown

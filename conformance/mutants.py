@@ -499,12 +499,9 @@ def manager_checks(
             [reference_backend(), backend], max_examples=examples, steps=30, shrink=False
         )
 
-    def factory(config: Any, max_model_len: int, caching: bool, /, **engine: Any) -> Any:
-        return bundle.KVCacheManager(config, max_model_len, enable_caching=caching, **engine)
-
     def replay(trace_set: str) -> None:
         for name in trace_names(trace_set):
-            _, divergence = replay_trace(name, factory)
+            _, divergence = replay_trace(name, backend[1])
             if divergence is not None:
                 raise AssertionError(str(divergence).splitlines()[0])
 

@@ -52,7 +52,7 @@ PROJECT_TESTS = (
 KILL_TESTS = '''"""Conformance checks that run against every mutmut mutant of reference/."""
 
 from hybridkv.conformance import oracles
-from hybridkv.conformance.adapters import optimized_backend, reference_backend
+from hybridkv.conformance.adapters import manager_backend, optimized_backend, reference_backend
 from hybridkv.conformance.golden import replay_trace, trace_names
 from hybridkv.conformance.machine import run_differential
 from hybridkv.reference import KVCacheManager
@@ -60,8 +60,7 @@ from hybridkv.reference import KVCacheManager
 EVERY = {every}
 
 
-def _factory(config, max_model_len, caching, /, **engine):
-    return KVCacheManager(config, max_model_len, enable_caching=caching, **engine)
+_, _factory = manager_backend("reference", KVCacheManager)
 
 
 def test_golden_unit_traces():

@@ -1,12 +1,13 @@
-"""The scheduler-facing API every implementation under test provides.
+"""The scheduler API of this project's own managers, as ``ProtocolAdapter`` wraps it.
 
 ``hybridkv.reference.KVCacheManager`` and ``hybridkv.optimized.TorchKVCacheManager`` satisfy it
-as they are; another engine's manager joins through a thin adapter with these methods.
+as they are. The conformance suite itself drives only ``ManagerAdapter``s
+(``hybridkv.conformance.adapters``): ``ProtocolAdapter`` and ``manager_backend`` turn a manager
+of this shape into one, and another engine's manager joins with an adapter of its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 from hybridkv.reference.events import KVCacheEvent, PrefixCacheStats
@@ -55,9 +56,3 @@ class KVCacheManagerLike(Protocol):
     def snapshot(self) -> PoolSnapshot: ...
 
     def check_invariants(self) -> None: ...
-
-
-ManagerFactory = Callable[..., KVCacheManagerLike]
-"""Builds a manager from ``(config, max_model_len, enable_caching)`` and, for the engine traces,
-the manager's engine keywords (``max_in_flight_tokens``, ``use_eagle``,
-``num_hash_lookahead_tokens``), passed only when a scenario sets them."""

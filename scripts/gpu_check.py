@@ -33,6 +33,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from hybridkv.bench import BLOCK, gemma_like, tokens
+from hybridkv.conformance.adapters import manager_backend
 from hybridkv.conformance.golden import replay_trace, trace_names
 from hybridkv.optimized import TorchKVCacheManager
 from hybridkv.reference import Request
@@ -70,11 +71,17 @@ def golden(device: str) -> None:
     start = time.perf_counter()
     matched = 0
 
-    def factory(
-        config: KVCacheConfig, max_model_len: int, caching: bool, **engine: Any
+    def build(
+        config: KVCacheConfig,
+        max_model_len: int,
+        enable_caching: bool = True,
+        enable_kv_cache_events: bool = False,
+        **engine: Any,
     ) -> TorchKVCacheManager:
         # The engine traces pass their engine keywords (use_eagle, lookahead hashes, …).
-        return make_manager(device, config, max_model_len, caching, **engine)
+        return make_manager(device, config, max_model_len, enable_caching, **engine)
+
+    _, factory = manager_backend(f"optimized[{device}]", build)
 
     for name in names:
         try:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import random
 import warnings
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from hybridkv.conformance.adapters import manager_backend
 from hybridkv.conformance.golden import replay_trace, trace_names
 from hybridkv.optimized import TorchKVCacheManager
 from hybridkv.reference import Request
@@ -28,10 +28,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @needs_cuda
 def test_golden_traces_replay_identically_on_cuda() -> None:
-    def on_cuda(
-        config: KVCacheConfig, max_model_len: int, caching: bool, **engine: Any
-    ) -> TorchKVCacheManager:
-        return TorchKVCacheManager(config, max_model_len, caching, device="cuda", **engine)
+    _, on_cuda = manager_backend("optimized[cuda]", TorchKVCacheManager, device="cuda")
 
     # Every twelfth trace of both sets: engine features (Mamba tables, speculative blocks,
     # tables of different widths) included.

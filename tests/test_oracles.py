@@ -18,13 +18,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.conformance import oracles
+from hybridkv.conformance.adapters import (
+    EngineOptions,
+    Lookup,
+    ProtocolAdapter,
+    hash_block_size_of,
+    reference_backend,
+)
 from hybridkv.conformance.harnesses import (
     block_pool_operations_keep_invariants,
     hybrid_hit_is_longest_accepted,
     hybrid_hit_without_full_attention,
 )
 from hybridkv.conformance.mutants import document_models, random_cache_state, random_models
-from hybridkv.conformance.oracles import GroupCacheState
+from hybridkv.conformance.oracles import GroupCacheState, run_adapter_hit_oracle
 from hybridkv.reference import (
     KVCacheManager,
     Request,
@@ -351,3 +358,60 @@ def test_a_mamba_hit_one_block_off_is_caught_by_the_engine_oracle() -> None:
     finally:
         single_type_managers.MambaManager.find_longest_cache_hit = original  # type: ignore[method-assign]
     assert stats.failures
+
+
+def test_the_adapter_oracle_builds_states_through_the_adapter_and_finds_the_longest_hit() -> None:
+    stats = run_adapter_hit_oracle("reference", reference_backend()[1], 60, seed=3)
+    assert (stats.states, stats.probes, stats.failures) == (60, 180, [])
+    assert stats.hits > 60
+    assert stats.three_types > 10
+
+
+class _DropsLastHitBlock(ProtocolAdapter):
+    def lookup(self, request: Request) -> Lookup:
+        found = super().lookup(request)
+        ids = tuple(group[:-1] for group in found.block_ids)
+        return Lookup(ids, found.num_hit_tokens, found.handle, found.shared_prefix_boundary)
+
+
+class _MissesEveryHit(ProtocolAdapter):
+    def lookup(self, request: Request) -> Lookup:
+        found = super().lookup(request)
+        return Lookup(tuple(() for _ in found.block_ids), 0, None, 0)
+
+
+@pytest.mark.parametrize(
+    ("cls", "words"),
+    [(_DropsLastHitBlock, "blocks for a"), (_MissesEveryHit, "hit 0 tokens, brute force")],
+)
+def test_the_adapter_oracle_catches_a_wrong_hit(cls: type[ProtocolAdapter], words: str) -> None:
+    def factory(
+        config: KVCacheConfig,
+        max_model_len: int,
+        caching: bool,
+        events: bool,
+        engine: EngineOptions,
+    ) -> ProtocolAdapter:
+        manager = KVCacheManager(config, max_model_len, enable_caching=caching)
+        return cls("wrong", manager, hash_block_size_of(config, caching))
+
+    stats = run_adapter_hit_oracle("wrong", factory, 30, seed=3)
+    assert len(stats.failures) == stats.hits > 0
+    assert all(f.startswith("wrong: longest hit of a ") and words in f for f in stats.failures)
+
+
+def test_an_adapter_that_raises_is_a_failure_naming_the_state() -> None:
+    def factory(
+        config: KVCacheConfig,
+        max_model_len: int,
+        caching: bool,
+        events: bool,
+        engine: EngineOptions,
+    ) -> ProtocolAdapter:
+        raise RuntimeError("no pool")
+
+    stats = run_adapter_hit_oracle("broken", factory, 2, seed=5)
+    assert stats.failures == [
+        "broken: state 0 (seed 5) raised RuntimeError: no pool",
+        "broken: state 1 (seed 5) raised RuntimeError: no pool",
+    ]

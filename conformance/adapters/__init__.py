@@ -1,7 +1,8 @@
 """How an implementation joins the conformance suite: a small adapter protocol, and backends.
 
-The stateful differential machine (``hybridkv.conformance.stateful``) never calls a manager
-directly; it calls a ``ManagerAdapter``, which speaks plain values (block ids as tuples of ints,
+The golden replay (``golden``), the stateful differential machine
+(``hybridkv.conformance.stateful``) and the adapter hit oracle never call a manager directly;
+they call a ``ManagerAdapter``, which speaks plain values (block ids as tuples of ints,
 hit lengths, snapshots as tuples), so managers of other engines, or mutated copies of the
 reference, compare equal whenever they behave the same. ``hybridkv.reference.KVCacheManager``
 and ``hybridkv.optimized.TorchKVCacheManager`` already have the scheduler API of
@@ -9,15 +10,22 @@ and ``hybridkv.optimized.TorchKVCacheManager`` already have the scheduler API of
 
 Plugging in another implementation
 ----------------------------------
+``python -m hybridkv.conformance --adapter my_module:make_adapter`` runs the whole suite (golden
+traces, differential machine, longest-hit oracle) on an ``AdapterFactory`` (``load_backend``);
+the README's "Check your own implementation" documents every value's format.
+
 Write a class with the methods of ``ManagerAdapter`` (most are one line), and a factory
 ``(config, max_model_len, enable_caching, enable_kv_cache_events, engine) -> adapter``, where
 ``engine`` is an ``EngineOptions`` (the engine's keywords: ``max_in_flight_tokens``,
 ``use_eagle``, ``num_hash_lookahead_tokens``) that the implementation must honour; requests are
-hashed at ``hash_block_size_of(config, enable_caching)`` with ``engine``'s lookahead. Then::
+hashed at ``hash_block_size_of(config, enable_caching)`` with ``engine``'s lookahead. From
+Python, each part alone::
 
     from hybridkv.conformance.adapters import reference_backend
+    from hybridkv.conformance.golden import check_trace
     from hybridkv.conformance.machine import run_differential
 
+    result = check_trace("gen_s101_0000", my_factory)  # TraceResult: pass, fail or skipped
     stats = run_differential([reference_backend(), ("mine", my_factory)], max_examples=200)
 
 ``run_differential`` raises on the first difference and prints the shortest sequence of
@@ -27,13 +35,16 @@ its implementation cannot show them: those observables are then not compared for
 
 An implementation that does not implement a drawn layout or engine setting yet raises, from its
 factory, a ``ValueError`` whose message contains ``NOT_IMPLEMENTED`` ("does not implement"): the
-machine then skips that example for that backend only (the run summary counts the skips).
+machine then skips that example for that backend only (the run summary counts the skips), and
+the golden replay counts the trace as skipped, by name (also when an operation raises it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -98,8 +109,19 @@ class ManagerAdapter(Protocol):
 
     name: str
 
-    def new_request(self, request_id: str, prompt: Sequence[int], cache_salt: str | None) -> Any:
-        """A request object this implementation accepts (hashed at the pool's block size)."""
+    def new_request(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        cache_salt: str | None,
+        *,
+        skip_reading_prefix_cache: bool = False,
+    ) -> Any:
+        """A request object this implementation accepts (hashed at the pool's block size).
+
+        ``skip_reading_prefix_cache``: the request never reads the prefix cache (its lookups
+        hit nothing) but still caches what it computes; some golden traces set it, and pass the
+        keyword only then."""
         ...
 
     def append_tokens(self, request: Any, tokens: Sequence[int]) -> None: ...
@@ -187,13 +209,19 @@ class ProtocolAdapter:
         self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
 
     def new_request(
-        self, request_id: str, prompt: Sequence[int], cache_salt: str | None
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        cache_salt: str | None,
+        *,
+        skip_reading_prefix_cache: bool = False,
     ) -> Request:
         return Request(
             request_id,
             prompt,
             hash_block_size=self.block_size,
             cache_salt=cache_salt,
+            skip_reading_prefix_cache=skip_reading_prefix_cache,
             num_hash_lookahead_tokens=self.num_hash_lookahead_tokens,
         )
 
@@ -362,3 +390,47 @@ def backends_named(choice: str, device: str = "cpu") -> list[Backend]:
             raise ValueError("backend optimized: hybridkv.optimized.TorchKVCacheManager is missing")
         chosen.append(optimized)
     return chosen
+
+
+class AdapterLoadError(ValueError):
+    """``--adapter MODULE:FACTORY`` names nothing usable (the message is one line)."""
+
+
+def load_backend(spec: str) -> Backend:
+    """The backend ``MODULE:FACTORY`` names: ``FACTORY`` an ``AdapterFactory`` (called as
+    ``factory(config, max_model_len, enable_caching, enable_kv_cache_events, engine)``) in the
+    importable module ``MODULE`` (dots allowed in both; the current directory is searched too,
+    as ``python -m`` does, also under the ``hybridkv`` script). The backend's name is ``spec``.
+
+    ``AdapterLoadError`` with a one-line message when ``spec`` is not ``MODULE:FACTORY``, the
+    module does not import, or the attribute is missing or not callable.
+    """
+    module_name, colon, attribute = spec.partition(":")
+    if not colon or not module_name or not attribute or ":" in attribute:
+        raise AdapterLoadError(
+            f"--adapter must be MODULE:FACTORY (e.g. my_module:make_adapter), got {spec!r}"
+        )
+    # ``python -m`` puts the current directory on the path; the ``hybridkv`` script does not.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        target: Any = importlib.import_module(module_name)
+    except Exception as error:
+        reason = str(error).splitlines()[0] if str(error) else ""
+        raise AdapterLoadError(
+            f"--adapter {spec!r}: module {module_name!r} does not import: "
+            f"{type(error).__name__}: {reason}"
+        ) from error
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise AdapterLoadError(
+                f"--adapter {spec!r}: module {module_name!r} has no attribute {attribute!r}"
+            )
+        target = getattr(target, part)
+    if not callable(target):
+        raise AdapterLoadError(
+            f"--adapter {spec!r}: {module_name}.{attribute} is not callable (got "
+            f"{type(target).__name__}); it must be an AdapterFactory"
+        )
+    factory: AdapterFactory = target
+    return spec, factory
