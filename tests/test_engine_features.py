@@ -830,3 +830,14 @@ def test_a_checkpoint_reserved_by_a_failed_allocation_is_not_cached_later() -> N
         observed.append((manager.get_block_ids("r"), manager.snapshot()))
     assert observed[0] == observed[1]
     assert observed[0][0] == ([1, 2, 3, 4], [0, 0, 0, 6])
+
+
+def test_max_cache_hit_length_caps_the_hit_and_never_passes_the_last_token() -> None:
+    """vLLM's argument caps the hit; a cap at or past the prompt still leaves the last token to
+    compute (65 tokens: 64 may hit, exactly the hit without a cap)."""
+    manager = KVCacheManager(config(full(16)), 256)
+    prefill(manager, "a", PROMPT[:65], [65], hash_block_size=16)
+    probe = Request("p", PROMPT[:65], hash_block_size=16)
+    hits = {cap: manager.get_computed_blocks(probe, cap)[1] for cap in (0, 17, 48, 63, 64, 100)}
+    assert hits == {0: 0, 17: 16, 48: 48, 63: 48, 64: 64, 100: 64}
+    assert manager.get_computed_blocks(probe)[1] == 64
