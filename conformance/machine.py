@@ -387,34 +387,6 @@ class DifferentialMachine(RuleBasedStateMachine):
         self._count("add_follow_up")
         self._new_request((earlier + turn)[:limit], salt)
 
-    # --- Weights: a scheduler spends most steps prefilling and decoding, and many prompts share
-    # a prefix. Hypothesis draws enabled rules evenly, so these rules (each the same as the rule
-    # it names) weigh those steps more.
-
-    @precondition(lambda self: self._can_add() and self._has_source())
-    @rule(data=st.data())
-    def add_follow_up_again(self, data: st.DataObject) -> None:
-        """``add_follow_up`` (weight)."""
-        self.add_follow_up(data)
-
-    @precondition(lambda self: self._prefilling())
-    @rule(data=st.data())
-    def prefill_again(self, data: st.DataObject) -> None:
-        """``prefill`` (weight)."""
-        self.prefill(data)
-
-    @precondition(lambda self: self._decoding())
-    @rule(data=st.data())
-    def decode_again(self, data: st.DataObject) -> None:
-        """``decode`` (weight)."""
-        self.decode(data)
-
-    @precondition(lambda self: sum(r.running for r in self.live.values()) >= 2)
-    @rule(data=st.data())
-    def step_batch_again(self, data: st.DataObject) -> None:
-        """``step_batch`` (weight)."""
-        self.step_batch(data)
-
     @precondition(lambda self: self._has(running=False))
     @rule(data=st.data())
     def lookup(self, data: st.DataObject) -> None:

@@ -119,7 +119,7 @@ def test_an_adapter_without_batched_calls_is_driven_one_by_one() -> None:
 def test_a_wrong_batched_step_is_caught() -> None:
     with pytest.raises(ConformanceError, match="wrong differs from reference"):
         run_differential(
-            [reference_backend(), _backend("wrong")], max_examples=40, steps=30, shrink=False
+            [reference_backend(), _backend("wrong")], max_examples=150, steps=30, shrink=False
         )
 
 
