@@ -5,6 +5,7 @@ covered), ``machine_for`` and ``run_differential``.
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ from hybridkv.conformance.adapters import (
     BlockIds,
     Lookup,
     ManagerAdapter,
+    batch_allocator,
+    batch_freer,
     reference_stand_in,
 )
 from hybridkv.conformance.invariants import (
@@ -59,6 +62,8 @@ class RunStats:
     failed_allocations: int = 0
     hits: int = 0
     lookups: int = 0
+    cached_lookups: int = 0
+    """Lookups with prefix caching on (the others cannot hit)."""
     evictions: int = 0
     caching_off: int = 0
     backends: tuple[str, ...] = ()
@@ -70,6 +75,39 @@ class RunStats:
     full_prompt_refusals: int = 0
     speculative_steps: int = 0
     accepted_drafts: int = 0
+    batch_steps: int = 0
+    """Scheduler steps of several running requests (``allocate_batch`` where offered)."""
+    batch_requests: int = 0
+    batch_frees: int = 0
+    batched_calls: Counter[str] = field(default_factory=Counter)
+    """Per backend: the batched calls it served through its own ``allocate_batch`` or
+    ``free_batch`` (a backend without them is driven one request at a time)."""
+
+    WORK_RULES: ClassVar[tuple[str, ...]] = (
+        "prefill",
+        "decode",
+        "speculative_decode",
+        "step_batch",
+    )
+    """The rules that advance running requests (prefill chunks and decode steps)."""
+
+    @staticmethod
+    def _percent(part: int, whole: int) -> str:
+        return f"{100 * part / whole:.0f}%" if whole else "n/a"
+
+    def shares(self) -> dict[str, float]:
+        """The traffic's shares, in percent: lookups with a hit, steps that prefill or decode,
+        allocations that returned ``None``."""
+
+        def share(part: int, whole: int) -> float:
+            return 100 * part / whole if whole else 0.0
+
+        work = sum(self.rules[name] for name in self.WORK_RULES)
+        return {
+            "hits": share(self.hits, self.cached_lookups),
+            "prefill_decode": share(work, self.steps),
+            "failed_allocations": share(self.failed_allocations, self.allocations),
+        }
 
     def lines(self) -> list[str]:
         mixes = ", ".join(f"{mix} ×{n}" for mix, n in sorted(self.type_mixes.items()))
@@ -77,6 +115,8 @@ class RunStats:
         rule_counts = ", ".join(f"{name} {n}" for name, n in sorted(self.rules.items()))
         features = ", ".join(f"{name} ×{n}" for name, n in sorted(self.features.items()))
         skipped = ", ".join(f"{name} {self.skipped[name]}" for name in self.backends) or "none"
+        work = sum(self.rules[name] for name in self.WORK_RULES)
+        batched = ", ".join(f"{n} {self.batched_calls[n]}" for n in self.backends) or "none"
         return [
             f"  backends: {' vs '.join(self.backends)}",
             f"  examples {self.examples}, steps {self.steps} "
@@ -84,6 +124,13 @@ class RunStats:
             f"  rules: {rule_counts}",
             f"  lookups {self.lookups} ({self.hits} with a hit), allocations {self.allocations} "
             f"({self.failed_allocations} returned None), cache evictions {self.evictions}",
+            f"  shares: {self._percent(self.hits, self.cached_lookups)} of lookups with caching "
+            f"on hit ({self.cached_lookups}), "
+            f"{self._percent(work, self.steps)} of steps prefill or decode, "
+            f"{self._percent(self.failed_allocations, self.allocations)} of allocations fail",
+            f"  batched: {self.batch_steps} steps of several requests ({self.batch_requests} "
+            f"requests), {self.batch_frees} batches of frees; served by the backends' own "
+            f"batched calls: {batched}",
             f"  observables compared {self.comparisons}, invariant checks {self.invariant_checks}",
             f"  layouts: {groups}; caching off in {self.caching_off}",
             f"  type mixes: {mixes}",
@@ -122,6 +169,7 @@ class DifferentialMachine(RuleBasedStateMachine):
     stats: ClassVar[RunStats] = RunStats()
     family: ClassVar[str] = "hybrid"
     roomy: ClassVar[bool] = False
+    big: ClassVar[bool] = False
     stand_in: ClassVar[Backend | None] = None
 
     def __init__(self) -> None:
@@ -139,7 +187,7 @@ class DifferentialMachine(RuleBasedStateMachine):
     @initialize(data=st.data())
     def set_up(self, data: st.DataObject) -> None:
         """The layout, and one to three waiting requests (a scheduler rarely starts empty)."""
-        layout = data.draw(layouts(self.family, roomy=self.roomy), label="layout")
+        layout = data.draw(layouts(self.family, roomy=self.roomy, big=self.big), label="layout")
         self.layout = layout
         self.impls = self._build(layout)
         stats = self.stats
@@ -270,6 +318,7 @@ class DifferentialMachine(RuleBasedStateMachine):
             [(f.block_ids, f.num_hit_tokens, f.shared_prefix_boundary) for f in found],
         )
         self.stats.lookups += 1
+        self.stats.cached_lookups += self.lay.enable_caching
         self.stats.hits += found[0].num_hit_tokens > 0
         # The scheduler stores the boundary on the request: sparse groups cache there too.
         for impl, handle, result in zip(self.impls, req.handles, found, strict=True):
@@ -289,6 +338,9 @@ class DifferentialMachine(RuleBasedStateMachine):
 
     # --- Rules --------------------------------------------------------------------------------
 
+    def _has_source(self) -> bool:
+        return bool(self.history) or any(r.computed for r in self.live.values())
+
     def _can_add(self) -> bool:
         waiting = sum(not r.running for r in self.live.values())
         return len(self.live) < MAX_LIVE_REQUESTS and waiting < 3
@@ -298,9 +350,14 @@ class DifferentialMachine(RuleBasedStateMachine):
     def add_request(self, data: st.DataObject) -> None:
         """A fresh prompt, or a shared system prompt followed by a question."""
         limit = self.lay.max_model_len - 1
-        alphabet = st.integers(0, 3) if data.draw(st.booleans()) else st.integers(0, 50)
+        small = data.draw(st.booleans())
+        alphabet = st.integers(0, 3) if small else st.integers(0, 50)
         size = data.draw(st.sampled_from([None, None, limit, limit - 1]))
-        if size is None or size < 1:
+        if self.big:  # thousands of tokens: drawn from a seed, not token by token
+            length = size if size is not None and size > 0 else data.draw(st.integers(1, limit))
+            rng = random.Random(data.draw(st.integers(0, 2**32 - 1)))
+            prompt = [rng.randint(0, 3 if small else 50) for _ in range(length)]
+        elif size is None or size < 1:
             prompt = data.draw(st.lists(alphabet, min_size=1, max_size=limit))
         else:  # as long as the model allows: lookahead slots then reach max_model_len
             prompt = data.draw(st.lists(alphabet, min_size=size, max_size=size))
@@ -312,12 +369,19 @@ class DifferentialMachine(RuleBasedStateMachine):
         self._count("add_request")
         self._new_request(prompt[:limit], salt)
 
-    @precondition(lambda self: self._can_add() and bool(self.history))
+    @precondition(lambda self: self._can_add() and self._has_source())
     @rule(data=st.data())
     def add_follow_up(self, data: st.DataObject) -> None:
-        """The next turn of an earlier conversation, or the exact same prompt again."""
+        """The next turn of an earlier conversation, the exact same prompt again, or a prompt
+        sharing a prefix with a live request (what it computed is cached already)."""
         limit = self.lay.max_model_len - 1
-        earlier = list(data.draw(st.sampled_from(self.history)))
+        sources = [
+            *self.history,
+            *(tuple(r.tokens[: r.computed]) for _, r in sorted(self.live.items()) if r.computed),
+        ]
+        earlier = list(data.draw(st.sampled_from(sources)))
+        if data.draw(st.integers(0, 2)) == 0:
+            earlier = earlier[: data.draw(st.integers(1, len(earlier)))]
         turn = data.draw(st.lists(st.integers(0, 50), max_size=8))
         salt = data.draw(st.sampled_from([None, None, None, "a", "b"]))
         self._count("add_follow_up")
@@ -419,6 +483,107 @@ class DifferentialMachine(RuleBasedStateMachine):
             for impl, handle in zip(self.impls, req.handles, strict=True):
                 impl.append_tokens(handle, tokens)
         self._continue(data, req)
+
+    def _chunk_size(self, data: st.DataObject, req: LiveRequest) -> int:
+        """A running request's next chunk within a token budget (0: nothing to schedule)."""
+        budget = data.draw(st.integers(1, self.lay.max_model_len))
+        n = min(len(req.tokens) - req.computed, budget, self.lay.max_model_len - req.computed - 1)
+        if n > 0 and data.draw(st.integers(0, 3)):
+            n = self._align_chunk(req, 0, n)
+        return n
+
+    @precondition(lambda self: sum(r.running for r in self.live.values()) >= 2)
+    @rule(data=st.data())
+    def step_batch(self, data: st.DataObject) -> None:
+        """One scheduler step of several running requests at once: a decoding request gets its
+        next token(s), a prefilling one its next chunk, then one ``allocate_batch`` (where an
+        implementation offers it; else ``allocate`` per request, in order). The results must
+        equal the model's, request by request."""
+        running = sorted(rid for rid, req in self.live.items() if req.running)
+        chosen = data.draw(
+            st.lists(st.sampled_from(running), min_size=2, max_size=len(running), unique=True)
+        )
+        self._count("step_batch")
+        lookahead = data.draw(st.sampled_from([0, 0, 0, 1, 2]))
+        delay = self.lay.enable_caching and data.draw(st.integers(0, 5)) == 0
+        reqs: list[LiveRequest] = []
+        counts: list[int] = []
+        for rid in chosen:
+            req = self.live[rid]
+            if req.computed >= len(req.tokens):
+                req.drafts = 0
+                room = self.lay.max_model_len - len(req.tokens)
+                if room > 0:
+                    tokens = data.draw(
+                        st.lists(st.integers(0, 3), min_size=1, max_size=min(2, room))
+                    )
+                    req.tokens.extend(tokens)
+                    for impl, handle in zip(self.impls, req.handles, strict=True):
+                        impl.append_tokens(handle, tokens)
+            n = self._chunk_size(data, req)
+            if n > 0:
+                reqs.append(req)
+                counts.append(n)
+        if not reqs:
+            return
+        results = []
+        for index, impl in enumerate(self.impls):
+            handles = [req.handles[index] for req in reqs]
+            batched = batch_allocator(impl)
+            if batched is None:
+                out = [
+                    impl.allocate(handle, n, None, lookahead, delay)
+                    for handle, n in zip(handles, counts, strict=True)
+                ]
+            else:
+                out = list(batched.allocate_batch(handles, counts, lookahead, delay))
+                self.stats.batched_calls[impl.name] += 1
+            results.append(tuple(out))
+        rids = [req.rid for req in reqs]
+        self._agree(
+            f"allocate_batch({rids}, {counts}, lookahead={lookahead}, delay={delay})", results
+        )
+        self.stats.batch_steps += 1
+        self.stats.batch_requests += len(reqs)
+        self.stats.allocations += len(reqs)
+        self.allocated_in_step = True
+        for req, n, new in zip(reqs, counts, results[0], strict=True):
+            if new is None:
+                self.stats.failed_allocations += 1
+                continue
+            self._set_computed(req, min(req.computed + n, len(req.tokens)))
+            req.delayed = req.delayed or delay
+
+    @precondition(lambda self: sum(r.running for r in self.live.values()) >= 2)
+    @rule(data=st.data())
+    def finish_batch(self, data: st.DataObject) -> None:
+        """Several requests finish in one step: one ``free_batch`` (where offered), sometimes
+        with a waiting request (it holds nothing) or a request listed twice."""
+        running = sorted(rid for rid, req in self.live.items() if req.running)
+        chosen = data.draw(
+            st.lists(st.sampled_from(running), min_size=2, max_size=len(running), unique=True)
+        )
+        waiting = sorted(rid for rid, req in self.live.items() if not req.running)
+        if waiting and data.draw(st.integers(0, 3)) == 0:
+            chosen.insert(data.draw(st.integers(0, len(chosen))), waiting[0])
+        if data.draw(st.integers(0, 3)) == 0:
+            chosen.append(chosen[0])
+        self._count("finish_batch")
+        reqs = [self.live[rid] for rid in chosen]
+        for index, impl in enumerate(self.impls):
+            handles = [req.handles[index] for req in reqs]
+            batched = batch_freer(impl)
+            if batched is None:
+                for handle in handles:
+                    impl.free(handle)
+            else:
+                batched.free_batch(handles)
+                self.stats.batched_calls[impl.name] += 1
+        self.stats.batch_frees += 1
+        for rid in dict.fromkeys(chosen):
+            req = self.live.pop(rid)
+            if req.running:
+                self.history = [*self.history[-7:], tuple(req.tokens)]
 
     @precondition(lambda self: any(r.delayed and r.running for r in self.live.values()))
     @rule(data=st.data())
@@ -572,10 +737,13 @@ def machine_for(
     family: str = "hybrid",
     stand_in: Backend | None = None,
     roomy: bool = False,
+    big: bool = False,
 ) -> type[DifferentialMachine]:
     """A ``DifferentialMachine`` over these backends and one layout family, counting into
     ``stats``; ``stand_in`` joins an example in which a backend refuses the layout by name;
-    ``roomy`` draws pools of two to twelve longest requests (prefills and decodes succeed)."""
+    ``roomy`` draws pools of two to twelve longest requests (prefills and decodes succeed);
+    ``big`` serving sizes (``layouts``: prompts of thousands of tokens, pools of hundreds of
+    blocks)."""
     stats.backends = tuple(name for name, _ in backends)
     attrs = {
         "backends": tuple(backends),
@@ -583,6 +751,7 @@ def machine_for(
         "family": family,
         "stand_in": stand_in,
         "roomy": roomy,
+        "big": big,
     }
     return type(f"DifferentialMachine_{family}", (DifferentialMachine,), attrs)
 
@@ -599,6 +768,7 @@ def run_differential(
     hypothesis_backend: str = "hypothesis",
     stand_in: Backend | None = None,
     roomy: bool = False,
+    big: bool = False,
 ) -> RunStats:
     """Run the machine over ``backends``; raise on the first difference or broken invariant.
 
@@ -612,7 +782,8 @@ def run_differential(
     A backend whose factory refuses a drawn layout by name (``adapters.NOT_IMPLEMENTED``) skips
     that example (``RunStats.skipped``); ``stand_in`` (default: an independent reference,
     ``reference-again``) then joins so that the example still compares two implementations.
-    ``roomy`` draws pools large enough that most allocations succeed.
+    ``roomy`` draws pools large enough that most allocations succeed; ``big`` draws serving
+    sizes (model lengths of 512–4,096 tokens, pools of hundreds of blocks).
     """
     stats = RunStats() if stats is None else stats
     run_settings = settings(
@@ -629,7 +800,12 @@ def run_differential(
     )
     for family in families:
         machine = machine_for(
-            backends, stats, family, reference_stand_in() if stand_in is None else stand_in, roomy
+            backends,
+            stats,
+            family,
+            reference_stand_in() if stand_in is None else stand_in,
+            roomy,
+            big,
         )
         # Hypothesis types this helper only in recent releases: call it through Any.
         make_test: Any = get_state_machine_test

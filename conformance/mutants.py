@@ -34,7 +34,12 @@ from types import ModuleType
 from typing import Any, Literal
 
 from hybridkv.conformance import oracles
-from hybridkv.conformance.adapters import Backend, manager_backend, reference_backend
+from hybridkv.conformance.adapters import (
+    Backend,
+    manager_backend,
+    optimized_backend,
+    reference_backend,
+)
 from hybridkv.conformance.golden import replay_trace, trace_names
 from hybridkv.spec import (
     ChunkedLocalAttentionSpec,
@@ -60,6 +65,12 @@ class Mutant:
 
 def _m(name: str, description: str, module: str, *patches: tuple[str, str]) -> Mutant:
     return Mutant(name, description, f"hybridkv.{module}", patches)
+
+
+def _o(name: str, description: str, module: str, *patches: tuple[str, str]) -> Mutant:
+    """A mutant of the optimized backend (``hybridkv.optimized``): its vectorised and batched
+    paths, hunted with the optimized backend in place of the reference."""
+    return Mutant(name, description, f"hybridkv.optimized.{module}", patches)
 
 
 def _p(name: str, description: str, module: str, *patches: tuple[str, str]) -> Mutant:
@@ -317,6 +328,123 @@ MUTANTS: tuple[Mutant, ...] = (
         "reference.block_pool",
         ("return block_hashes[scale - 1 :: scale]", "return block_hashes[:: scale]"),
     ),
+    # --- The optimized backend's vectorised and batched paths ---------------------------------
+    _o(
+        "opt_window_vector_off_by_one",
+        "the vectorised step keeps one token too many in a sliding window",
+        "batch",
+        (
+            "tokens = (comp[:, None] - m._wm1).clamp_(min=0)",
+            "tokens = (comp[:, None] - m._wm1 - 1).clamp_(min=0)",
+        ),
+    ),
+    _o(
+        "opt_chunk_released_late",
+        "the vectorised step releases a chunk's blocks one chunk late",
+        "batch",
+        (
+            "comp[:, None] // m._chunk_or_1 * m._chunk",
+            "(comp[:, None] // m._chunk_or_1 - 1).clamp(min=0) * m._chunk",
+        ),
+    ),
+    _o(
+        "opt_batch_skips_group_release",
+        "the vectorised step releases nothing from the last group's window or chunk",
+        "batch",
+        (
+            "        skipped = torch.minimum(tokens.floor_divide_(b), length)\n",
+            "        skipped = torch.minimum(tokens.floor_divide_(b), length)\n"
+            "        skipped[:, -1] = torch.minimum(nulls[:, -1], skipped[:, -1])\n",
+        ),
+    ),
+    _o(
+        "opt_batch_release_not_busy",
+        "a step skips a request whose only work is a window or chunk release",
+        "batch",
+        ("            busy |= comp >= thresholds[1]\n", "            pass\n"),
+    ),
+    _o(
+        "opt_batch_cache_not_busy",
+        "a step skips a request whose only work is caching a newly full block",
+        "batch",
+        ("            busy |= cache_tokens >= thresholds[2]\n", "            pass\n"),
+    ),
+    _o(
+        "opt_free_batch_head_order",
+        "free_batch puts unhashed blocks at the head first batch first (sequential frees put "
+        "the last batch first)",
+        "batch",
+        (
+            "key = -pair[head_last] * (total + 1) + head_last",
+            "key = pair[head_last] * (total + 1) + head_last",
+        ),
+    ),
+    _o(
+        "opt_free_batch_tail_by_id",
+        "free_batch appends hashed blocks in id order, not in the order of their last release",
+        "batch",
+        (
+            "tail = freed[hashed][torch.argsort(freed_last[hashed])]",
+            "tail = freed[hashed]",
+        ),
+    ),
+    _o(
+        "opt_hybrid_one_pass",
+        "the optimized hybrid lookup stops after one pass over the types",
+        "manager",
+        (
+            "        hit_length, longest = rules.hybrid_hit_length(\n            lookup,\n",
+            "        calls = [0]\n\n"
+            "        def once(index: int, length: int, drop: bool) -> int:\n"
+            "            calls[0] += 1\n"
+            "            return length if calls[0] > len(self._types) else lookup(index, length, "
+            "drop)\n\n"
+            "        hit_length, longest = rules.hybrid_hit_length(\n            once,\n",
+        ),
+    ),
+    _o(
+        "opt_window_hit_needs_whole_window",
+        "the optimized sliding-window lookup needs window tokens cached, not window − 1",
+        "manager",
+        (
+            "needed = rules.sliding_window_contiguous_blocks(spec.sliding_window, b, p.drop)",
+            "needed = rules.sliding_window_contiguous_blocks(spec.sliding_window + 1, b, p.drop)",
+        ),
+    ),
+    _o(
+        "opt_release_walk_order",
+        "the single-request path releases a window's blocks first to last",
+        "manager",
+        ("        released.reverse()\n", ""),
+    ),
+    _o(
+        "opt_evict_keeps_hash",
+        "a block taken from the free queue keeps its cached hash in the map",
+        "block_pool",
+        (
+            "            if src[block] >= 0:\n                if sink is None:",
+            "            if False:\n                if sink is None:",
+        ),
+    ),
+    _o(
+        "opt_touch_keeps_queued",
+        "a cache hit on an evictable block leaves it in the free queue",
+        "block_pool",
+        (
+            "            if ref[block] == 0:\n                self.remove(block)\n"
+            "            ref[block] += 1",
+            "            ref[block] += 1",
+        ),
+    ),
+    _o(
+        "opt_touch_many_keeps_queued",
+        "a vectorised adoption leaves evictable hit blocks in the free queue",
+        "block_pool",
+        (
+            "            self.remove(int(blocks[block]))\n",
+            "            pass\n",
+        ),
+    ),
     _p(
         "group_size_max",
         "the group size is the largest layer count of any type, not the smallest",
@@ -409,7 +537,13 @@ def patched_source(mutant: Mutant) -> tuple[str, str]:
     return source, spec.origin
 
 
-_FRESH = ("hybridkv.reference",)
+def fresh_packages(mutant: Mutant) -> tuple[str, ...]:
+    """The packages imported afresh for a mutant: the optimized backend's for its mutants (it
+    keeps the real reference, whose requests the adapters build), the reference's otherwise
+    (``spec`` modules are patched in place and the reference re-imports them)."""
+    if mutant.module.startswith("hybridkv.optimized"):
+        return ("hybridkv.optimized",)
+    return ("hybridkv.reference",)
 
 
 @contextmanager
@@ -417,7 +551,7 @@ def _private_modules(mutant: Mutant) -> Iterator[None]:
     """Import inside this block gets fresh reference modules and the patched target module;
     afterwards ``sys.modules`` and the package attributes are exactly as before."""
     source, path = patched_source(mutant)
-    fresh = (*_FRESH, mutant.module)
+    fresh = (*fresh_packages(mutant), mutant.module)
     saved = {
         name: module
         for name, module in sys.modules.items()
@@ -447,7 +581,8 @@ def _private_modules(mutant: Mutant) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class MutantBundle:
-    """The public objects of a mutated copy of the reference."""
+    """The public objects of a mutated copy of the reference (for a mutant of the optimized
+    backend, ``KVCacheManager`` is its patched ``TorchKVCacheManager``)."""
 
     mutant: Mutant
     KVCacheManager: Any
@@ -457,16 +592,24 @@ class MutantBundle:
 
 
 def load_mutant(mutant: Mutant) -> MutantBundle:
-    """A private copy of ``hybridkv.reference`` with ``mutant`` applied."""
+    """A private copy of ``hybridkv.reference`` (or ``hybridkv.optimized``) with ``mutant``
+    applied."""
     with _private_modules(mutant):
         reference = importlib.import_module("hybridkv.reference")
+        manager = reference.KVCacheManager
+        if is_optimized(mutant):
+            manager = importlib.import_module("hybridkv.optimized").TorchKVCacheManager
         return MutantBundle(
             mutant,
-            reference.KVCacheManager,
+            manager,
             reference.plan_groups,
             reference.plan_kv_cache,
             reference.plan_report,
         )
+
+
+def is_optimized(mutant: Mutant) -> bool:
+    return mutant.module.startswith("hybridkv.optimized")
 
 
 # --- The suites ------------------------------------------------------------------------------
@@ -486,17 +629,28 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(error).__name__
 
 
+def mutant_backend(bundle: MutantBundle) -> Backend:
+    """The mutated manager behind the adapter protocol: a mutant of the optimized backend with
+    its size thresholds (``optimized_backend``: small on half the layouts, so that its
+    vectorised and batched paths run)."""
+    if is_optimized(bundle.mutant):
+        backend = optimized_backend(manager_class=bundle.KVCacheManager)
+        assert backend is not None
+        return backend
+    return manager_backend("mutant", bundle.KVCacheManager)
+
+
 def manager_checks(
-    bundle: MutantBundle, examples: int = 40
+    bundle: MutantBundle, examples: int = 40, steps: int = 30
 ) -> Iterator[tuple[str, Callable[[], None]]]:
     """(name, check) pairs; a check raises when it sees the bug."""
-    backend: Backend = manager_backend("mutant", bundle.KVCacheManager)
+    backend: Backend = mutant_backend(bundle)
 
     def differential() -> None:
         from hybridkv.conformance.machine import run_differential
 
         run_differential(
-            [reference_backend(), backend], max_examples=examples, steps=30, shrink=False
+            [reference_backend(), backend], max_examples=examples, steps=steps, shrink=False
         )
 
     def replay(trace_set: str) -> None:
@@ -514,6 +668,11 @@ def manager_checks(
         replay("engine")
 
     def longest_hit() -> None:
+        if is_optimized(bundle.mutant):
+            found = oracles.run_adapter_hit_oracle(backend[0], backend[1], 150, seed=4)
+            if found.failures:
+                raise AssertionError(found.failures[0])
+            return
         rng = random.Random(4)
         for _ in range(300):
             groups, prompt, block_size = random_cache_state(rng)
@@ -635,9 +794,14 @@ def planner_checks(bundle: MutantBundle) -> Iterator[tuple[str, Callable[[], Non
 def hunt(mutant: Mutant, examples: int = 40) -> Hunt:
     """Run the checks of the mutant's suite until one fails."""
     bundle = load_mutant(mutant)
-    checks = (
-        planner_checks(bundle) if mutant.suite == "planner" else manager_checks(bundle, examples)
-    )
+    if is_optimized(mutant):
+        # The vectorised paths run in steps of several busy requests: the fast profile's
+        # differential budget (a caught mutant stops at its first difference).
+        checks = manager_checks(bundle, max(examples, 200), 40)
+    elif mutant.suite == "planner":
+        checks = planner_checks(bundle)
+    else:
+        checks = manager_checks(bundle, examples)
     for name, check in checks:
         try:
             check()
@@ -658,3 +822,136 @@ def hunt_all(
         if progress is not None:
             progress(result)
     return results
+
+
+# --- Which check kills which mutant, each check alone ---------------------------------------
+
+KILL_COLUMNS = ("golden traces", "differential machine", "oracles", "CrossHair")
+
+
+@dataclass(frozen=True)
+class KillRow:
+    """One planted bug and, per check of ``KILL_COLUMNS``, whether that check alone caught it
+    (``None``: the check does not apply to it)."""
+
+    name: str
+    target: str
+    kills: tuple[bool | None, ...]
+
+
+def _kills(check: Callable[[], None]) -> bool:
+    try:
+        check()
+    except Exception:
+        return True
+    return False
+
+
+def kill_row(mutant: Mutant, examples: int, steps: int) -> KillRow:
+    """Every check of the mutant's suite run alone on it (golden traces: both sets)."""
+    bundle = load_mutant(mutant)
+    target = mutant.module.removeprefix("hybridkv.")
+    if mutant.suite == "planner":
+        (_, grouping), *_ = planner_checks(bundle)
+        return KillRow(mutant.name, target, (None, None, _kills(grouping), None))
+    checks = dict(manager_checks(bundle, examples, steps))
+
+    def golden() -> None:
+        checks["engine golden traces"]()
+        checks["golden traces"]()
+
+    kills = (
+        _kills(golden),
+        _kills(checks["differential machine"]),
+        _kills(checks["longest-hit oracle"]),
+        None,
+    )
+    return KillRow(mutant.name, target, kills)
+
+
+def crosshair_rows(profile: str = "fast") -> list[KillRow]:
+    """The planted contract bugs of ``conformance/planted_bugs.py``: CrossHair alone (the other
+    checks do not run them: nothing in the manager calls these functions)."""
+    from hybridkv.conformance.crosshair_manifest import MANIFEST
+    from hybridkv.conformance.crosshair_runner import PROFILES, run_target
+
+    rows = []
+    for target in MANIFEST:
+        if target.expect != "counterexample":
+            continue
+        result = run_target(target, PROFILES[profile])
+        name = target.name.rpartition(".")[2]
+        caught = result.verdict == "pass"
+        rows.append(KillRow(name, "conformance.planted_bugs", (None, None, None, caught)))
+    return rows
+
+
+def kill_table(rows: Sequence[KillRow]) -> str:
+    """A Markdown table: one row per planted bug, ✓ killed alone, ✗ survived, – not applicable;
+    then the per-check counts and the differential machine's share."""
+
+    def mark(value: bool | None) -> str:
+        return "–" if value is None else "✓" if value else "✗"
+
+    lines = [
+        "| planted bug | in | " + " | ".join(KILL_COLUMNS) + " |",
+        "|---|---|" + "---|" * len(KILL_COLUMNS),
+    ]
+    for row in rows:
+        lines.append(
+            f"| `{row.name}` | `{row.target}` | " + " | ".join(map(mark, row.kills)) + " |"
+        )
+    counts = []
+    for index, column in enumerate(KILL_COLUMNS):
+        applied = [row.kills[index] for row in rows if row.kills[index] is not None]
+        counts.append(f"{column} {sum(map(bool, applied))}/{len(applied)}")
+    machine = [row for row in rows if row.kills[1] is not None]
+    caught = sum(bool(row.kills[1]) for row in machine)
+    lines.append("")
+    lines.append(f"Killed alone: {', '.join(counts)}.")
+    lines.append(
+        f"The differential machine alone: {caught} of {len(machine)} manager mutants "
+        f"({100 * caught / max(1, len(machine)):.0f}%), {caught} of {len(rows)} planted bugs "
+        f"({100 * caught / max(1, len(rows)):.0f}%)."
+    )
+    survivors = [row.name for row in machine if not row.kills[1]]
+    if survivors:
+        lines.append(f"Not caught by the machine alone: {', '.join(survivors)}.")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m hybridkv.conformance.mutants --table``: the kill table (not run in CI)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m hybridkv.conformance.mutants")
+    parser.add_argument("--table", action="store_true", help="print the per-check kill table")
+    parser.add_argument("--examples", type=int, default=None, help="differential examples")
+    parser.add_argument("--steps", type=int, default=None, help="differential steps")
+    parser.add_argument("--only", default=None, help="comma-separated mutant names")
+    parser.add_argument("--no-crosshair", action="store_true", help="skip the planted bugs")
+    args = parser.parse_args(argv)
+    if not args.table:
+        parser.error("nothing to do: pass --table")
+    from hybridkv.conformance.__main__ import PROFILES
+
+    fast = PROFILES["fast"]
+    examples = args.examples if args.examples is not None else fast.examples
+    steps = args.steps if args.steps is not None else fast.steps
+    chosen = MUTANTS
+    if args.only:
+        names = set(args.only.split(","))
+        chosen = tuple(m for m in MUTANTS if m.name in names)
+    rows = []
+    for mutant in chosen:
+        row = kill_row(mutant, examples, steps)
+        print(f"  {row.name}: {row.kills}", file=sys.stderr, flush=True)
+        rows.append(row)
+    if not args.no_crosshair:
+        rows.extend(crosshair_rows())
+    print(kill_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -197,16 +197,24 @@ def _engine(
 
 
 @st.composite
-def layouts(draw: st.DrawFn, family: str = "hybrid", *, roomy: bool = False) -> Layout:
+def layouts(
+    draw: st.DrawFn, family: str = "hybrid", *, roomy: bool = False, big: bool = False
+) -> Layout:
     """A layout of ``family``: 1–4 groups; windows and chunks that are and are not multiples of
     the block size; equal specs may repeat (jointly looked-up groups); pools from a fraction of
     one longest request (allocations fail, caches evict) to a few of them, or with ``roomy``
-    from two to twelve of them (prefills and decodes succeed, hits stay cached)."""
+    from two to twelve of them (prefills and decodes succeed, hits stay cached). ``big``: serving
+    sizes, block sizes 8 and 16, a model length of 512–4,096 tokens and pools of one to twelve
+    longest requests (hundreds to thousands of blocks)."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
     rng = random.Random(draw(st.integers(0, 2**32 - 1)))
-    b = rng.choice([1, 2, 4] if family == "mixed_block_sizes" else [1, 2, 3, 4, 8])
-    max_model_len = rng.randint(max(4, 2 * b), min(16 * b, 96))
+    if big:
+        b = rng.choice([4, 8] if family == "mixed_block_sizes" else [8, 16])
+        max_model_len = rng.randint(512, 4096)
+    else:
+        b = rng.choice([1, 2, 4] if family == "mixed_block_sizes" else [1, 2, 3, 4, 8])
+        max_model_len = rng.randint(max(4, 2 * b), min(16 * b, 96))
     full = FullAttentionSpec(block_size=b, **SIZES)
     others: list[KVCacheSpec] = [
         SlidingWindowSpec(block_size=b, sliding_window=rng.randint(2, 4 * b + 2), **SIZES),
@@ -234,7 +242,8 @@ def layouts(draw: st.DrawFn, family: str = "hybrid", *, roomy: bool = False) -> 
         specs = [*mambas, *(rng.choice([full, full, *others]) for _ in range(rng.randint(0, 2)))]
         rng.shuffle(specs)
     elif family == "mixed_block_sizes":
-        max_model_len = rng.randint(8 * b, min(32 * b, 96))
+        if not big:
+            max_model_len = rng.randint(8 * b, min(32 * b, 96))
         sizes = [b, 2 * b, 4 * b]
         options: list[list[KVCacheSpec]] = [
             [
@@ -261,7 +270,9 @@ def layouts(draw: st.DrawFn, family: str = "hybrid", *, roomy: bool = False) -> 
                 specs.insert(rng.randint(0, len(specs)), _mamba_none(rng, b, max_model_len))
     caching = family not in ("uncached", "mamba")
     longest = sum(_blocks_per_request(spec, max_model_len) for spec in specs)
-    quarters = rng.choice([8, 16, 24, 48] if roomy else [1, 2, 4, 6, 8, 12, 24])
+    quarters = rng.choice(
+        [4, 8, 16, 48] if big else [8, 16, 24, 48] if roomy else [1, 2, 4, 6, 8, 12, 24]
+    )
     num_blocks = 1 + max(1, longest * quarters // 4)
     events = caching and rng.random() < 0.5
     scheduler_block = rules.scheduler_block_size([spec.block_size for spec in specs])

@@ -33,6 +33,16 @@ scheduler calls that shows it. ``ProtocolAdapter`` is the example adapter, used 
 itself. An adapter may return ``None`` from ``snapshot``, ``take_events`` or ``take_stats`` when
 its implementation cannot show them: those observables are then not compared for it.
 
+Batched calls (optional)
+------------------------
+An adapter whose implementation serves a whole scheduler step at once may also have
+``allocate_batch(requests, num_new_tokens, num_lookahead_tokens, delay_cache_blocks)`` (running
+requests, no new hits; one count per request; the new blocks or ``None`` per request, in order)
+and ``free_batch(requests)`` (``BatchAllocating``, ``BatchFreeing``). The machine then drives
+them as a scheduler does; their results must equal the single calls made one by one in order
+(the model's adapter, ``ProtocolAdapter``, makes them by looping where its manager has no batched
+calls). An adapter without them is driven through ``allocate`` and ``free`` one by one.
+
 An implementation that does not implement a drawn layout or engine setting yet raises, from its
 factory, a ``ValueError`` whose message contains ``NOT_IMPLEMENTED`` ("does not implement"): the
 machine then skips that example for that backend only (the run summary counts the skips), and
@@ -105,7 +115,15 @@ class Snapshot:
 
 
 class ManagerAdapter(Protocol):
-    """What the differential machine needs from an implementation under test."""
+    """What the differential machine needs from an implementation under test.
+
+    Two methods are optional capabilities, not part of this protocol (an adapter may leave
+    them out; ``batch_allocator`` and ``batch_freer`` find them): ``allocate_batch`` of
+    ``BatchAllocating`` and ``free_batch`` of ``BatchFreeing``, an implementation's whole-step
+    calls. When present, the differential machine calls them for a scheduler step of several
+    running requests and for a batch of frees, and compares their results with the model's
+    (the same calls made one by one, in order).
+    """
 
     name: str
 
@@ -168,6 +186,42 @@ class ManagerAdapter(Protocol):
     def take_stats(self) -> tuple[int, int, int, bool] | None: ...
 
     def check_invariants(self) -> None: ...
+
+
+class BatchAllocating(Protocol):
+    """The optional whole-step allocation of an adapter."""
+
+    def allocate_batch(
+        self,
+        requests: Sequence[Any],
+        num_new_tokens: Sequence[int],
+        num_lookahead_tokens: int,
+        delay_cache_blocks: bool,
+    ) -> Sequence[BlockIds | None]:
+        """One step of running requests (each listed once, no new cache hits): exactly
+        ``[allocate(r, n, None, num_lookahead_tokens, delay_cache_blocks) for r, n in
+        zip(requests, num_new_tokens)]``, one result per request (its new blocks, or ``None``
+        when the pool could not hold them; later requests still get theirs if they fit)."""
+        ...
+
+
+class BatchFreeing(Protocol):
+    """The optional batched free of an adapter."""
+
+    def free_batch(self, requests: Sequence[Any]) -> None:
+        """Exactly ``for r in requests: free(r)`` (a request listed twice, or holding
+        nothing, is freed once or not at all, as the single calls do)."""
+        ...
+
+
+def batch_allocator(adapter: object) -> BatchAllocating | None:
+    """The adapter itself if it offers ``allocate_batch``, else ``None``."""
+    return adapter if callable(getattr(adapter, "allocate_batch", None)) else None  # type: ignore[return-value]
+
+
+def batch_freer(adapter: object) -> BatchFreeing | None:
+    """The adapter itself if it offers ``free_batch``, else ``None``."""
+    return adapter if callable(getattr(adapter, "free_batch", None)) else None  # type: ignore[return-value]
 
 
 AdapterFactory = Callable[[KVCacheConfig, int, bool, bool, EngineOptions], ManagerAdapter]
@@ -262,11 +316,47 @@ class ProtocolAdapter:
         )
         return None if new is None else _as_ids(new)
 
+    def allocate_batch(
+        self,
+        requests: Sequence[Request],
+        num_new_tokens: Sequence[int],
+        num_lookahead_tokens: int,
+        delay_cache_blocks: bool,
+    ) -> list[BlockIds | None]:
+        """The manager's ``allocate_slots_batch`` when it has one, else ``allocate_slots`` per
+        request in order."""
+        batched = getattr(self.manager, "allocate_slots_batch", None)
+        results: Sequence[Any]
+        if batched is not None:
+            results = batched(
+                list(requests), list(num_new_tokens), num_lookahead_tokens, delay_cache_blocks
+            )
+        else:
+            results = [
+                self.manager.allocate_slots(
+                    request,
+                    count,
+                    num_lookahead_tokens=num_lookahead_tokens,
+                    delay_cache_blocks=delay_cache_blocks,
+                )
+                for request, count in zip(requests, num_new_tokens, strict=True)
+            ]
+        return [None if new is None else _as_ids(new) for new in results]
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         self.manager.cache_blocks(request, num_computed_tokens)
 
     def free(self, request: Request) -> None:
         self.manager.free(request)
+
+    def free_batch(self, requests: Sequence[Request]) -> None:
+        """The manager's ``free_batch`` when it has one, else ``free`` per request in order."""
+        batched = getattr(self.manager, "free_batch", None)
+        if batched is not None:
+            batched(list(requests))
+            return
+        for request in requests:
+            self.manager.free(request)
 
     def block_table(self, request_id: str) -> BlockIds:
         return tuple(tuple(ids) for ids in self.manager.get_block_ids(request_id))
@@ -361,18 +451,59 @@ def reference_stand_in() -> Backend:
     return manager_backend("reference-again", KVCacheManager)
 
 
-def optimized_backend(device: str = "cpu", max_num_reqs: int = 32) -> Backend | None:
-    """``hybridkv.optimized.TorchKVCacheManager`` when it (and torch) can be imported."""
-    try:
-        module = importlib.import_module("hybridkv.optimized")
-    except ImportError:
-        return None
-    manager_class = getattr(module, "TorchKVCacheManager", None)
+SMALL_THRESHOLDS = {"batch_min": 2, "busy_batch_min": 2, "vector_min": 1}
+"""The optimized backend's size thresholds on half the layouts (an odd pool): every batch of two
+requests or more, and every lookup, takes the vectorised path."""
+
+
+def optimized_backend(
+    device: str = "cpu", max_num_reqs: int = 32, manager_class: Any = None
+) -> Backend | None:
+    """``hybridkv.optimized.TorchKVCacheManager`` (or ``manager_class``, a patched copy) when it
+    (and torch) can be imported.
+
+    Its batched calls take the vectorised paths only from ``batch_min`` requests (16) with
+    ``busy_batch_min`` (64) needing work, and its lookups from ``vector_min`` probes: more
+    than the differential machine's few live requests. So on layouts with an odd ``num_blocks``
+    the thresholds are ``SMALL_THRESHOLDS`` (the vectorised paths), on the others the
+    production ones (the single-request paths below them)."""
     if manager_class is None:
-        return None
-    return manager_backend(
-        f"optimized[{device}]", manager_class, device=device, max_num_reqs=max_num_reqs
-    )
+        try:
+            module = importlib.import_module("hybridkv.optimized")
+        except ImportError:
+            return None
+        manager_class = getattr(module, "TorchKVCacheManager", None)
+        if manager_class is None:
+            return None
+    name = f"optimized[{device}]"
+
+    def factory(
+        config: KVCacheConfig,
+        max_model_len: int,
+        enable_caching: bool,
+        events: bool,
+        engine: EngineOptions,
+    ) -> ManagerAdapter:
+        manager = manager_class(
+            config,
+            max_model_len,
+            enable_caching=enable_caching,
+            enable_kv_cache_events=events,
+            device=device,
+            max_num_reqs=max_num_reqs,
+            **engine.kwargs(),
+        )
+        if config.num_blocks % 2:
+            for attribute, value in SMALL_THRESHOLDS.items():
+                setattr(manager, attribute, value)
+        return ProtocolAdapter(
+            name,
+            manager,
+            hash_block_size_of(config, enable_caching),
+            engine.num_hash_lookahead_tokens,
+        )
+
+    return name, factory
 
 
 def backends_named(choice: str, device: str = "cpu") -> list[Backend]:
