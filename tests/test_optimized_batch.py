@@ -116,10 +116,11 @@ def test_steps_with_kept_free_blocks_and_tokens_in_flight_equal_single_calls(
     batched = TorchKVCacheManager(layout(num_blocks), 200, max_num_reqs=48)
     batched.batch_min, batched.busy_batch_min = 1, busy_batch_min
     reference = KVCacheManager(layout(num_blocks), 200)
+    managers: tuple[TorchKVCacheManager | KVCacheManager, ...] = (batched, reference)
     twins = [make_requests(40, seed) for seed in (3, 3)]
     running: list[list[Request]] = [[], []]
     for i in range(40):
-        for m, reqs, run in zip((batched, reference), twins, running, strict=True):
+        for m, reqs, run in zip(managers, twins, running, strict=True):
             r = reqs[i]
             if m.allocate_slots(r, r.num_tokens) is not None:
                 r.num_computed_tokens = r.num_tokens
@@ -153,7 +154,7 @@ def test_steps_with_kept_free_blocks_and_tokens_in_flight_equal_single_calls(
         assert batched.snapshot() == reference.snapshot()
         batched.check_invariants()
         if step % 10 == 9:  # finish a third of the requests
-            for m, run in zip((batched, reference), running, strict=True):
+            for m, run in zip(managers, running, strict=True):
                 for r in run[::3]:
                     m.free(r)
                 del run[::3]
