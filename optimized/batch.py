@@ -214,17 +214,18 @@ def _allocate_vectorised(
     if m.enable_caching and bool((values[-1] != (ntok - m.lookahead).clamp(min=0) // b).any()):
         return None  # a request hashed at another block size: the single calls raise
     comp.clamp_(max=m.max_model_len)
-    # Windows and chunks release on the processed count: a step in flight still reads them.
-    processed = (comp - in_flight).clamp_(min=0)
     need = (comp + new_tokens + lookahead).clamp_(max=m.max_model_len)
     caching = m.enable_caching and not delay
     if caching:
         cache_tokens = torch.minimum(comp + new_tokens, ntok)
+    # From here on ``comp`` is the processed count, what windows and chunks release on: the
+    # computed tokens less those in flight (async scheduling), which a step still reads.
+    comp = (comp - in_flight).clamp_(min=0)
     if not busy_only:
         thresholds = m._next.t.view(3, -1)[:, rows]
         busy = need > thresholds[0]
         if m._releases:
-            busy |= processed >= thresholds[1]
+            busy |= comp >= thresholds[1]
         if caching:
             busy |= cache_tokens >= thresholds[2]
         subset = torch.nonzero(busy).view(-1).tolist()
@@ -259,11 +260,9 @@ def _allocate_vectorised(
     required = (need + (b - 1)) // b
     new = (required[:, None] - length).clamp_(min=0)
     if m._releases:
-        tokens = (processed[:, None] - m._wm1).clamp_(min=0)
+        tokens = (comp[:, None] - m._wm1).clamp_(min=0)
         if m._chunk is not None:
-            tokens = torch.where(
-                m._chunk > 0, processed[:, None] // m._chunk_or_1 * m._chunk, tokens
-            )
+            tokens = torch.where(m._chunk > 0, comp[:, None] // m._chunk_or_1 * m._chunk, tokens)
         skipped = torch.minimum(tokens.floor_divide_(b), length)
         released = (skipped - nulls).clamp_(min=0)
     else:
