@@ -5,16 +5,19 @@ Each is exactly the single-request call applied to each request in order (same r
 
 ``allocate_slots_batch`` (running requests, no new cache hits) works in three stages:
 
-1. Read every request once (row, computed tokens, tokens, hashes: C-level ``map`` calls) and
+1. Read every request once (row, computed tokens, tokens in flight, tokens, hashes: C-level
+   ``map`` calls; windows and chunks release on the computed tokens less those in flight) and
    compare with its row's thresholds (``next`` in ``hybridkv.optimized.manager``): a request
    that needs no new block, releases nothing from a window or chunk and fills no block would
    change nothing and gets no blocks, so it is not looked at again. In a decode step that is
    most of them.
 2. The requests left ("busy") are served by the single-request call, one by one, if they are
-   fewer than ``busy_batch_min``.
+   fewer than ``busy_batch_min`` (with reserved or watermark blocks, every request is: a
+   request needing no block fails too when too few are free).
 3. Otherwise by the vectorised step, which needs: every request running and listed once, valid
-   arguments, enough free blocks for the whole step (then no request can fail and every block
-   it takes comes from the head of the queue as it was), and every block released from a
+   arguments, enough free blocks for the whole step and the reserved and watermark blocks
+   (then no request can fail and every block it takes comes from the head of the queue as it
+   was), and every block released from a
    window or chunk still held or holding a cached hash (then each release is an append at the
    tail, whatever the interleaving with the takes). Where that does not hold (a short pool, a
    bad argument, an uncached released block), the busy requests are served one by one, before
@@ -88,8 +91,11 @@ def allocate_slots_batch(
     num_new_tokens: Sequence[int] | int,
     num_lookahead_tokens: int = 0,
     delay_cache_blocks: bool = False,
+    reserved_blocks: int = 0,
+    watermark_blocks: int = 0,
 ) -> list[KVCacheBlocks | None]:
-    """``[m.allocate_slots(r, n, num_lookahead_tokens=…, delay_cache_blocks=…) for r, n]``."""
+    """``[m.allocate_slots(r, n, num_lookahead_tokens=…, delay_cache_blocks=…,
+    reserved_blocks=…, watermark_blocks=…) for r, n]``."""
     n = len(requests)
     counts: Sequence[int] = (
         [num_new_tokens] * n if isinstance(num_new_tokens, int) else num_new_tokens
@@ -100,9 +106,14 @@ def allocate_slots_batch(
     # table changes to one flush at the end: one host→device copy per step.
     outer, m._defer_flush = m._defer_flush, True
     try:
-        if n >= m.batch_min and m._vector_ok:
+        if n >= m.batch_min and m._vector_ok and _kept_free(reserved_blocks, watermark_blocks):
             done = _allocate_vectorised(
-                m, requests, num_new_tokens, num_lookahead_tokens, delay_cache_blocks
+                m,
+                requests,
+                num_new_tokens,
+                num_lookahead_tokens,
+                delay_cache_blocks,
+                kept_free=reserved_blocks + watermark_blocks,
             )
             if done is not None:
                 return done
@@ -112,6 +123,8 @@ def allocate_slots_batch(
                 c,
                 num_lookahead_tokens=num_lookahead_tokens,
                 delay_cache_blocks=delay_cache_blocks,
+                reserved_blocks=reserved_blocks,
+                watermark_blocks=watermark_blocks,
             )
             for r, c in zip(requests, counts, strict=True)
         ]
@@ -121,11 +134,17 @@ def allocate_slots_batch(
             m._flush()
 
 
+def _kept_free(reserved_blocks: int, watermark_blocks: int) -> bool:
+    """Whether both are valid counts (otherwise the single calls raise, in their order)."""
+    return all(type(value) is int and value >= 0 for value in (reserved_blocks, watermark_blocks))
+
+
 def _step_fields(
     m: TorchKVCacheManager, requests: Sequence[RequestLike], counts: Sequence[int] | None
 ) -> tuple[list[int], torch.Tensor] | None:
-    """Rows, then [row, computed, num_tokens, (counts), (number of hashes)] per request as one
-    int64 ``[fields, n]`` tensor; ``None`` unless every request is running and listed once."""
+    """Rows, then [row, computed, in flight, num_tokens, (counts), (number of hashes)] per
+    request as one int64 ``[fields, n]`` tensor; ``None`` unless every request is running and
+    listed once."""
     n = len(requests)
     ids = list(map(_ID, requests))
     found = list(map(m._rows.get, ids))
@@ -134,6 +153,7 @@ def _step_fields(
     rows = cast(list[int], found)
     data = array("q", rows)
     data.extend(map(_COMPUTED, requests))
+    data.extend(int(getattr(r, "num_in_flight_tokens", 0)) for r in requests)
     if set(map(type, requests)) == {Request}:
         # The project's own requests: their properties return these lists, read here directly.
         data.extend(map(len, map(_TOKEN_LIST, requests)))
@@ -141,7 +161,7 @@ def _step_fields(
     else:
         data.extend(map(_NUM_TOKENS, requests))
         hashes = _HASHES
-    fields = 3
+    fields = 4
     if counts is not None:
         data.extend(counts)
         fields += 1
@@ -158,16 +178,26 @@ def _allocate_vectorised(
     lookahead: int,
     delay: bool,
     busy_only: bool = False,
+    kept_free: int = 0,
 ) -> list[KVCacheBlocks | None] | None:
     """The vectorised step, or ``None`` (nothing changed) when it does not apply.
 
     A request that crosses none of its row's thresholds (``next``) would take no block,
     release none and cache none: its call would return no blocks and change nothing, so only
     the others are worked on, one by one if they are few (``busy_only``: they all are).
+
+    ``kept_free`` blocks (reserved and watermark) must stay free after each request's take.
+    The step applies only when they stay free after all of them: then every request's own
+    check passes too (the free count never drops below its start less the blocks taken so
+    far), also that of a request needing no block, which fails only below ``kept_free``. Busy
+    requests served one by one would leave the others' checks unmade: with ``kept_free`` the
+    whole batch goes to the single calls instead.
     """
     n = len(requests)
     if n == 0:
         return []
+    if kept_free > m.pool.num_free_blocks:
+        return None  # a request may fail even without taking a block: the single calls say
     check_non_negative("num_lookahead_tokens", lookahead)
     if isinstance(num_new_tokens, int):
         if type(num_new_tokens) is not int or num_new_tokens < 1:
@@ -179,8 +209,8 @@ def _allocate_vectorised(
         return None
     rows_list, values = fields
     b, g_count, w, pool = m.block_size, m.num_groups, m.max_blocks_per_req, m.pool
-    rows, comp, ntok = values[0], values[1], values[2]
-    new_tokens = num_new_tokens if isinstance(num_new_tokens, int) else values[3]
+    rows, comp, in_flight, ntok = values[0], values[1], values[2], values[3]
+    new_tokens = num_new_tokens if isinstance(num_new_tokens, int) else values[4]
     if m.enable_caching and bool((values[-1] != (ntok - m.lookahead).clamp(min=0) // b).any()):
         return None  # a request hashed at another block size: the single calls raise
     comp.clamp_(max=m.max_model_len)
@@ -188,6 +218,9 @@ def _allocate_vectorised(
     caching = m.enable_caching and not delay
     if caching:
         cache_tokens = torch.minimum(comp + new_tokens, ntok)
+    # From here on ``comp`` is the processed count, what windows and chunks release on: the
+    # computed tokens less those in flight (async scheduling), which a step still reads.
+    comp = (comp - in_flight).clamp_(min=0)
     if not busy_only:
         thresholds = m._next.t.view(3, -1)[:, rows]
         busy = need > thresholds[0]
@@ -206,9 +239,13 @@ def _allocate_vectorised(
             merged: list[KVCacheBlocks | None] = [m._no_blocks] * n
             done: list[KVCacheBlocks | None] | None
             if len(subset) >= m.busy_batch_min:
-                done = _allocate_vectorised(m, chosen, each, lookahead, delay, busy_only=True)
+                done = _allocate_vectorised(
+                    m, chosen, each, lookahead, delay, busy_only=True, kept_free=kept_free
+                )
                 if done is None:
                     return None
+            elif kept_free:
+                return None
             else:
                 done = [
                     m.allocate_slots(r, c, num_lookahead_tokens=lookahead, delay_cache_blocks=delay)
@@ -242,7 +279,7 @@ def _allocate_vectorised(
     total_new, num_released, num_to_cache = (
         torch.stack((new, released, to_cache)).sum((1, 2)).tolist()
     )
-    if total_new > pool.num_free_blocks:
+    if total_new + kept_free > pool.num_free_blocks:
         return None
     table_base = ((rows[:, None] + m._gtab) * w).view(-1)  # [n·G] flat index of position 0
     release_flat = freed = final = blocks = None

@@ -65,6 +65,8 @@ def allocate(
     num_lookahead_tokens: int,
     delay_cache_blocks: bool,
     full_sequence_must_fit: bool,
+    reserved_blocks: int = 0,
+    watermark_blocks: int = 0,
 ) -> KVCacheBlocks | None:
     """``KVCacheManager.allocate_slots`` after validation."""
     request_id = request.request_id
@@ -76,7 +78,7 @@ def allocate(
         needed = _num_blocks(
             m, request_id, full_length, hits, total_computed, full_length, True, prefill_end
         )
-        if needed > m.pool.num_free_blocks:
+        if needed + watermark_blocks > m.pool.num_free_blocks:
             return None
     main = total_computed + num_new_tokens
     need_slot = min(main + num_lookahead_tokens, m.max_model_len)
@@ -87,7 +89,7 @@ def allocate(
     needed = _num_blocks(
         m, request_id, need_slot, hits, num_local_computed, main, False, prefill_end
     )
-    if needed > m.pool.num_free_blocks:
+    if needed + watermark_blocks > m.pool.num_free_blocks - reserved_blocks:
         if row is not None:
             m._refresh(row)  # windows may have released blocks
         return None

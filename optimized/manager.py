@@ -21,7 +21,8 @@ Data layout (G groups, R = ``max_num_reqs`` rows, W = ``max_blocks_per_req`` pos
                       [2] the positions already entered into the prefix cache
     next[3, R]        int64, per row, when it next needs work, derived from ``state``: [0] the
                       tokens its tables hold (a step needing more takes blocks); [1] the
-                      computed tokens at which a window or chunk next releases a block; [2] the
+                      processed tokens (computed less ``num_in_flight_tokens``, async
+                      scheduling) at which a window or chunk next releases a block; [2] the
                       tokens at which its next block is full (and is cached). A batch looks at
                       these first and works only on the requests that cross one.
 
@@ -72,7 +73,7 @@ from hybridkv.spec import (
     SlidingWindowSpec,
     rules,
 )
-from hybridkv.spec.errors import check_positive, require
+from hybridkv.spec.errors import check_non_negative, check_positive, require
 
 FULL, SLIDING, CHUNKED, MAMBA = range(4)  # MAMBA: a Mamba group in "align" mode
 _HUGE = 1 << 50
@@ -338,14 +339,21 @@ class TorchKVCacheManager:
 
     # --- Lookup -----------------------------------------------------------------------------
 
-    def get_computed_blocks(self, request: RequestLike) -> tuple[KVCacheBlocks, int, int]:
+    def get_computed_blocks(
+        self, request: RequestLike, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int]:
         """The request's longest cache hit: its blocks per group, its length in tokens, and the
-        shared-prefix boundary (``KVCacheManager.get_computed_blocks``)."""
+        shared-prefix boundary (``KVCacheManager.get_computed_blocks``); at most
+        ``max_cache_hit_length`` tokens when given. A request with fewer block hashes than full
+        blocks is looked up over its hashed blocks only."""
         if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
             return self._no_blocks, 0, 0
         hbs = self.hash_block_size
-        check_block_hashes(request, hbs, self.lookahead)
+        check_block_hashes(request, hbs, self.lookahead, allow_fewer=True)
         max_length = request.num_tokens - 1
+        if max_cache_hit_length is not None:
+            check_non_negative("max_cache_hit_length", max_cache_hit_length)
+            max_length = min(max_cache_hit_length, max_length)
         lookups: dict[int, Lookup] = {}
         memos: list[TypeProbe] = []
         for (spec, group_ids), eagle in zip(self._types, self._type_eagle, strict=True):
@@ -451,9 +459,14 @@ class TorchKVCacheManager:
         delay_cache_blocks: bool = False,
         *,
         full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        watermark_blocks: int = 0,
     ) -> KVCacheBlocks | None:
         """Slots for ``num_new_tokens`` more tokens (and lookahead), or ``None`` if they do not fit
-        (``KVCacheManager.allocate_slots``)."""
+        (``KVCacheManager.allocate_slots``): ``reserved_blocks`` free blocks stay untouched and
+        ``watermark_blocks`` more stay free (the full-sequence check keeps the watermark only).
+        Window and chunk blocks are released on the processed count, ``num_computed_tokens``
+        less the request's ``num_in_flight_tokens`` (async scheduling)."""
         hits = check_allocation(
             request,
             num_new_tokens,
@@ -464,7 +477,10 @@ class TorchKVCacheManager:
             enable_caching=self.enable_caching,
             holds_blocks=self._rows.__contains__,
             settings=self.settings,
+            allow_fewer_hashes=True,
         )
+        check_non_negative("reserved_blocks", reserved_blocks)
+        check_non_negative("watermark_blocks", watermark_blocks)
         if self._has_align:
             try:
                 return mamba.allocate(
@@ -476,12 +492,14 @@ class TorchKVCacheManager:
                     num_lookahead_tokens,
                     delay_cache_blocks,
                     full_sequence_must_fit,
+                    reserved_blocks,
+                    watermark_blocks,
                 )
             finally:
                 if not self._defer_flush:
                     self._flush()
         if full_sequence_must_fit and not self._whole_sequence_fits(
-            request, num_new_computed_tokens, hits
+            request, num_new_computed_tokens, hits, watermark_blocks
         ):
             return None
         try:
@@ -492,6 +510,7 @@ class TorchKVCacheManager:
                 hits,
                 num_lookahead_tokens,
                 delay_cache_blocks,
+                reserved_blocks + watermark_blocks,
             )
         finally:
             if not self._defer_flush:
@@ -505,7 +524,10 @@ class TorchKVCacheManager:
         hits: BlockIds,
         num_lookahead_tokens: int,
         delay_cache_blocks: bool,
+        kept_free: int = 0,
     ) -> KVCacheBlocks | None:
+        """``allocate_slots`` after validation; ``kept_free`` blocks (reserved and watermark)
+        must stay free."""
         pool = self.pool
         request_id = request.request_id
         row = self._rows.get(request_id)
@@ -519,18 +541,23 @@ class TorchKVCacheManager:
             # A running request: the row's thresholds say which steps can do anything.
             nxt, r = self._next.a, self.max_num_reqs
             changed = False
-            if computed >= nxt[r + row]:
-                self._release_skipped(row, computed)
+            # A step still in flight reads the window's blocks: only processed tokens count.
+            processed = max(0, computed - int(getattr(request, "num_in_flight_tokens", 0)))
+            if processed >= nxt[r + row]:
+                self._release_skipped(row, processed)
                 changed = True
             new_blocks: tuple[tuple[int, ...], ...] | None = None
-            if need > nxt[row]:
+            total = 0
+            grows = need > nxt[row]
+            if grows:
                 at = row * self.num_groups
                 st = self._state.a
                 total = sum(max(c - st[at + g], 0) for g, c in enumerate(required))
-                if total > pool.num_free_blocks:
-                    if changed:
-                        self._refresh(row)
-                    return None
+            if total + kept_free > pool.num_free_blocks:
+                if changed:
+                    self._refresh(row)
+                return None
+            if grows:
                 new_blocks = self._extend(row, required)
                 changed = True
             if cache_up_to >= nxt[2 * r + row]:
@@ -547,7 +574,7 @@ class TorchKVCacheManager:
             group_hits = hits[g]
             total += max(required[g] - max(skipped, len(group_hits)), 0)
             total += sum(1 for b in group_hits[skipped:] if b != 0 and ref[b] == 0)
-        if total > pool.num_free_blocks:
+        if total + kept_free > pool.num_free_blocks:
             return None
         row = self._take_row(request_id)
         self._adopt(row, hits, computed)
@@ -558,10 +585,15 @@ class TorchKVCacheManager:
         return KVCacheBlocks(admitted)
 
     def _whole_sequence_fits(
-        self, request: RequestLike, num_new_computed_tokens: int, hits: BlockIds
+        self,
+        request: RequestLike,
+        num_new_computed_tokens: int,
+        hits: BlockIds,
+        watermark_blocks: int = 0,
     ) -> bool:
         """A full-prompt admission's first check: the whole sequence, a window counting only
-        what it ever holds at once, fits in the free blocks (before anything is released)."""
+        what it ever holds at once, fits in the free blocks less the watermark (before anything
+        is released)."""
         computed = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len)
         full_length = min(request.num_tokens, self.max_model_len)
         row = self._rows.get(request.request_id)
@@ -579,7 +611,7 @@ class TorchKVCacheManager:
             skipped = rule.skipped_positions(computed)
             total += max(required - max(skipped, len(hits[g])), 0)
             total += sum(1 for b in hits[g][skipped:] if b != 0 and ref[b] == 0)
-        return total <= self.pool.num_free_blocks
+        return total + watermark_blocks <= self.pool.num_free_blocks
 
     def _extend(self, row: int, required: list[int]) -> tuple[tuple[int, ...], ...]:
         """Take new blocks, group 0 first, until each group holds ``required`` positions."""
@@ -884,12 +916,22 @@ class TorchKVCacheManager:
         num_new_tokens: Sequence[int] | int,
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
+        *,
+        reserved_blocks: int = 0,
+        watermark_blocks: int = 0,
     ) -> list[KVCacheBlocks | None]:
         """One scheduler step for running requests: exactly ``[allocate_slots(r, n,
-        num_lookahead_tokens=…, delay_cache_blocks=…) for r, n in zip(requests, num_new_tokens)]``
-        (``num_new_tokens`` may be one int for all), vectorised across the requests."""
+        num_lookahead_tokens=…, delay_cache_blocks=…, reserved_blocks=…, watermark_blocks=…)
+        for r, n in zip(requests, num_new_tokens)]`` (``num_new_tokens`` may be one int for
+        all), vectorised across the requests."""
         return batch.allocate_slots_batch(
-            self, requests, num_new_tokens, num_lookahead_tokens, delay_cache_blocks
+            self,
+            requests,
+            num_new_tokens,
+            num_lookahead_tokens,
+            delay_cache_blocks,
+            reserved_blocks,
+            watermark_blocks,
         )
 
     def free_batch(self, requests: Sequence[RequestLike]) -> None:
@@ -917,7 +959,7 @@ class TorchKVCacheManager:
         if not self.enable_caching:
             return
         hbs = self.hash_block_size
-        check_block_hashes(request, hbs, self.lookahead)
+        check_block_hashes(request, hbs, self.lookahead, allow_fewer=True)
         row = self._rows.get(request.request_id)
         if row is None:
             num_hashed = len(request.block_hashes) * hbs
@@ -941,6 +983,27 @@ class TorchKVCacheManager:
             base = self._base(g, row)
             out.append(self._tab.a[base : base + st[row * g_count + g]].tolist())
         return tuple(out)
+
+    def estimate_cached_tokens(self, request_id: str) -> int:
+        """Tokens of the request that are in the prefix cache: per group the longest prefix one
+        of its blocks is cached under (``block_hash_num_tokens``: the primary key's hash index
+        plus one, in hash blocks), the minimum over the groups; 0 for an unknown request
+        (``KVCacheManager.estimate_cached_tokens``)."""
+        row = self._rows.get(request_id)
+        if row is None:
+            return 0
+        pool, st, g_count = self.pool, self._state.a, self.num_groups
+        cached: int | None = None
+        for g in range(g_count):
+            base = self._base(g, row)
+            table = self._tab.t[base : base + st[row * g_count + g]].to(torch.int64)
+            held = table[pool.src.t[table] >= 0]
+            longest = 0
+            if held.numel():
+                index = int(((pool.hk.t[held] & 0xFFFFFFFF) // g_count).max())
+                longest = (index + 1) * self.hash_block_size
+            cached = longest if cached is None else min(cached, longest)
+        return cached or 0
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (``False``) while any request holds a block."""
@@ -1094,7 +1157,15 @@ def _chunked_local_hit(spec: ChunkedLocalAttentionSpec, p: _HitProbe) -> tuple[l
     b = spec.block_size
     chunk = spec.attention_chunk_size
     flags = WindowedFlags(p.memo, p.length, leftwards=False, span=chunk // b + 1)
-    num, first = rules.chunked_local_hit_blocks(flags, p.max_length, b, chunk)
+    if p.length == p.max_length // b:
+        num, first = rules.chunked_local_hit_blocks(flags, p.max_length, b, chunk)
+        return p.memo.blocks(first, num)
+    # Fewer block hashes than blocks: the chunk still starts where ``max_length`` puts it, and
+    # the scan stops at the last hashed block (the reference's ``max_num_blocks``).
+    first = rules.chunked_local_skipped_tokens(p.max_length, chunk) // b
+    num = first
+    while num < p.length and flags[num]:
+        num += 1
     return p.memo.blocks(first, num)
 
 

@@ -106,6 +106,65 @@ def test_decode_steps_equal_single_calls(
         assert batched.get_block_ids(r.request_id) == reference.get_block_ids(r.request_id)
 
 
+@pytest.mark.parametrize(("num_blocks", "busy_batch_min"), [(2000, 64), (2000, 1), (560, 1)])
+def test_steps_with_kept_free_blocks_and_tokens_in_flight_equal_single_calls(
+    num_blocks: int, busy_batch_min: int
+) -> None:
+    """Async decode steps (each request's last 0–3 computed tokens in flight) that keep all but
+    0–23 of the free blocks free (reserved and watermark): the step's own need decides, and a
+    request needing no block fails too when they are short."""
+    batched = TorchKVCacheManager(layout(num_blocks), 200, max_num_reqs=48)
+    batched.batch_min, batched.busy_batch_min = 1, busy_batch_min
+    reference = KVCacheManager(layout(num_blocks), 200)
+    managers: tuple[TorchKVCacheManager | KVCacheManager, ...] = (batched, reference)
+    twins = [make_requests(40, seed) for seed in (3, 3)]
+    running: list[list[Request]] = [[], []]
+    for i in range(40):
+        for m, reqs, run in zip(managers, twins, running, strict=True):
+            r = reqs[i]
+            if m.allocate_slots(r, r.num_tokens) is not None:
+                r.num_computed_tokens = r.num_tokens
+                run.append(r)
+    rng = random.Random(11)
+    failed = 0
+    for step in range(40):
+        tokens = [rng.randrange(50) for _ in running[0]]
+        in_flight = [rng.randrange(4) for _ in running[0]]
+        # Near the free count: the step's own need decides.
+        reserved = rng.randrange(3)
+        watermark = max(0, reference.num_free_blocks - reserved - rng.randrange(24))
+        for run in running:
+            for r, t, f in zip(run, tokens, in_flight, strict=True):
+                r.append_output_token_ids(t)
+                vars(r)["num_in_flight_tokens"] = f
+        counts = [1 + (step % 3 == 0 and i % 5 == 0) for i in range(len(running[0]))]
+        got = batched.allocate_slots_batch(
+            running[0], counts, reserved_blocks=reserved, watermark_blocks=watermark
+        )
+        expected = [
+            reference.allocate_slots(r, c, reserved_blocks=reserved, watermark_blocks=watermark)
+            for r, c in zip(running[1], counts, strict=True)
+        ]
+        assert got == expected, step
+        failed += got.count(None)
+        for run in running:
+            for r, c, new in zip(run, counts, got, strict=True):
+                if new is not None:
+                    r.num_computed_tokens = min(r.num_computed_tokens + c, r.num_tokens)
+        assert batched.snapshot() == reference.snapshot()
+        batched.check_invariants()
+        if step % 10 == 9:  # finish a third of the requests
+            for m, run in zip(managers, running, strict=True):
+                for r in run[::3]:
+                    m.free(r)
+                del run[::3]
+    assert failed > 0
+    message = "reserved_blocks must be a non-negative int, got -1"
+    with pytest.raises(ValueError, match=message):
+        batched.allocate_slots_batch(running[0], 1, reserved_blocks=-1)
+    assert batched.snapshot() == reference.snapshot()
+
+
 def test_block_tables_hold_every_request_table_in_its_row() -> None:
     m = TorchKVCacheManager(layout(200), 64, max_num_reqs=4)
     requests = make_requests(3, seed=3)

@@ -139,6 +139,7 @@ def same_state(ref: KVCacheManager, opt: TorchKVCacheManager, ids: list[str]) ->
     assert opt.take_events() == ref.take_events()
     for rid in ids:
         assert opt.get_block_ids(rid) == ref.get_block_ids(rid)
+        assert opt.estimate_cached_tokens(rid) == ref.estimate_cached_tokens(rid), rid
     opt.check_invariants()
 
 
@@ -208,14 +209,21 @@ def run_traffic(
                     num_hash_lookahead_tokens=hash_lookahead,
                 ),
             )
+            # Hashes lagging behind the full blocks (an engine's lookahead hashes in flight):
+            # the next appended token hashes the missing blocks.
+            lag = data.draw(st.sampled_from([0, 0, 0, 1, 2]))
+            for r in (twins[rid].ref, twins[rid].opt):
+                del r._block_hashes[max(0, len(r._block_hashes) - lag) :]
         elif op == "lookup" and waiting:
             t = twins[data.draw(st.sampled_from(waiting))]
-            assert opt.get_computed_blocks(t.opt) == ref.get_computed_blocks(t.ref)
+            cap = data.draw(st.sampled_from([None, None, 0, 3, 8, 100]))
+            assert opt.get_computed_blocks(t.opt, cap) == ref.get_computed_blocks(t.ref, cap)
         elif op == "alloc" and waiting:
             # A scheduler looks a waiting request up right before admitting it.
             t = twins[data.draw(st.sampled_from(waiting))]
-            found = opt.get_computed_blocks(t.opt)
-            assert found == ref.get_computed_blocks(t.ref)
+            cap = data.draw(st.sampled_from([None, None, None, 4, 9]))
+            found = opt.get_computed_blocks(t.opt, cap)
+            assert found == ref.get_computed_blocks(t.ref, cap)
             blocks, hit = found[:2] if data.draw(st.booleans()) else (None, 0)
             n = t.ref.num_tokens - t.ref.num_computed_tokens - hit
             if n <= 0:
@@ -223,9 +231,15 @@ def run_traffic(
             n = data.draw(st.integers(1, n))
             lookahead = data.draw(st.sampled_from([0, 0, 1, 3]))
             delay = caching and data.draw(st.booleans())
-            args = (n, hit, blocks, lookahead, delay)
-            new = opt.allocate_slots(t.opt, *args)
-            assert new == ref.allocate_slots(t.ref, *args)
+            reserved, watermark = data.draw(st.sampled_from(KEPT_FREE))
+            new = opt.allocate_slots(
+                t.opt, n, hit, blocks, lookahead, delay,
+                reserved_blocks=reserved, watermark_blocks=watermark,
+            )  # fmt: skip
+            assert new == ref.allocate_slots(
+                t.ref, n, hit, blocks, lookahead, delay,
+                reserved_blocks=reserved, watermark_blocks=watermark,
+            )  # fmt: skip
             if new is not None:
                 for r in (t.ref, t.opt):
                     r.num_computed_tokens = min(r.num_computed_tokens + hit + n, r.num_tokens)
@@ -241,18 +255,34 @@ def run_traffic(
                     token = data.draw(st.integers(0, 3))
                     t.ref.append_output_token_ids(token)
                     t.opt.append_output_token_ids(token)
+                # Async scheduling: some computed tokens are still in flight.
+                in_flight = data.draw(st.integers(0, min(t.ref.num_computed_tokens, 6)))
+                for r in (t.ref, t.opt):
+                    vars(r)["num_in_flight_tokens"] = in_flight
             sizes = [
                 max(1, min(twins[r].ref.num_tokens - twins[r].ref.num_computed_tokens, 3))
                 for r in chosen
             ]
+            reserved, watermark = data.draw(st.sampled_from(KEPT_FREE))
             if batched:
-                results = opt.allocate_slots_batch([twins[r].opt for r in chosen], sizes)
+                results = opt.allocate_slots_batch(
+                    [twins[r].opt for r in chosen],
+                    sizes,
+                    reserved_blocks=reserved,
+                    watermark_blocks=watermark,
+                )
             else:
                 results = [
-                    opt.allocate_slots(twins[r].opt, n) for r, n in zip(chosen, sizes, strict=True)
+                    opt.allocate_slots(
+                        twins[r].opt, n, reserved_blocks=reserved, watermark_blocks=watermark
+                    )
+                    for r, n in zip(chosen, sizes, strict=True)
                 ]
             for rid, n, new in zip(chosen, sizes, results, strict=True):
-                assert new == ref.allocate_slots(twins[rid].ref, n), rid
+                expected = ref.allocate_slots(
+                    twins[rid].ref, n, reserved_blocks=reserved, watermark_blocks=watermark
+                )
+                assert new == expected, rid
                 if new is not None:
                     for r in (twins[rid].ref, twins[rid].opt):
                         r.num_computed_tokens = min(r.num_computed_tokens + n, r.num_tokens)
@@ -276,6 +306,9 @@ def run_traffic(
         same_state(ref, opt, list(twins))
     assert opt.make_prefix_cache_stats() == ref.make_prefix_cache_stats()
 
+
+KEPT_FREE = [(0, 0), (0, 0), (2, 0), (0, 2), (1, 3)]
+"""(reserved, watermark): blocks an allocation leaves free (an engine's loads and watermark)."""
 
 SETTINGS = settings(
     max_examples=120,

@@ -233,15 +233,6 @@ class KVCacheManager:
             device=device,
             max_num_reqs=max_num_reqs,
         )
-        # Async scheduling releases window and chunk blocks on the processed count
-        # (``num_computed_tokens - num_in_flight_tokens``); a core that does not read
-        # ``num_in_flight_tokens`` would release them early, so it is refused at the call.
-        self._honours_in_flight = (
-            "num_in_flight_tokens"
-            in inspect.getsource(inspect.getmodule(type(self.core)) or type(self.core))
-            or backend == "reference"
-        )
-        self._windowed = any(not group.spec.hit_is_prefix for group in self.config.groups)
         core_block_size = int(getattr(self.core, "scheduler_block_size", scheduler_block_size))
         refuse(
             core_block_size != scheduler_block_size,
@@ -271,8 +262,6 @@ class KVCacheManager:
             for group in kv_cache_config.kv_cache_groups
         )
         self.scheduler_block_size = scheduler_block_size
-        self._hash_block_size = hash_block_size
-        self._num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.empty_kv_cache_blocks = KVCacheBlocks.empty(self.num_kv_cache_groups)
         # Groups whose new blocks the worker zeroes (attention groups of a Mamba hybrid).
         zeroing = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
@@ -282,9 +271,6 @@ class KVCacheManager:
             if zeroing and not group.spec.holds_state
         )
         self._new_block_ids: list[int] = []
-        # Whole-block tokens committed to the cache per request (``estimate_cached_tokens`` of
-        # backends that do not offer it).
-        self._committed: dict[str, int] = {}
         # The cache salt of each salted request's first block hash (events' extra_keys).
         self._salt_of_first_hash: dict[bytes, str] = {}
         self._request_of_chain: dict[bytes, Any] = {}
@@ -339,21 +325,9 @@ class KVCacheManager:
             "KV events for requests with a session_id (BlockStored.session_id)",
             "the core's events do not carry the request's session yet",
         )
-        self._check_hashes(request)
         hashes = request.block_hashes
         if hashes and request.cache_salt:
             self._salt_of_first_hash[bytes(hashes[0])] = request.cache_salt
-
-    def _check_hashes(self, request: Any) -> None:
-        if not self.enable_caching or self.backend == "reference":
-            return
-        full = max(request.num_tokens - self._num_hash_lookahead_tokens, 0)
-        refuse(
-            len(request.block_hashes) < full // self._hash_block_size,
-            f"requests with fewer block hashes than full blocks with backend={self.backend!r}",
-            "the backend checks one hash per full block (lagging lookahead hashes need the "
-            "reference)",
-        )
 
     def get_computed_blocks(
         self, request: Any, max_cache_hit_length: int | None = None
@@ -415,13 +389,6 @@ class KVCacheManager:
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
             )
         self._check_request(request)
-        refuse(
-            self._windowed
-            and not self._honours_in_flight
-            and getattr(request, "num_in_flight_tokens", 0) > 0,
-            f"async scheduling (tokens in flight) with backend={self.backend!r}",
-            "the backend does not release window blocks on the processed count yet",
-        )
         from vllm.v1.request import RequestStatus
 
         watermark_blocks = 0
@@ -430,48 +397,32 @@ class KVCacheManager:
             RequestStatus.PREEMPTED,
         ):
             watermark_blocks = self.watermark_blocks
-        extra: dict[str, Any] = {}
-        if full_sequence_must_fit:
-            extra["full_sequence_must_fit"] = True
-        if reserved_blocks:
-            extra["reserved_blocks"] = reserved_blocks
-        if watermark_blocks:
-            extra["watermark_blocks"] = watermark_blocks
+        # Both backends release window and chunk blocks on the processed count (the request's
+        # ``num_in_flight_tokens``, async scheduling) and keep the reserved and watermark blocks.
         new_blocks = self.core.allocate_slots(
             request,
             num_new_tokens,
             num_new_computed_tokens,
-            new_computed_blocks if new_computed_blocks is not None else None,
+            new_computed_blocks,
             num_lookahead_tokens,
             delay_cache_blocks,
-            **extra,
+            full_sequence_must_fit=full_sequence_must_fit,
+            reserved_blocks=reserved_blocks,
+            watermark_blocks=watermark_blocks,
         )
         if new_blocks is None:
             return None
         blocks = self._blocks(new_blocks)
-        if self.enable_caching and not delay_cache_blocks:
-            committed = min(
-                request.num_computed_tokens + num_new_computed_tokens + num_new_tokens,
-                request.num_tokens,
-            )
-            committed -= committed % self.scheduler_block_size
-            if committed > self._committed.get(request.request_id, 0):
-                self._committed[request.request_id] = committed
         for group_id in self._zeroed_groups:
             self._new_block_ids.extend(blocks.block_ids[group_id])
         return blocks
 
     def free(self, request: Any) -> None:
         self.core.free(request)
-        self._committed.pop(request.request_id, None)
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         if self.enable_caching:
-            self._check_hashes(request)
             self.core.cache_blocks(request, num_computed_tokens)
-            committed = num_computed_tokens - num_computed_tokens % self.scheduler_block_size
-            if committed > self._committed.get(request.request_id, 0):
-                self._committed[request.request_id] = committed
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         ids = self.core.get_block_ids(request_id)
@@ -505,26 +456,8 @@ class KVCacheManager:
 
     def estimate_cached_tokens(self, request: Any) -> int:
         """Tokens of the request's blocks that are in the prefix cache (the minimum over the
-        groups of the longest cached prefix a block of the group names)."""
-        estimate = getattr(self.core, "estimate_cached_tokens", None)
-        if estimate is not None:
-            return int(estimate(request.request_id))
-        # A backend without it (the optimized one, for now): with dense retention and no Mamba
-        # group every group caches each full block it commits, so the estimate is the
-        # committed length in whole blocks.
-        sparse = self.config.prefix_cache_retention_interval is not None
-        refuse(
-            any(
-                group.spec.holds_state or (sparse and group.spec.sparse_retention)
-                for group in self.config.groups
-            ),
-            f"estimate_cached_tokens with backend={self.backend!r} under sparse retention "
-            "or with a Mamba group",
-            "the backend does not offer it yet",
-        )
-        if not any(self.core.get_block_ids(request.request_id)):
-            return 0
-        return self._committed.get(request.request_id, 0)
+        groups of the longest cached prefix a block of the group names; the core's)."""
+        return int(self.core.estimate_cached_tokens(request.request_id))
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
         """No copy-on-write copies: partial Mamba hits are refused at construction."""
