@@ -6,7 +6,8 @@ the exit status is 1 if any failed, 2 if the command line names nothing usable):
 1. golden traces: the 339 traces recorded from vLLM 0.33 (189 unit-test, 150 engine), replayed
    through every implementation's adapter with its invariant checker after every operation;
 2. stateful differential machine: scheduler traffic on every backend in lockstep with the
-   reference, every observable compared and every invariant checked after every step;
+   reference, every observable compared and every invariant checked after every step (the
+   examples on small pools, then half as many on roomy ones that feed prefills and decodes);
 3. oracles: the longest hit of every implementation under test against brute force on states
    built through its adapter; for the project's own run also the reference's hit oracles on
    states built inside its pool, and the planner against the grouping, memory-layout and
@@ -218,6 +219,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     stats = RunStats()
     try:
         run_differential(backends, max_examples=examples, steps=steps, seed=args.seed, stats=stats)
+        # Then pools that feed prefills and decodes (batched steps with work in every request).
+        run_differential(
+            backends,
+            max_examples=max(1, examples // 2),
+            steps=steps,
+            seed=args.seed,
+            stats=stats,
+            roomy=True,
+        )
         results["differential machine"] = True
     except Exception as error:
         print(f"  FAILED: {type(error).__name__}: {error}")

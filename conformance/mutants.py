@@ -683,7 +683,21 @@ def manager_checks(
         if engine.failures:
             raise AssertionError(engine.failures[0])
 
+    def differential_roomy() -> None:
+        """Pools that feed prefills and decodes: a batched step with work to do in every
+        request (new blocks, releases, newly full blocks to cache) is common only here."""
+        from hybridkv.conformance.machine import run_differential
+
+        run_differential(
+            [reference_backend(), backend],
+            max_examples=examples,
+            steps=steps,
+            shrink=False,
+            roomy=True,
+        )
+
     yield "differential machine", differential
+    yield "differential machine, roomy pools", differential_roomy
     yield "longest-hit oracle", longest_hit
     # The engine set first: it replays faster than the unit set (13 s vs 20 s for the
     # reference) and exercises the same code plus the engine rules, so most mutants that get
@@ -860,9 +874,14 @@ def kill_row(mutant: Mutant, examples: int, steps: int) -> KillRow:
         checks["engine golden traces"]()
         checks["golden traces"]()
 
+    def machine() -> None:
+        """The command's machine: default pools, then roomy ones."""
+        checks["differential machine"]()
+        checks["differential machine, roomy pools"]()
+
     kills = (
         _kills(golden),
-        _kills(checks["differential machine"]),
+        _kills(machine),
         _kills(checks["longest-hit oracle"]),
         None,
     )
