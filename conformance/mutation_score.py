@@ -59,6 +59,13 @@ from hybridkv.reference import KVCacheManager
 
 EVERY = {every}
 
+try:  # mutmut forks a child per mutant: an intra-op thread pool does not survive the fork
+    import torch
+
+    torch.set_num_threads(1)
+except ImportError:
+    pass
+
 
 _, _factory = manager_backend("reference", KVCacheManager)
 
