@@ -82,6 +82,7 @@ def test_the_engine_rules_have_mutants_and_the_engine_traces_are_in_the_kill_set
     names = [name for name, _ in mutants.manager_checks(load_mutant(unpatched))]
     assert names == [
         "differential machine",
+        "differential machine, roomy pools",
         "longest-hit oracle",
         "engine golden traces",
         "golden traces",
