@@ -407,10 +407,15 @@ def hash_block_size_of(config: KVCacheConfig, enable_caching: bool = True) -> in
 
 
 def manager_backend(
-    name: str, manager_class: Callable[..., KVCacheManagerLike], **kw: Any
+    name: str,
+    manager_class: Callable[..., KVCacheManagerLike],
+    *,
+    configure: Callable[[Any, KVCacheConfig], None] | None = None,
+    **kw: Any,
 ) -> Backend:
     """A backend for any class constructed like ``KVCacheManager(config, max_model_len,
-    enable_caching=..., enable_kv_cache_events=..., **engine_keywords, **kw)``."""
+    enable_caching=..., enable_kv_cache_events=..., **engine_keywords, **kw)``; ``configure``
+    adjusts each new manager for its layout."""
 
     def factory(
         config: KVCacheConfig,
@@ -427,6 +432,8 @@ def manager_backend(
             **engine.kwargs(),
             **kw,
         )
+        if configure is not None:
+            configure(manager, config)
         return ProtocolAdapter(
             name,
             manager,
@@ -475,35 +482,19 @@ def optimized_backend(
         manager_class = getattr(module, "TorchKVCacheManager", None)
         if manager_class is None:
             return None
-    name = f"optimized[{device}]"
 
-    def factory(
-        config: KVCacheConfig,
-        max_model_len: int,
-        enable_caching: bool,
-        events: bool,
-        engine: EngineOptions,
-    ) -> ManagerAdapter:
-        manager = manager_class(
-            config,
-            max_model_len,
-            enable_caching=enable_caching,
-            enable_kv_cache_events=events,
-            device=device,
-            max_num_reqs=max_num_reqs,
-            **engine.kwargs(),
-        )
+    def small_thresholds_on_odd_pools(manager: Any, config: KVCacheConfig) -> None:
         if config.num_blocks % 2:
             for attribute, value in SMALL_THRESHOLDS.items():
                 setattr(manager, attribute, value)
-        return ProtocolAdapter(
-            name,
-            manager,
-            hash_block_size_of(config, enable_caching),
-            engine.num_hash_lookahead_tokens,
-        )
 
-    return name, factory
+    return manager_backend(
+        f"optimized[{device}]",
+        manager_class,
+        configure=small_thresholds_on_odd_pools,
+        device=device,
+        max_num_reqs=max_num_reqs,
+    )
 
 
 def backends_named(choice: str, device: str = "cpu") -> list[Backend]:
