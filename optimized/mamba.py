@@ -366,7 +366,7 @@ def cache_mamba_group(
     boundaries: Sequence[int],
 ) -> None:
     """``MambaManager.cache_blocks`` of group ``g`` (``num_tokens``: its cacheable tokens)."""
-    pool, hbs, g_count = m.pool, m.hash_block_size, m.num_groups
+    hbs, g_count = m.hash_block_size, m.num_groups
     st, tab, rg = m._state.a, m._tab.a, m._rg
     rule = m.rules[g]
     b = rule.block_size
@@ -391,20 +391,8 @@ def cache_mamba_group(
             retention_interval=m.retention_interval,
             reachable_boundaries=reach,
         )
-        new_hashes = []
-        for pos in range(start, num_full):
-            block = tab[base + pos]
-            if not block or (mask is not None and not mask[pos - start]):
-                continue
-            pool.remove_keys(block)
-            pool.insert(block, hashes[pos], g, pos, src)
-            new_hashes.append(hashes[pos])
-        st[2 * rg + i] = num_full
-        m._mamba.running.add((row, g))
-        if pool.enable_kv_cache_events:
-            parent = hashes[start - 1] if start else None
-            stored = tuple(request.all_token_ids[start * b : num_full * b])
-            pool.events.append(BlockStored(tuple(new_hashes), parent, stored, b, g))
+        # A Mamba block is one hash block: the shared loop's hash index is the position.
+        m._store_full_blocks(request, row, g, start, num_full, mask, src)
     after = st[2 * rg + i]
     key = _cache_partial_tail(m, request, row, g, num_tokens)
     if key is not None:

@@ -805,10 +805,9 @@ class TorchKVCacheManager:
         """``_cache`` for groups with different block sizes: each group caches its full blocks
         at its block size (keyed by the hash at the block's last hash boundary), one by one; a
         full-attention block larger than the hash block also keeps the prompt's tail entry."""
-        pool, hbs, g_count = self.pool, self.hash_block_size, self.num_groups
-        tab, st, rg = self._tab.a, self._state.a, self._rg
-        hashes = request.block_hashes
-        num_hashed = len(hashes) * hbs
+        hbs, g_count = self.hash_block_size, self.num_groups
+        st, rg = self._state.a, self._rg
+        num_hashed = len(request.block_hashes) * hbs
         boundaries: list[int] | None = None
         for g, rule in enumerate(self.rules):
             b = rule.block_size
@@ -822,32 +821,51 @@ class TorchKVCacheManager:
             i = row * g_count + g
             start = st[2 * rg + i]
             num_full = min(tokens, num_hashed) // b
-            base = self._base(g, row)
             if start < num_full:
                 src = self._source_of(request, row, num_full * scale, num_full * b)
-                view = hashes[scale - 1 :: scale] if scale > 1 else hashes
                 mask: Sequence[bool] | None = None
                 if g in self._sparse_groups:
                     if boundaries is None:
                         boundaries = self._reachable_boundaries(request)
                     mask = self._retention_mask(request, g, start, num_full, boundaries)
-                new_hashes = []
-                for pos in range(start, num_full):
-                    block = tab[base + pos]
-                    if not block or (mask is not None and not mask[pos - start]):
-                        continue
-                    pool.remove_keys(block)
-                    hidx = (pos + 1) * scale - 1
-                    pool.insert(block, hashes[hidx], g, hidx, src)
-                    new_hashes.append(view[pos])
-                st[2 * rg + i] = num_full
-                self._mamba.running.add((row, g))
-                if pool.enable_kv_cache_events:
-                    parent = view[start - 1] if start else None
-                    stored = tuple(request.all_token_ids[start * b : num_full * b])
-                    pool.events.append(BlockStored(tuple(new_hashes), parent, stored, b, g))
+                self._store_full_blocks(request, row, g, start, num_full, mask, src)
             if rule.kind == FULL and b != hbs:
                 self._cache_prompt_tail(request, row, g, tokens)
+
+    def _store_full_blocks(
+        self,
+        request: RequestLike,
+        row: int,
+        g: int,
+        start: int,
+        num_full: int,
+        mask: Sequence[bool] | None,
+        src: int,
+    ) -> None:
+        """Key positions ``start … num_full − 1`` of group ``g``'s row (those ``mask`` keeps) by
+        the hash at each block's last hash boundary, as ``BlockPool.cache_full_blocks`` does;
+        record ``num_full`` as cached and emit one ``BlockStored`` for the blocks stored."""
+        pool = self.pool
+        b = self.rules[g].block_size
+        scale = b // self.hash_block_size
+        hashes = request.block_hashes
+        view = hashes[scale - 1 :: scale] if scale > 1 else hashes
+        tab, base = self._tab.a, self._base(g, row)
+        new_hashes = []
+        for pos in range(start, num_full):
+            block = tab[base + pos]
+            if not block or (mask is not None and not mask[pos - start]):
+                continue
+            pool.remove_keys(block)
+            hidx = (pos + 1) * scale - 1
+            pool.insert(block, hashes[hidx], g, hidx, src)
+            new_hashes.append(view[pos])
+        self._state.a[2 * self._rg + row * self.num_groups + g] = num_full
+        self._mamba.running.add((row, g))
+        if pool.enable_kv_cache_events:
+            parent = view[start - 1] if start else None
+            stored = tuple(request.all_token_ids[start * b : num_full * b])
+            pool.events.append(BlockStored(tuple(new_hashes), parent, stored, b, g))
 
     def _cache_prompt_tail(self, request: RequestLike, row: int, g: int, num_tokens: int) -> None:
         """``FullAttentionManager._cache_prompt_tail``: the block holding the prompt's last hash
