@@ -7,7 +7,8 @@ the exit status is 1 if any failed, 2 if the command line names nothing usable):
    through every implementation's adapter with its invariant checker after every operation;
 2. stateful differential machine: scheduler traffic on every backend in lockstep with the
    reference, every observable compared and every invariant checked after every step (the
-   examples on small pools, then half as many on roomy ones that feed prefills and decodes);
+   examples on small pools, as many on roomy ones that feed prefills and decodes, and a
+   fourteenth at serving sizes: ``machine.run_command_machine``);
 3. oracles: the longest hit of every implementation under test against brute force on states
    built through its adapter; for the project's own run also the reference's hit oracles on
    states built inside its pool, and the planner against the grouping, memory-layout and
@@ -118,6 +119,23 @@ def _raised(section: str, error: BaseException) -> None:
     print("    " + "".join(traceback.format_exception(error)).replace("\n", "\n    "))
 
 
+def _machine_failure(error: Exception, argv: Sequence[str], seed: int | None) -> None:
+    """What differed (the values side by side), the shortest failing example as scheduler
+    calls to paste, and the command that reruns it; a crash (not a difference) with its
+    traceback."""
+    from hybridkv.conformance.invariants import ConformanceError
+
+    print(f"  FAILED: {type(error).__name__}: {error}".replace("\n", "\n    "))
+    script = getattr(error, "repro", None)
+    if not isinstance(error, ConformanceError):
+        print("    " + "".join(traceback.format_exception(error)).replace("\n", "\n    "))
+    if script is not None:
+        print("  the shortest failing example as scheduler calls (paste into Python; it raises")
+        print("  at the call that differs):")
+        print("    " + script.replace("\n", "\n    "))
+    print(_rerun_hint(argv, seed))
+
+
 def sample_traces(names: Sequence[str], count: int | None) -> list[str]:
     """``count`` of ``names`` spread evenly over the sorted list (both sets), or all of them."""
     if count is not None and count < 1:
@@ -182,6 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "with the reference)"
                 )
             under_test = [load_backend(args.adapter)]
+            adapter_specs = {under_test[0][0]: args.adapter}
             backends = [reference_backend(), *under_test]
         else:
             choice = args.backend or (
@@ -189,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             backends = backends_named(choice, args.device)
             under_test = backends
+            adapter_specs = {}
         if args.traces is not None:
             sample_traces([], args.traces)
     except (AdapterLoadError, ValueError) as error:
@@ -214,26 +234,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             results["golden traces"] = False
 
     _section("stateful differential machine")
-    from hybridkv.conformance.machine import RunStats, run_differential
+    from hybridkv.conformance.machine import RunStats, run_command_machine
 
     stats = RunStats()
     try:
-        run_differential(backends, max_examples=examples, steps=steps, seed=args.seed, stats=stats)
-        # Then pools that feed prefills and decodes (batched steps with work in every request).
-        run_differential(
+        run_command_machine(
             backends,
-            max_examples=max(1, examples // 2),
+            examples=examples,
             steps=steps,
             seed=args.seed,
             stats=stats,
-            roomy=True,
+            adapter_specs=adapter_specs,
         )
         results["differential machine"] = True
     except Exception as error:
-        print(f"  FAILED: {type(error).__name__}: {error}")
-        # The traceback and Hypothesis's notes (the shortest failing sequence of calls).
-        print("    " + "".join(traceback.format_exception(error)).replace("\n", "\n    "))
-        print(_rerun_hint(argv, args.seed))
+        _machine_failure(error, argv, args.seed)
         results["differential machine"] = False
     print("\n".join(stats.lines()))
     _verdict(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -23,25 +23,29 @@ from hypothesis.stateful import (
 )
 
 from hybridkv.conformance.adapters import (
+    MODEL_REFUSED,
     NOT_IMPLEMENTED,
     AdapterFactory,
     Backend,
-    BlockIds,
     Lookup,
     ManagerAdapter,
-    batch_allocator,
-    batch_freer,
+    planner,
     reference_stand_in,
 )
-from hybridkv.conformance.invariants import (
-    ConformanceError,
-    check_failed_allocation,
-    check_observable_invariants,
-    require,
+from hybridkv.conformance.lockstep import Lockstep, repro
+from hybridkv.conformance.strategies import (
+    FAMILIES,
+    SYSTEM_PROMPTS,
+    Layout,
+    document_models,
+    layouts,
+    random_models,
 )
-from hybridkv.conformance.strategies import FAMILIES, SYSTEM_PROMPTS, Layout, layouts
 
 MAX_LIVE_REQUESTS = 8
+USUAL = 3
+"""The deployment's usual system prompt (``SYSTEM_PROMPTS[USUAL]``, 26 tokens: a block or more
+at every block size drawn, the lcm of mixed ones included)."""
 
 
 # --- What a run covered ----------------------------------------------------------------------
@@ -79,17 +83,29 @@ class RunStats:
     """Scheduler steps of several running requests (``allocate_batch`` where offered)."""
     batch_requests: int = 0
     batch_frees: int = 0
+    last_run: tuple[Layout, list[str], list[str]] | None = None
+    """The layout, the calls (``Lockstep.script``) and the backends' names of the latest
+    example: after a failure, the shortest failing one."""
+    plans: int = 0
+    """Models planned by every implementation that plans (``Planning``) and compared."""
+    plans_refused: int = 0
     batched_calls: Counter[str] = field(default_factory=Counter)
     """Per backend: the batched calls it served through its own ``allocate_batch`` or
     ``free_batch`` (a backend without them is driven one request at a time)."""
 
     WORK_RULES: ClassVar[tuple[str, ...]] = (
+        "warm_up",
+        "admit",
+        "admit_whole_prompt",
         "prefill",
         "decode",
         "speculative_decode",
         "step_batch",
+        "step_all",
     )
-    """The rules that advance running requests (prefill chunks and decode steps)."""
+    """The rules that schedule tokens: an admission's first prefill chunk (the set-up's warm-up
+    admits a whole prompt), later chunks, decode steps (one request, several, or every running
+    one)."""
 
     @staticmethod
     def _percent(part: int, whole: int) -> str:
@@ -132,6 +148,8 @@ class RunStats:
             f"requests), {self.batch_frees} batches of frees; served by the backends' own "
             f"batched calls: {batched}",
             f"  observables compared {self.comparisons}, invariant checks {self.invariant_checks}",
+            f"  models planned and compared {self.plans} ({self.plans_refused} refused by "
+            "every planner)",
             f"  layouts: {groups}; caching off in {self.caching_off}",
             f"  type mixes: {mixes}",
             f"  engine features (layouts): {features or 'none'}",
@@ -154,12 +172,13 @@ class LiveRequest:
     rid: str
     tokens: list[int]
     salt: str | None
-    handles: list[Any]
     computed: int = 0
     running: bool = False
     delayed: bool = False
     drafts: int = 0
     """Draft tokens the last speculative decode step scheduled (0: none pending)."""
+    looked: bool = False
+    """Looked up since it last became waiting (a scheduler looks again when it admits)."""
 
 
 class DifferentialMachine(RuleBasedStateMachine):
@@ -176,11 +195,20 @@ class DifferentialMachine(RuleBasedStateMachine):
         super().__init__()
         self.layout: Layout | None = None
         self.impls: list[ManagerAdapter] = []
+        self.backend_names: list[str] = []
+        """The backend each implementation came from (a stand-in by its own name)."""
+        self.m: Lockstep | None = None
+        """The implementations in lockstep; its ``script`` is this example's calls."""
         self.live: dict[str, LiveRequest] = {}
-        self.history: list[tuple[int, ...]] = []
+        self.history: list[tuple[tuple[int, ...], str | None]] = []
+        """Finished conversations (tokens and cache salt): follow-ups continue them."""
+        self.since_reset = 0
         self.counter = 0
         self.last_rule = ""
         self.allocated_in_step = False
+        self.blocked = False
+        """An admission failed for want of blocks: a scheduler admits no more until blocks
+        are released (a request finishes or is preempted)."""
 
     # --- Set-up -------------------------------------------------------------------------------
 
@@ -190,14 +218,57 @@ class DifferentialMachine(RuleBasedStateMachine):
         layout = data.draw(layouts(self.family, roomy=self.roomy, big=self.big), label="layout")
         self.layout = layout
         self.impls = self._build(layout)
+        self.m = Lockstep(layout, self.impls, self.stats)
+        self.stats.last_run = (layout, self.m.script, self.backend_names)
         stats = self.stats
         stats.examples += 1
         stats.features.update(layout.features())
         stats.type_mixes["+".join(sorted(set(layout.kinds)))] += 1
         stats.group_counts[len(layout.specs)] += 1
         stats.caching_off += not layout.enable_caching
+        self._compare_plans(data)
+        if layout.enable_caching and data.draw(st.integers(0, 3)):
+            self._warm_up(data)
         for _ in range(data.draw(st.integers(1, 3))):
             self.add_request(data)
+
+    def _warm_up(self, data: st.DataObject) -> None:
+        """A server that has run a while: one request with the usual system prompt was
+        computed whole and finished (admitted without reading the cache), so its blocks are
+        cached when the first lookups come."""
+        question = data.draw(st.lists(st.integers(0, 50), min_size=1, max_size=8))
+        prompt = [*SYSTEM_PROMPTS[USUAL], *question][: self.lay.max_model_len - 1]
+        self._count("warm_up")
+        self._new_request(prompt, None)
+        req = self.live[f"r{self.counter - 1}"]
+        # In chunks ending on Mamba "align" blocks (states cached there), then the rest.
+        while req.computed < len(prompt):
+            n = self._align_chunk(req, 0, len(prompt) - req.computed)
+            if not self._allocate(req, n, None, 0, False):
+                break
+        if req.running:
+            self._free(req)
+            self._remember(req)
+        self._forget(req)
+
+    def _compare_plans(self, data: st.DataObject) -> None:
+        """The implementations that plan (``Planning``: layers → KV cache groups → memory →
+        blocks) plan one drawn model (the document's or a random one) alike: the planner
+        decides the layout every manager then runs on."""
+        if sum(planner(impl) is not None for impl in self.impls) < 2:
+            return
+        seed = data.draw(st.integers(0, 2**32 - 1), label="model seed")
+        # One in eight a model of the document; else a random one (whose draw may leave no
+        # layer of its own: then the document's first).
+        models = document_models()
+        drawn = random_models(random.Random(seed), 1) if seed % 8 else []
+        layers, sharing = drawn[0] if drawn else models[seed % len(models)]
+        memory = random.Random(seed).choice([10**6, 10**8, 10**9])
+        plan = self.ms.plan_model(layers, memory, 4096, sharing)
+        if plan is None:
+            return
+        self.stats.plans += 1
+        self.stats.plans_refused += plan == MODEL_REFUSED
 
     def _build(self, layout: Layout) -> list[ManagerAdapter]:
         """One implementation per backend. A backend that refuses the layout by name (a
@@ -206,6 +277,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         example is still checked differentially."""
         config = layout.config()
         impls: list[ManagerAdapter] = []
+        self.backend_names = []
 
         def make(factory: AdapterFactory) -> ManagerAdapter:
             return factory(
@@ -219,12 +291,14 @@ class DifferentialMachine(RuleBasedStateMachine):
         for index, (name, factory) in enumerate(self.backends):
             try:
                 impls.append(make(factory))
+                self.backend_names.append(name)
             except ValueError as error:
                 if index == 0 or NOT_IMPLEMENTED not in str(error):
                     raise
                 self.stats.skipped[name] += 1
         if len(impls) < min(2, len(self.backends)) and self.stand_in is not None:
             impls.append(make(self.stand_in[1]))
+            self.backend_names.append(self.stand_in[0])
             self.stats.stand_ins += 1
         return impls
 
@@ -235,19 +309,14 @@ class DifferentialMachine(RuleBasedStateMachine):
         assert self.layout is not None
         return self.layout
 
-    def _agree(self, what: str, values: Sequence[object]) -> None:
-        """Every implementation's value equals the model's (``None`` means not shown)."""
-        self.stats.comparisons += 1
-        model = values[0]
-        for impl, value in zip(self.impls[1:], values[1:], strict=True):
-            if value is not None and model is not None and value != model:
-                raise ConformanceError(
-                    f"{what}: {impl.name} differs from {self.impls[0].name}:\n"
-                    f"  {self.impls[0].name}: {model!r}\n  {impl.name}: {value!r}"
-                )
+    @property
+    def ms(self) -> Lockstep:
+        assert self.m is not None
+        return self.m
 
     def _count(self, name: str) -> None:
         self.last_rule = name
+        self.since_reset += 1
         self.stats.steps += 1
         self.stats.rules[name] += 1
 
@@ -258,13 +327,9 @@ class DifferentialMachine(RuleBasedStateMachine):
     def _has(self, running: bool) -> bool:
         return any(req.running == running for req in self.live.values())
 
-    def _tables(self, impl: ManagerAdapter) -> dict[str, BlockIds]:
-        return {rid: impl.block_table(rid) for rid in sorted(self.live)}
-
     def _set_computed(self, req: LiveRequest, value: int) -> None:
         req.computed = value
-        for impl, handle in zip(self.impls, req.handles, strict=True):
-            impl.set_num_computed_tokens(handle, value)
+        self.ms.set_num_computed_tokens(req.rid, value)
 
     def _allocate(
         self,
@@ -275,35 +340,15 @@ class DifferentialMachine(RuleBasedStateMachine):
         delay: bool,
         full: bool = False,
     ) -> bool:
-        """``allocate_slots`` on every implementation; compare; check a failure changed nothing
-        but window releases. Returns whether it succeeded."""
-        before = [(impl.snapshot(), self._tables(impl)) for impl in self.impls]
-        results = [
-            impl.allocate(
-                handle,
-                n,
-                None if hits is None else hits[i],
-                lookahead,
-                delay,
-                # Only when set: an adapter written before full-prompt admission still works.
-                **({"full_sequence_must_fit": True} if full else {}),
-            )
-            for i, (impl, handle) in enumerate(zip(self.impls, req.handles, strict=True))
-        ]
-        self._agree(f"allocate_slots({req.rid}, {n}, lookahead={lookahead}, full={full})", results)
+        """``allocate_slots`` on every implementation, compared (a failure must change nothing
+        but window releases). Returns whether it succeeded."""
+        results = self.ms.allocate(req.rid, n, hits, lookahead, delay, full)
         self.stats.allocations += 1
         self.stats.full_prompt_admissions += full
         self.allocated_in_step = True
         if results[0] is None:
             self.stats.failed_allocations += 1
             self.stats.full_prompt_refusals += full
-            for impl, (snap, tables) in zip(self.impls, before, strict=True):
-                after = impl.snapshot()
-                if snap is not None and after is not None:
-                    check_failed_allocation(
-                        self.lay, req.rid, snap, after, tables, self._tables(impl)
-                    )
-                    self.stats.invariant_checks += 1
             return False
         hit = 0 if hits is None else hits[0].num_hit_tokens
         self._set_computed(req, min(req.computed + hit + n, len(req.tokens)))
@@ -312,60 +357,81 @@ class DifferentialMachine(RuleBasedStateMachine):
         return True
 
     def _lookup(self, req: LiveRequest) -> list[Lookup]:
-        found = [impl.lookup(h) for impl, h in zip(self.impls, req.handles, strict=True)]
-        self._agree(
-            f"get_computed_blocks({req.rid})",
-            [(f.block_ids, f.num_hit_tokens, f.shared_prefix_boundary) for f in found],
-        )
+        found = self.ms.lookup(req.rid)
+        req.looked = True
         self.stats.lookups += 1
         self.stats.cached_lookups += self.lay.enable_caching
         self.stats.hits += found[0].num_hit_tokens > 0
         # The scheduler stores the boundary on the request: sparse groups cache there too.
-        for impl, handle, result in zip(self.impls, req.handles, found, strict=True):
-            impl.set_shared_prefix_boundary(handle, result.shared_prefix_boundary)
+        self.ms.set_shared_prefix_boundary(req.rid, found)
         self.stats.shared_prefix_boundaries += found[0].shared_prefix_boundary > 0
         return found
 
     def _free(self, req: LiveRequest) -> None:
-        for impl, handle in zip(self.impls, req.handles, strict=True):
-            impl.free(handle)
+        self.blocked = self.blocked and not req.running
+        self.ms.free(req.rid)
+
+    def _forget(self, req: LiveRequest) -> None:
+        """The request leaves the scheduler (after its blocks were freed)."""
+        del self.live[req.rid]
+        self.ms.forget(req.rid)
 
     def _new_request(self, prompt: Sequence[int], salt: str | None) -> None:
         rid = f"r{self.counter}"
         self.counter += 1
-        handles = [impl.new_request(rid, prompt, salt) for impl in self.impls]
-        self.live[rid] = LiveRequest(rid, list(prompt), salt, handles)
+        self.ms.new_request(rid, prompt, salt)
+        self.live[rid] = LiveRequest(rid, list(prompt), salt)
+
+    def _append(self, req: LiveRequest, tokens: list[int]) -> None:
+        req.tokens.extend(tokens)
+        self.ms.append_tokens(req.rid, tokens)
 
     # --- Rules --------------------------------------------------------------------------------
+
+    def _remember(self, req: LiveRequest) -> None:
+        self.history = [*self.history[-7:], (tuple(req.tokens), req.salt)]
 
     def _has_source(self) -> bool:
         return bool(self.history) or any(r.computed for r in self.live.values())
 
-    def _can_add(self) -> bool:
-        waiting = sum(not r.running for r in self.live.values())
-        return len(self.live) < MAX_LIVE_REQUESTS and waiting < 3
+    def _may_admit(self) -> bool:
+        """Not after a failed admission while requests run (their release makes room)."""
+        return not self.blocked or not self._has(running=True)
 
-    @precondition(lambda self: self._can_add())
+    def _waiting(self) -> int:
+        return sum(not r.running for r in self.live.values())
+
+    def _can_add(self) -> bool:
+        return len(self.live) < MAX_LIVE_REQUESTS and self._waiting() < 3
+
+    @precondition(lambda self: self._can_add() and self._waiting() < 1)
     @rule(data=st.data())
     def add_request(self, data: st.DataObject) -> None:
-        """A fresh prompt, or a shared system prompt followed by a question."""
+        """A fresh prompt, or (mostly) a shared system prompt followed by a short question;
+        once conversations exist, half the new arrivals continue one (``add_follow_up``)."""
+        if self._has_source() and data.draw(st.booleans()):
+            self._follow_up(data, "add_request")
+            return
         limit = self.lay.max_model_len - 1
         small = data.draw(st.booleans())
         alphabet = st.integers(0, 3) if small else st.integers(0, 50)
-        size = data.draw(st.sampled_from([None, None, limit, limit - 1]))
+        system: list[int] = []
+        if data.draw(st.integers(0, 3)) >= 1:  # the first is the deployment's usual one
+            usual = [USUAL, USUAL, USUAL]
+            system = list(SYSTEM_PROMPTS[data.draw(st.sampled_from([*usual, 0, 1, 2, 4]))])
+        size = data.draw(st.sampled_from([None, None, None, limit, limit - 1]))
         if self.big:  # thousands of tokens: drawn from a seed, not token by token
             length = size if size is not None and size > 0 else data.draw(st.integers(1, limit))
             rng = random.Random(data.draw(st.integers(0, 2**32 - 1)))
             prompt = [rng.randint(0, 3 if small else 50) for _ in range(length)]
         elif size is None or size < 1:
-            prompt = data.draw(st.lists(alphabet, min_size=1, max_size=limit))
+            longest = limit if not system or data.draw(st.booleans()) else min(limit, 16)
+            prompt = data.draw(st.lists(alphabet, min_size=1, max_size=longest))
         else:  # as long as the model allows: lookahead slots then reach max_model_len
             prompt = data.draw(st.lists(alphabet, min_size=size, max_size=size))
-        # A shared system prompt (most often under sparse retention, where the shared-prefix
-        # boundary decides what the sparse groups cache).
-        if data.draw(st.integers(0, 3)) >= (1 if self.lay.retention is not None else 2):
-            prompt = list(data.draw(st.sampled_from(SYSTEM_PROMPTS))) + prompt
-        salt = data.draw(st.sampled_from([None, None, None, "a", "b"]))
+        prompt = system + prompt
+        # Mostly no salt (one user's traffic); a salted prompt must not hit another's cache.
+        salt = data.draw(st.sampled_from([None] * 6 + ["a", "b"]))
         self._count("add_request")
         self._new_request(prompt[:limit], salt)
 
@@ -374,27 +440,43 @@ class DifferentialMachine(RuleBasedStateMachine):
     def add_follow_up(self, data: st.DataObject) -> None:
         """The next turn of an earlier conversation, the exact same prompt again, or a prompt
         sharing a prefix with a live request (what it computed is cached already)."""
+        self._follow_up(data, "add_follow_up")
+
+    def _follow_up(self, data: st.DataObject, rule_name: str) -> None:
         limit = self.lay.max_model_len - 1
         sources = [
             *self.history,
-            *(tuple(r.tokens[: r.computed]) for _, r in sorted(self.live.items()) if r.computed),
+            *(
+                (tuple(r.tokens[: r.computed]), r.salt)
+                for _, r in sorted(self.live.items())
+                if r.computed
+            ),
         ]
-        earlier = list(data.draw(st.sampled_from(sources)))
-        if data.draw(st.integers(0, 2)) == 0:
+        tokens, source_salt = data.draw(st.sampled_from(sources))
+        earlier = list(tokens)
+        if data.draw(st.integers(0, 3)) == 0:
             earlier = earlier[: data.draw(st.integers(1, len(earlier)))]
         turn = data.draw(st.lists(st.integers(0, 50), max_size=8))
-        salt = data.draw(st.sampled_from([None, None, None, "a", "b"]))
-        self._count("add_follow_up")
+        # The same conversation keeps its salt (a user's cache isolation); sometimes another
+        # user sends the same text, whose salt must keep it from hitting.
+        salt = (
+            source_salt
+            if data.draw(st.integers(0, 4))
+            else data.draw(st.sampled_from([None, "a", "b"]))
+        )
+        self._count(rule_name)
         self._new_request((earlier + turn)[:limit], salt)
 
-    @precondition(lambda self: self._has(running=False))
+    @precondition(lambda self: any(not r.running and not r.looked for r in self.live.values()))
     @rule(data=st.data())
     def lookup(self, data: st.DataObject) -> None:
-        req = self._pick(data, running=False)
+        """A waiting request's cache hit, before the scheduler decides on it."""
+        candidates = sorted(r for r, q in self.live.items() if not q.running and not q.looked)
+        req = self.live[data.draw(st.sampled_from(candidates))]
         self._count("lookup")
         self._lookup(req)
 
-    @precondition(lambda self: self._has(running=False))
+    @precondition(lambda self: self._has(running=False) and self._may_admit())
     @rule(data=st.data())
     def admit(self, data: st.DataObject) -> None:
         """Look up, then allocate the first chunk (with or without the hit) as a scheduler does."""
@@ -403,15 +485,24 @@ class DifferentialMachine(RuleBasedStateMachine):
         found = self._lookup(req)
         use_hit = data.draw(st.booleans() | st.just(True))
         hit = found[0].num_hit_tokens if use_hit else 0
-        budget = data.draw(st.integers(1, self.lay.max_model_len))
+        budget = self._budget(data)
         n = min(len(req.tokens) - req.computed - hit, budget)
         if n <= 0:
             return
         lookahead = data.draw(st.sampled_from([0, 0, 0, 1, 3]))
         delay = self.lay.enable_caching and data.draw(st.integers(0, 4)) == 0
-        full = self.lay.full_prompt_admission and data.draw(st.booleans())
+        # An engine with full-prompt admission admits (nearly) every request that way.
+        full = self.lay.full_prompt_admission and data.draw(st.integers(0, 3)) > 0
         n = self._align_chunk(req, hit, n)
-        self._allocate(req, n, found if use_hit else None, lookahead, delay, full)
+        hits = found if use_hit else None
+        self.blocked = not self._allocate(req, n, hits, lookahead, delay, full)
+
+    def _budget(self, data: st.DataObject) -> int:
+        """A step's token budget for one request: never more than the engine's in-flight
+        budget (``max_in_flight_tokens``), which bounds what one step schedules."""
+        budget = data.draw(st.integers(1, self.lay.max_model_len))
+        in_flight = self.lay.engine.max_in_flight_tokens
+        return budget if in_flight is None else min(budget, in_flight)
 
     def _align_chunk(self, req: LiveRequest, hit: int, n: int) -> int:
         """With a Mamba ``"align"`` group a scheduler ends a prefill chunk on a block boundary
@@ -438,7 +529,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         return self.live[data.draw(st.sampled_from(candidates))]
 
     def _continue(self, data: st.DataObject, req: LiveRequest) -> None:
-        budget = data.draw(st.integers(1, self.lay.max_model_len))
+        budget = self._budget(data)
         n = min(len(req.tokens) - req.computed, budget, self.lay.max_model_len - req.computed - 1)
         if n <= 0:
             return
@@ -460,6 +551,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         req.delayed = False
         # Drafts scheduled before the preemption are gone: the next step accepts none of them.
         req.drafts = 0
+        req.looked = False
 
     @precondition(lambda self: self._prefilling())
     @rule(data=st.data())
@@ -479,14 +571,12 @@ class DifferentialMachine(RuleBasedStateMachine):
         room = self.lay.max_model_len - len(req.tokens)
         if room > 0:
             tokens = data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=min(3, room)))
-            req.tokens.extend(tokens)
-            for impl, handle in zip(self.impls, req.handles, strict=True):
-                impl.append_tokens(handle, tokens)
+            self._append(req, tokens)
         self._continue(data, req)
 
     def _chunk_size(self, data: st.DataObject, req: LiveRequest) -> int:
         """A running request's next chunk within a token budget (0: nothing to schedule)."""
-        budget = data.draw(st.integers(1, self.lay.max_model_len))
+        budget = self._budget(data)
         n = min(len(req.tokens) - req.computed, budget, self.lay.max_model_len - req.computed - 1)
         if n > 0 and data.draw(st.integers(0, 3)):
             n = self._align_chunk(req, 0, n)
@@ -504,6 +594,17 @@ class DifferentialMachine(RuleBasedStateMachine):
             st.lists(st.sampled_from(running), min_size=2, max_size=len(running), unique=True)
         )
         self._count("step_batch")
+        self._step(data, chosen)
+
+    @precondition(lambda self: self._has(running=True))
+    @rule(data=st.data())
+    def step_all(self, data: st.DataObject) -> None:
+        """The step a scheduler takes most: every running request advances (its next prefill
+        chunk or decode token), in admission order, as one batch."""
+        self._count("step_all")
+        self._step(data, [rid for rid, req in self.live.items() if req.running])
+
+    def _step(self, data: st.DataObject, chosen: Sequence[str]) -> None:
         lookahead = data.draw(st.sampled_from([0, 0, 0, 1, 2]))
         delay = self.lay.enable_caching and data.draw(st.integers(0, 5)) == 0
         reqs: list[LiveRequest] = []
@@ -517,37 +618,19 @@ class DifferentialMachine(RuleBasedStateMachine):
                     tokens = data.draw(
                         st.lists(st.integers(0, 3), min_size=1, max_size=min(2, room))
                     )
-                    req.tokens.extend(tokens)
-                    for impl, handle in zip(self.impls, req.handles, strict=True):
-                        impl.append_tokens(handle, tokens)
+                    self._append(req, tokens)
             n = self._chunk_size(data, req)
             if n > 0:
                 reqs.append(req)
                 counts.append(n)
         if not reqs:
             return
-        results = []
-        for index, impl in enumerate(self.impls):
-            handles = [req.handles[index] for req in reqs]
-            batched = batch_allocator(impl)
-            if batched is None:
-                out = [
-                    impl.allocate(handle, n, None, lookahead, delay)
-                    for handle, n in zip(handles, counts, strict=True)
-                ]
-            else:
-                out = list(batched.allocate_batch(handles, counts, lookahead, delay))
-                self.stats.batched_calls[impl.name] += 1
-            results.append(tuple(out))
-        rids = [req.rid for req in reqs]
-        self._agree(
-            f"allocate_batch({rids}, {counts}, lookahead={lookahead}, delay={delay})", results
-        )
+        results = self.ms.allocate_batch([req.rid for req in reqs], counts, lookahead, delay)
         self.stats.batch_steps += 1
         self.stats.batch_requests += len(reqs)
         self.stats.allocations += len(reqs)
         self.allocated_in_step = True
-        for req, n, new in zip(reqs, counts, results[0], strict=True):
+        for req, n, new in zip(reqs, counts, results, strict=True):
             if new is None:
                 self.stats.failed_allocations += 1
                 continue
@@ -569,21 +652,14 @@ class DifferentialMachine(RuleBasedStateMachine):
         if data.draw(st.integers(0, 3)) == 0:
             chosen.append(chosen[0])
         self._count("finish_batch")
-        reqs = [self.live[rid] for rid in chosen]
-        for index, impl in enumerate(self.impls):
-            handles = [req.handles[index] for req in reqs]
-            batched = batch_freer(impl)
-            if batched is None:
-                for handle in handles:
-                    impl.free(handle)
-            else:
-                batched.free_batch(handles)
-                self.stats.batched_calls[impl.name] += 1
+        self.blocked = False
+        self.ms.free_batch(chosen)
         self.stats.batch_frees += 1
         for rid in dict.fromkeys(chosen):
-            req = self.live.pop(rid)
+            req = self.live[rid]
             if req.running:
-                self.history = [*self.history[-7:], tuple(req.tokens)]
+                self._remember(req)
+            self._forget(req)
 
     @precondition(lambda self: any(r.delayed and r.running for r in self.live.values()))
     @rule(data=st.data())
@@ -594,21 +670,23 @@ class DifferentialMachine(RuleBasedStateMachine):
             return
         self._count("cache_delayed")
         upto = data.draw(st.integers(0, req.computed))
-        for impl, handle in zip(self.impls, req.handles, strict=True):
-            impl.cache_blocks(handle, upto)
+        self.ms.cache_blocks(req.rid, upto)
 
-    @precondition(lambda self: self._has(running=False))
+    @precondition(lambda self: self._has(running=False) and self._may_admit())
     @rule(data=st.data())
     def admit_whole_prompt(self, data: st.DataObject) -> None:
-        """Look up and admit a whole prompt at once with its hit (no chunking)."""
+        """Look up and admit a whole prompt at once with its hit (no chunking), as far as the
+        engine's step budget (``max_in_flight_tokens``) reaches."""
         req = self._pick(data, running=False)
         self._count("admit_whole_prompt")
         found = self._lookup(req)
         n = len(req.tokens) - req.computed - found[0].num_hit_tokens
+        in_flight = self.lay.engine.max_in_flight_tokens
+        n = n if in_flight is None else min(n, in_flight)
         lookahead = data.draw(st.sampled_from([0, 3]))
         full = self.lay.full_prompt_admission and data.draw(st.booleans())
         if n > 0:
-            self._allocate(req, n, found, lookahead, False, full)
+            self.blocked = not self._allocate(req, n, found, lookahead, False, full)
 
     @precondition(lambda self: self.allocated_in_step)
     @rule()
@@ -617,8 +695,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         begins after some allocation; until then the same-step rule refuses such a hit)."""
         self._count("new_step")
         self.allocated_in_step = False
-        for impl in self.impls:
-            impl.new_step()
+        self.ms.new_step()
 
     @precondition(lambda self: self._decoding())
     @rule(data=st.data())
@@ -636,9 +713,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         tokens = data.draw(
             st.lists(st.integers(0, 3), min_size=accepted + 1, max_size=accepted + 1)
         )
-        req.tokens.extend(tokens)
-        for impl, handle in zip(self.impls, req.handles, strict=True):
-            impl.append_tokens(handle, tokens)
+        self._append(req, tokens)
         self._set_computed(req, req.computed + accepted)
         self.stats.accepted_drafts += accepted
         req.drafts = 0
@@ -655,33 +730,39 @@ class DifferentialMachine(RuleBasedStateMachine):
         req = self._pick(data, running=True)
         self._count("finish")
         self._free(req)
-        self.history = [*self.history[-7:], tuple(req.tokens)]
-        del self.live[req.rid]
+        self._remember(req)
+        self._forget(req)
 
-    @precondition(lambda self: sum(not r.running for r in self.live.values()) >= 3)
+    @precondition(lambda self: self._waiting() >= 3 and not self._may_admit())
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
-        """A waiting request is aborted: freeing a request that holds no blocks is a no-op."""
+        """A waiting request is aborted (a client gives up while the queue is stuck): freeing
+        a request that holds no blocks is a no-op."""
         req = self._pick(data, running=False)
         self._count("abort")
         self._free(req)
-        del self.live[req.rid]
+        self._forget(req)
 
-    @precondition(lambda self: self._has(running=True))
+    @precondition(lambda self: sum(r.running for r in self.live.values()) >= 2)
     @rule(data=st.data())
     def preempt(self, data: st.DataObject) -> None:
+        """A running request is preempted to make room for another (its blocks freed, its
+        progress lost: it waits to be admitted again)."""
         req = self._pick(data, running=True)
         self._count("preempt")
         self._preempt(req)
 
-    @precondition(lambda self: bool(self.history) and self.last_rule != "reset_prefix_cache")
+    @precondition(lambda self: bool(self.history) and self.since_reset >= 20)
     @rule()
     def reset_prefix_cache(self) -> None:
+        """Rare in serving (a weight update, an operator's call): at most every 20 steps, so
+        that the cache it empties has had time to fill."""
         self._count("reset_prefix_cache")
-        self._agree("reset_prefix_cache()", [impl.reset_prefix_cache() for impl in self.impls])
+        self.since_reset = 0
+        self.ms.reset_prefix_cache()
 
     @precondition(lambda self: len(self.live) >= 3)
-    @rule(reset=st.booleans())
+    @rule(reset=st.sampled_from([False, False, False, True]))
     def drain(self, reset: bool) -> None:
         """Free every request: nothing may stay in use, and a prefix-cache reset must succeed
         (done when ``reset``; otherwise the cache is kept for the requests that follow)."""
@@ -689,19 +770,9 @@ class DifferentialMachine(RuleBasedStateMachine):
         for req in list(self.live.values()):
             self._free(req)
             if req.running:
-                self.history = [*self.history[-7:], tuple(req.tokens)]
-        self.live.clear()
-        for impl in self.impls:
-            require(impl.usage() == 0.0, f"{impl.name}: usage {impl.usage()} after freeing all")
-            free = impl.num_free_blocks()
-            require(free == self.lay.num_blocks - 1, f"{impl.name}: {free} free after draining")
-            if not reset:
-                continue
-            require(impl.reset_prefix_cache(), f"{impl.name}: reset refused with nothing in use")
-            snap = impl.snapshot()
-            if snap is not None:
-                require(snap.num_cached_keys == 0, f"{impl.name}: cache keys survive a reset")
-            self.stats.invariant_checks += 1
+                self._remember(req)
+            self._forget(req)
+        self.ms.check_drained(reset)
 
     # --- After every rule ---------------------------------------------------------------------
 
@@ -709,26 +780,9 @@ class DifferentialMachine(RuleBasedStateMachine):
     def everything_agrees(self) -> None:
         if self.layout is None:
             return
-        lay = self.lay
-        computed = {rid: req.computed for rid, req in self.live.items()}
-        snaps = [impl.snapshot() for impl in self.impls]
-        tables = [self._tables(impl) for impl in self.impls]
-        self._agree("block tables", tables)
-        self._agree("pool snapshot", snaps)
-        self._agree("num_free_blocks", [impl.num_free_blocks() for impl in self.impls])
-        self._agree("usage", [impl.usage() for impl in self.impls])
-        events = [impl.take_events() for impl in self.impls]
-        self._agree("events", events)
-        self._agree("prefix cache stats", [impl.take_stats() for impl in self.impls])
-        if events[0] is not None:
-            self.stats.evictions += sum(1 for e in events[0] if e[0] == "BlockRemoved")
-        for impl, snap, table in zip(self.impls, snaps, tables, strict=True):
-            if snap is not None:
-                check_observable_invariants(
-                    lay, snap, impl.num_free_blocks(), impl.usage(), table, computed
-                )
-            impl.check_invariants()
-            self.stats.invariant_checks += 2
+        events = self.ms.check()
+        if events is not None:
+            self.stats.evictions += sum(1 for e in events if e[0] == "BlockRemoved")
 
 
 def machine_for(
@@ -769,13 +823,17 @@ def run_differential(
     stand_in: Backend | None = None,
     roomy: bool = False,
     big: bool = False,
+    adapter_specs: Mapping[str, str] | None = None,
 ) -> RunStats:
     """Run the machine over ``backends``; raise on the first difference or broken invariant.
 
     ``max_examples`` is split evenly between the layout ``families``. With ``seed=None`` the run
     is derandomized (the same examples every time, as CI needs); with a seed, that seed picks
-    the examples. Hypothesis shrinks a failure and prints the shortest sequence of steps that
-    shows it (``shrink=False``: raise at once, quietly, as the mutant hunt wants).
+    the examples. Hypothesis shrinks a failure; the error then carries (``repro`` attribute,
+    and a note) the shortest failing example as a program of scheduler calls
+    (``lockstep.repro``), naming each backend as ``adapter_specs`` maps its name (an outside
+    adapter's ``MODULE:FACTORY``). ``shrink=False``: raise at once, quietly, as the mutant
+    hunt wants.
     ``hypothesis_backend="crosshair"`` (with the ``hypothesis-crosshair`` package) draws the
     choices symbolically: about 18× slower, an advisory extra lane, not the main one.
 
@@ -786,6 +844,7 @@ def run_differential(
     sizes (model lengths of 512–4,096 tokens, pools of hundreds of blocks).
     """
     stats = RunStats() if stats is None else stats
+    adapter_specs = {} if adapter_specs is None else adapter_specs
     run_settings = settings(
         max_examples=max(1, max_examples // len(families)),
         stateful_step_count=steps,
@@ -812,5 +871,55 @@ def run_differential(
         test: Any = make_test(machine, settings=run_settings)
         if seed is not None:
             test._hypothesis_internal_use_seed = seed
-        test()
+        try:
+            test()
+        except Exception as error:
+            if stats.last_run is not None:
+                layout, script, names = stats.last_run
+                loadable = [adapter_specs.get(name, _loadable(name)) for name in names]
+                text = repro(layout, loadable, script)
+                error.add_note("The failing example as scheduler calls (paste into Python):")
+                error.add_note(text)
+                error.repro = text  # type: ignore[attr-defined]
+            raise
+    return stats
+
+
+def _loadable(name: str) -> str:
+    """A backend name as ``Lockstep.build`` takes it (the project's own backends by name)."""
+    if name.startswith("reference"):
+        return "reference"
+    if name.startswith("optimized"):
+        return "optimized"
+    return name
+
+
+def run_command_machine(
+    backends: Sequence[Backend],
+    *,
+    examples: int,
+    steps: int,
+    seed: int | None = None,
+    stats: RunStats | None = None,
+    shrink: bool = True,
+    adapter_specs: Mapping[str, str] | None = None,
+) -> RunStats:
+    """The machine as ``python -m hybridkv.conformance`` runs it (and the kill table measures
+    it): ``examples`` on small pools (allocations fail, caches evict), as many on roomy pools
+    (prefills, decodes and batched steps succeed; hits stay cached), then a fourteenth of them,
+    at least one per family, at serving sizes (prompts of thousands of tokens, pools of
+    hundreds of blocks, the vectorised paths' sizes)."""
+    stats = RunStats() if stats is None else stats
+    for roomy, big in ((False, False), (True, False), (False, True)):
+        run_differential(
+            backends,
+            max_examples=max(len(FAMILIES), examples // 14) if big else examples,
+            steps=steps,
+            seed=seed,
+            stats=stats,
+            shrink=shrink,
+            roomy=roomy,
+            big=big,
+            adapter_specs=adapter_specs,
+        )
     return stats

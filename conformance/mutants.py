@@ -41,13 +41,7 @@ from hybridkv.conformance.adapters import (
     reference_backend,
 )
 from hybridkv.conformance.golden import replay_trace, trace_names
-from hybridkv.spec import (
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
-    KVCacheSpec,
-    MambaSpec,
-    SlidingWindowSpec,
-)
+from hybridkv.conformance.strategies import document_models, random_models
 
 Suite = Literal["manager", "planner"]
 
@@ -630,14 +624,15 @@ def _first_line(error: BaseException) -> str:
 
 
 def mutant_backend(bundle: MutantBundle) -> Backend:
-    """The mutated manager behind the adapter protocol: a mutant of the optimized backend with
+    """The mutated manager behind the adapter protocol (a mutant of the reference plans with
+    its own, possibly mutated, planner); a mutant of the optimized backend with
     its size thresholds (``optimized_backend``: small on half the layouts, so that its
     vectorised and batched paths run)."""
     if is_optimized(bundle.mutant):
         backend = optimized_backend(manager_class=bundle.KVCacheManager)
         assert backend is not None
         return backend
-    return manager_backend("mutant", bundle.KVCacheManager)
+    return manager_backend("mutant", bundle.KVCacheManager, plan_report=bundle.plan_report)
 
 
 def manager_checks(
@@ -727,60 +722,6 @@ def random_cache_state(
     return groups, prompt, block_size
 
 
-SIZES = {"num_kv_heads": 2, "head_size": 4, "dtype_bytes": 2}
-
-
-def document_models() -> list[tuple[dict[str, KVCacheSpec], dict[str, str]]]:
-    """The document's models: 10 full + 20 sliding, Gemma-3-27b, Mamba hybrid, KV sharing."""
-    full = FullAttentionSpec(block_size=16, **SIZES)
-    sliding = SlidingWindowSpec(block_size=16, sliding_window=32, **SIZES)
-    case2: dict[str, KVCacheSpec] = {f"full.{i}": full for i in range(10)}
-    case2 |= {f"sw.{i}": sliding for i in range(20)}
-    gemma: dict[str, KVCacheSpec] = {}
-    for i in range(62):
-        gemma[f"layer.{i}"] = full if i % 6 == 5 else sliding
-    mamba = MambaSpec(block_size=16, state_bytes=5000)
-    case4: dict[str, KVCacheSpec] = {
-        f"layer.{i}": (full if i % 4 == 0 else mamba) for i in range(12)
-    }
-    case5: dict[str, KVCacheSpec] = {f"layer.{i}": (full if i % 2 else sliding) for i in range(8)}
-    sharing = {"layer.6": "layer.4", "layer.7": "layer.5"}
-    return [(case2, {}), (gemma, {}), (case4, {}), (case5, sharing)]
-
-
-def random_models(
-    rng: random.Random, count: int
-) -> list[tuple[dict[str, KVCacheSpec], dict[str, str]]]:
-    models = []
-    for _ in range(count):
-        b = rng.choice([1, 4, 16])
-        kinds: list[KVCacheSpec] = [
-            FullAttentionSpec(block_size=b, **SIZES),
-            SlidingWindowSpec(block_size=b, sliding_window=rng.randint(2, 64), **SIZES),
-            ChunkedLocalAttentionSpec(
-                block_size=b, attention_chunk_size=rng.randint(1, 64), **SIZES
-            ),
-            MambaSpec(block_size=b, state_bytes=rng.randint(1, 5000)),
-        ]
-        use = rng.sample(kinds, rng.randint(1, 4))
-        layers = {f"l{i}": rng.choice(use) for i in range(rng.randint(1, 40))}
-        sharing: dict[str, str] = {}
-        for name in layers:
-            targets = [
-                t
-                for t in layers
-                if t != name
-                and layers[t] == layers[name]
-                and t not in sharing
-                and name not in sharing.values()
-            ]
-            if targets and rng.random() < 0.15:
-                sharing[name] = rng.choice(targets)
-        if len(sharing) < len(layers):
-            models.append((layers, sharing))
-    return models
-
-
 def planner_checks(bundle: MutantBundle) -> Iterator[tuple[str, Callable[[], None]]]:
     def grouping() -> None:
         from hybridkv.reference import plan_report
@@ -865,19 +806,27 @@ def kill_row(mutant: Mutant, examples: int, steps: int) -> KillRow:
     """Every check of the mutant's suite run alone on it (golden traces: both sets)."""
     bundle = load_mutant(mutant)
     target = mutant.module.removeprefix("hybridkv.")
+
+    def machine() -> None:
+        """The machine exactly as the conformance command runs it (small, roomy and
+        serving-size pools; the planners compared on a model per example)."""
+        from hybridkv.conformance.machine import run_command_machine
+
+        run_command_machine(
+            [reference_backend(), mutant_backend(bundle)],
+            examples=examples,
+            steps=steps,
+            shrink=False,
+        )
+
     if mutant.suite == "planner":
         (_, grouping), *_ = planner_checks(bundle)
-        return KillRow(mutant.name, target, (None, None, _kills(grouping), None))
+        return KillRow(mutant.name, target, (None, _kills(machine), _kills(grouping), None))
     checks = dict(manager_checks(bundle, examples, steps))
 
     def golden() -> None:
         checks["engine golden traces"]()
         checks["golden traces"]()
-
-    def machine() -> None:
-        """The command's machine: default pools, then roomy ones."""
-        checks["differential machine"]()
-        checks["differential machine, roomy pools"]()
 
     kills = (
         _kills(golden),
@@ -929,9 +878,9 @@ def kill_table(rows: Sequence[KillRow]) -> str:
     lines.append("")
     lines.append(f"Killed alone: {', '.join(counts)}.")
     lines.append(
-        f"The differential machine alone: {caught} of {len(machine)} manager mutants "
+        f"The differential machine alone: {caught} of {len(machine)} planted mutants "
         f"({100 * caught / max(1, len(machine)):.0f}%), {caught} of {len(rows)} planted bugs "
-        f"({100 * caught / max(1, len(rows)):.0f}%)."
+        f"with CrossHair's contract bugs ({100 * caught / max(1, len(rows)):.0f}%)."
     )
     survivors = [row.name for row in machine if not row.kills[1]]
     if survivors:

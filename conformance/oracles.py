@@ -746,7 +746,7 @@ def run_planner_oracle(
     """The reference planner against the grouping, layout and padding oracles."""
     import random
 
-    from hybridkv.conformance.mutants import document_models, random_models
+    from hybridkv.conformance.strategies import document_models, random_models
     from hybridkv.reference import plan_report
 
     stats = OracleStats(failures=[]) if stats is None else stats

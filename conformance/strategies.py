@@ -32,7 +32,71 @@ SYSTEM_PROMPTS: tuple[tuple[int, ...], ...] = (
     (7, 7, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10),
     (7, 7, 1, 2, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24),
     (30, 31, 32),
+    (7, 7, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53),
+    tuple(range(100, 132)),
 )
+
+
+# --- Models (the planner's input) -------------------------------------------------------------
+
+
+MODEL_SIZES = {"num_kv_heads": 2, "head_size": 4, "dtype_bytes": 2}
+"""The attention layers' heads and element size in the planner's models (Mamba layers give
+their state size instead)."""
+
+Model = tuple[dict[str, KVCacheSpec], dict[str, str]]
+"""A model for the planner: layer name → spec, and KV sharing (layer → the layer it reads)."""
+
+
+def document_models() -> list[Model]:
+    """The document's models: 10 full + 20 sliding, Gemma-3-27b, Mamba hybrid, KV sharing."""
+    full = FullAttentionSpec(block_size=16, **MODEL_SIZES)
+    sliding = SlidingWindowSpec(block_size=16, sliding_window=32, **MODEL_SIZES)
+    case2: dict[str, KVCacheSpec] = {f"full.{i}": full for i in range(10)}
+    case2 |= {f"sw.{i}": sliding for i in range(20)}
+    gemma: dict[str, KVCacheSpec] = {}
+    for i in range(62):
+        gemma[f"layer.{i}"] = full if i % 6 == 5 else sliding
+    mamba = MambaSpec(block_size=16, state_bytes=5000)
+    case4: dict[str, KVCacheSpec] = {
+        f"layer.{i}": (full if i % 4 == 0 else mamba) for i in range(12)
+    }
+    case5: dict[str, KVCacheSpec] = {f"layer.{i}": (full if i % 2 else sliding) for i in range(8)}
+    sharing = {"layer.6": "layer.4", "layer.7": "layer.5"}
+    return [(case2, {}), (gemma, {}), (case4, {}), (case5, sharing)]
+
+
+def random_models(rng: random.Random, count: int) -> list[Model]:
+    """``count`` random models of 1–40 layers of up to four types (one block size), some layers
+    sharing another's KV cache."""
+    models = []
+    for _ in range(count):
+        b = rng.choice([1, 4, 16])
+        kinds: list[KVCacheSpec] = [
+            FullAttentionSpec(block_size=b, **MODEL_SIZES),
+            SlidingWindowSpec(block_size=b, sliding_window=rng.randint(2, 64), **MODEL_SIZES),
+            ChunkedLocalAttentionSpec(
+                block_size=b, attention_chunk_size=rng.randint(1, 64), **MODEL_SIZES
+            ),
+            MambaSpec(block_size=b, state_bytes=rng.randint(1, 5000)),
+        ]
+        use = rng.sample(kinds, rng.randint(1, 4))
+        layers = {f"l{i}": rng.choice(use) for i in range(rng.randint(1, 40))}
+        sharing: dict[str, str] = {}
+        for name in layers:
+            targets = [
+                t
+                for t in layers
+                if t != name
+                and layers[t] == layers[name]
+                and t not in sharing
+                and name not in sharing.values()
+            ]
+            if targets and rng.random() < 0.15:
+                sharing[name] = rng.choice(targets)
+        if len(sharing) < len(layers):
+            models.append((layers, sharing))
+    return models
 
 
 # --- Layouts ---------------------------------------------------------------------------------
@@ -186,8 +250,11 @@ def _engine(
         flagged = tuple(not c and rng.random() < 0.5 for c in chunked)
         if any(flagged) or not any(chunked):
             use_eagle, flags = True, flagged if any(flagged) else ()
-    full = rng.random() < 0.4
-    in_flight = rng.choice([None, rng.randint(1, max_model_len)]) if full else None
+    full = rng.random() < 0.6  # what engines run (the engine traces); the rest unit-test style
+    # An engine's in-flight budget is far below its model length: then a window's cap matters.
+    small = rng.randint(1, max(1, max_model_len // 8))
+    budgets = [None, small, small, rng.randint(1, max_model_len)]
+    in_flight = rng.choice(budgets) if full else None
     return {
         "retention": retention,
         "eagle_groups": flags,

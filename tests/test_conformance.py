@@ -291,15 +291,16 @@ def test_a_backend_that_refuses_a_layout_by_name_skips_that_example() -> None:
 
 
 def test_roomy_pools_let_most_allocations_succeed() -> None:
-    """The default pools starve (half the allocations fail, few prefills); ``roomy`` pools of
-    two to twelve longest requests feed prefills and decodes."""
+    """The default pools starve (a fifth or more of the allocations fail, though a scheduler
+    stops admitting after a failure); ``roomy`` pools of two to twelve longest requests feed
+    prefills and decodes."""
     families = ("mamba_align",)
     tight = run_differential([reference_backend()], max_examples=20, steps=30, families=families)
     roomy = run_differential(
         [reference_backend()], max_examples=20, steps=30, families=families, roomy=True
     )
-    assert roomy.failed_allocations * 4 < roomy.allocations
-    assert tight.failed_allocations * 4 > tight.allocations
+    assert roomy.failed_allocations * 10 < roomy.allocations
+    assert tight.failed_allocations * 5 > tight.allocations
     fed = roomy.rules["prefill"] + roomy.rules["decode"]
     assert fed > tight.rules["prefill"] + tight.rules["decode"]
 

@@ -104,5 +104,8 @@ def test_an_adapter_that_drops_the_last_hit_block_fails_with_the_trace_name(
     assert "FAIL  differential machine" in out
     assert re.search(r"FAIL  longest hit of broken_adapter:make_adapter: [1-9]\d* of 30", out)
     assert "rerun: python -m hybridkv.conformance --adapter broken_adapter:make_adapter" in out
+    # The shortest failing example, as a program of scheduler calls on both implementations.
+    assert "['reference', 'broken_adapter:make_adapter'])" in out
+    assert re.search(r"    hit_r\d+ = m\.lookup\('r\d+'\)\n  rerun:", out)
     summary = out.split("== summary", 1)[1]
     assert [line.split()[0] for line in summary.strip().splitlines()[:3]] == ["FAIL"] * 3

@@ -171,6 +171,7 @@ def test_the_kill_table_counts_each_check_alone() -> None:
         "| `d` | `conformance.planted_bugs` | – | – | – | ✓ |",
         "",
         "Killed alone: golden traces 1/2, differential machine 1/2, oracles 2/3, CrossHair 1/1.",
-        "The differential machine alone: 1 of 2 manager mutants (50%), 1 of 4 planted bugs (25%).",
+        "The differential machine alone: 1 of 2 planted mutants (50%), 1 of 4 planted bugs "
+        "with CrossHair's contract bugs (25%).",
         "Not caught by the machine alone: b.",
     ]

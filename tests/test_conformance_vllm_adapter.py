@@ -71,8 +71,9 @@ def test_vllm_agrees_with_the_reference_under_scheduler_traffic() -> None:
     stats = run_differential(
         [reference_backend(), ("vllm", make_adapter)], max_examples=24, steps=20
     )
-    # Hypothesis may end a family early when it runs out of new examples.
-    assert 20 <= stats.examples <= 24
+    # Hypothesis may end a family early when it runs out of new examples; an example it
+    # discards (its draws overran, or no enabled rule applied) has started a layout too.
+    assert stats.examples >= 20
     assert stats.skipped["vllm"] == 0
     assert stats.lookups > 0
 

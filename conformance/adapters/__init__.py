@@ -55,13 +55,13 @@ import dataclasses
 import importlib
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from hybridkv.conformance.protocol import KVCacheManagerLike
 from hybridkv.reference.request import Request
-from hybridkv.spec import KVCacheConfig, rules
+from hybridkv.spec import KVCacheConfig, KVCacheSpec, rules
 
 BlockIds = tuple[tuple[int, ...], ...]
 """Block ids per KV cache group, positions in order (null positions hold block 0)."""
@@ -214,6 +214,42 @@ class BatchFreeing(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class PlanFacts:
+    """What a planner decided for a model, as plain values every planner can state.
+
+    ``groups``: one entry per KV cache group, in the plan's order: the group's spec (after
+    Case 4's page unification) and the names of the layers it allocates memory for (KV-sharing
+    layers excluded: they read another layer's memory, Case 5). ``num_padding_slots``: group
+    slots, over all groups, that hold no layer (Case 3's padding)."""
+
+    num_blocks: int
+    block_size: int
+    page_size_bytes: int
+    groups: tuple[tuple[KVCacheSpec, tuple[str, ...]], ...]
+    num_padding_slots: int
+
+
+MODEL_REFUSED = "refused"
+"""What ``plan_model`` stands for when a planner refuses a model (raises ``ValueError``)."""
+
+
+class Planning(Protocol):
+    """The optional planner of an adapter: layers → KV cache groups → memory → blocks."""
+
+    def plan_model(
+        self,
+        layers: Mapping[str, KVCacheSpec],
+        available_memory: int,
+        max_model_len: int,
+        kv_sharing: Mapping[str, str],
+    ) -> PlanFacts:
+        """The plan for ``layers`` (name → spec) in ``available_memory`` bytes per device,
+        with ``kv_sharing`` (layer → the layer whose memory it reads); raises ``ValueError`` for
+        a model it refuses (the machine then expects every planner to refuse it)."""
+        ...
+
+
 def batch_allocator(adapter: object) -> BatchAllocating | None:
     """The adapter itself if it offers ``allocate_batch``, else ``None``."""
     return adapter if callable(getattr(adapter, "allocate_batch", None)) else None  # type: ignore[return-value]
@@ -222,6 +258,11 @@ def batch_allocator(adapter: object) -> BatchAllocating | None:
 def batch_freer(adapter: object) -> BatchFreeing | None:
     """The adapter itself if it offers ``free_batch``, else ``None``."""
     return adapter if callable(getattr(adapter, "free_batch", None)) else None  # type: ignore[return-value]
+
+
+def planner(adapter: object) -> Planning | None:
+    """The adapter itself if it offers ``plan_model``, else ``None``."""
+    return adapter if callable(getattr(adapter, "plan_model", None)) else None  # type: ignore[return-value]
 
 
 AdapterFactory = Callable[[KVCacheConfig, int, bool, bool, EngineOptions], ManagerAdapter]
@@ -390,6 +431,48 @@ class ProtocolAdapter:
         self.manager.check_invariants()
 
 
+class PlanningAdapter(ProtocolAdapter):
+    """``ProtocolAdapter`` with a planner: ``plan_report`` of ``hybridkv.reference`` (or of a
+    patched copy), stated as ``PlanFacts``."""
+
+    def __init__(
+        self,
+        name: str,
+        manager: KVCacheManagerLike,
+        block_size: int,
+        num_hash_lookahead_tokens: int,
+        plan_report: Callable[..., Any],
+    ) -> None:
+        super().__init__(name, manager, block_size, num_hash_lookahead_tokens)
+        self.plan_report = plan_report
+
+    def plan_model(
+        self,
+        layers: Mapping[str, KVCacheSpec],
+        available_memory: int,
+        max_model_len: int,
+        kv_sharing: Mapping[str, str],
+    ) -> PlanFacts:
+        report = self.plan_report(
+            dict(layers),
+            available_memory,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=512,
+            kv_sharing=dict(kv_sharing),
+        )
+        shared = set(kv_sharing)
+        return PlanFacts(
+            num_blocks=report.num_blocks,
+            block_size=report.block_size,
+            page_size_bytes=report.page_size_bytes,
+            groups=tuple(
+                (group.spec, tuple(n for n in group.layer_names if n not in shared))
+                for group in report.config.groups
+            ),
+            num_padding_slots=report.num_padding_slots,
+        )
+
+
 def block_size_of(config: KVCacheConfig) -> int:
     """The first group's block size (every group's, when they share one)."""
     return config.groups[0].spec.block_size
@@ -411,11 +494,13 @@ def manager_backend(
     manager_class: Callable[..., KVCacheManagerLike],
     *,
     configure: Callable[[Any, KVCacheConfig], None] | None = None,
+    plan_report: Callable[..., Any] | None = None,
     **kw: Any,
 ) -> Backend:
     """A backend for any class constructed like ``KVCacheManager(config, max_model_len,
     enable_caching=..., enable_kv_cache_events=..., **engine_keywords, **kw)``; ``configure``
-    adjusts each new manager for its layout."""
+    adjusts each new manager for its layout; with ``plan_report`` (the reference's, or a
+    patched copy's) its adapters also plan models (``Planning``)."""
 
     def factory(
         config: KVCacheConfig,
@@ -434,21 +519,22 @@ def manager_backend(
         )
         if configure is not None:
             configure(manager, config)
-        return ProtocolAdapter(
-            name,
-            manager,
-            hash_block_size_of(config, enable_caching),
-            engine.num_hash_lookahead_tokens,
-        )
+        block_size = hash_block_size_of(config, enable_caching)
+        if plan_report is not None:
+            return PlanningAdapter(
+                name, manager, block_size, engine.num_hash_lookahead_tokens, plan_report
+            )
+        return ProtocolAdapter(name, manager, block_size, engine.num_hash_lookahead_tokens)
 
     return name, factory
 
 
 def reference_backend() -> Backend:
-    """``hybridkv.reference.KVCacheManager``: the model every other backend is compared with."""
-    from hybridkv.reference import KVCacheManager
+    """``hybridkv.reference.KVCacheManager``: the model every other backend is compared with
+    (its planner too, ``plan_report``)."""
+    from hybridkv.reference import KVCacheManager, plan_report
 
-    return manager_backend("reference", KVCacheManager)
+    return manager_backend("reference", KVCacheManager, plan_report=plan_report)
 
 
 def reference_stand_in() -> Backend:
