@@ -5,20 +5,27 @@
 adapter (``hybridkv.conformance.adapters``). It draws a layout (1–4 KV cache groups mixing full
 attention, sliding window, chunked local attention and Mamba; one block size; windows and chunks
 that are and are not multiples of it; pools small enough that eviction and failed allocations
-happen; caching on or off; events on or off), then acts like a scheduler:
+happen; caching on or off; events on or off; the engine's settings), plans one drawn model
+with every implementation that plans (``plan_model``), warms the cache up with one finished
+request, then acts like a scheduler:
 
-* ``add_request``, ``add_follow_up``: a new prompt: fresh, a shared system prompt plus a
-  question, the next turn of an earlier conversation, or an exact resend, with or without a
-  cache salt;
+* ``add_request``, ``add_follow_up``: a new prompt: fresh (mostly the deployment's usual system
+  prompt plus a question), the next turn of an earlier conversation (its salt kept), or an
+  exact resend, with or without a cache salt;
 * ``lookup``: ``get_computed_blocks`` of a waiting request;
-* ``admit``: look up, then ``allocate_slots`` with or without the hit, a token budget (chunked
-  prefill), lookahead slots, and sometimes delayed caching;
-* ``prefill``, ``decode``: a running request's next prefill chunk, or a decode step (append one
-  or a few tokens, allocate them);
+* ``admit``, ``admit_whole_prompt``: look up, then ``allocate_slots`` with or without the hit,
+  a token budget (chunked prefill, never more than the engine's in-flight budget), lookahead
+  slots, full-prompt admission, sometimes delayed caching; after a failed admission no more
+  admissions until blocks are released;
+* ``prefill``, ``decode``, ``speculative_decode``: a running request's next prefill chunk, a
+  decode step, or a decode step with drafts (accepted ones settled first);
+* ``step_batch``, ``step_all``: one scheduler step of several (or every) running requests,
+  through the implementation's ``allocate_batch`` where it has one;
 * ``cache_delayed``: ``cache_blocks`` for a request whose caching was delayed;
-* ``finish`` (``free``), ``abort`` (free a waiting request: a no-op), ``preempt`` (free, back to
-  waiting with no computed tokens), ``reset_prefix_cache``, and ``drain`` (free everything, then
-  nothing may be in use and a reset must succeed).
+* ``new_step``: ``new_step_starts()`` (a Mamba state cached before may now be adopted);
+* ``finish``, ``finish_batch`` (``free``, ``free_batch``), ``abort`` (free a waiting request: a
+  no-op), ``preempt`` (free, back to waiting with no computed tokens), ``reset_prefix_cache``,
+  and ``drain`` (free everything, then nothing may be in use and a reset must succeed).
 
 After every rule, every implementation must agree with the first (the model) on every
 observable: the call's result (hit length and blocks, new blocks or ``None``), every live
@@ -27,9 +34,13 @@ blocks per group, number of cache keys, events and statistics. And every impleme
 pass the invariants (its own ``check_invariants()`` and the external ones in
 ``check_observable_invariants``, computed from what it shows).
 
-The machine is split by concern: ``strategies`` (layouts and traffic), ``invariants`` (what any
-implementation must satisfy, from what it shows) and ``machine`` (the rules, the run); this module
-re-exports their public names.
+Every call goes through a ``lockstep.Lockstep``, which compares the results and writes the call
+as a line of Python: a failure carries the shortest failing example as a program to paste.
+
+The machine is split by concern: ``strategies`` (layouts, models and traffic), ``invariants``
+(what any implementation must satisfy, from what it shows), ``lockstep`` (the implementations
+driven and compared call by call) and ``machine`` (the rules, the run); this module re-exports
+their public names.
 """
 
 from __future__ import annotations
@@ -40,12 +51,14 @@ from hybridkv.conformance.invariants import (
     check_observable_invariants,
     skipped_block_count,
 )
+from hybridkv.conformance.lockstep import Lockstep, repro
 from hybridkv.conformance.machine import (
     MAX_LIVE_REQUESTS,
     DifferentialMachine,
     LiveRequest,
     RunStats,
     machine_for,
+    run_command_machine,
     run_differential,
 )
 from hybridkv.conformance.strategies import FAMILIES, SIZES, SYSTEM_PROMPTS, Layout, layouts
@@ -59,11 +72,14 @@ __all__ = [
     "DifferentialMachine",
     "Layout",
     "LiveRequest",
+    "Lockstep",
     "RunStats",
     "check_failed_allocation",
     "check_observable_invariants",
     "layouts",
     "machine_for",
+    "repro",
+    "run_command_machine",
     "run_differential",
     "skipped_block_count",
 ]
