@@ -40,6 +40,7 @@ from hybridkv.conformance.adapters import (
     optimized_backend,
     reference_backend,
 )
+from hybridkv.conformance.extras import missing_extra
 
 
 @dataclass(frozen=True)
@@ -211,6 +212,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             adapter_specs = {}
         if args.traces is not None:
             sample_traces([], args.traces)
+        if args.crosshair:
+            missing = missing_extra("crosshair", "crosshair", "--crosshair")
+            if missing is not None:
+                raise ValueError(missing)
     except (AdapterLoadError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -32,6 +32,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from hybridkv.conformance.extras import missing_extra
+
 PROJECT_TESTS = (
     "conftest.py",
     "test_block_hash_fast.py",
@@ -188,6 +190,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="in an existing --workdir: refresh the tests, rerun only the surviving mutants",
     )
     args = parser.parse_args(argv)
+    missing = missing_extra("mutmut", "dev", parser.prog)
+    if missing is not None:
+        print(missing, file=sys.stderr)
+        return 2
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="hybridkv-mutmut-"))
     env = {**os.environ, "PYTHONPATH": str(workdir)}
     run = [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.max_children)]

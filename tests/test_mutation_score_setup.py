@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hybridkv.conformance import mutation_score
 
 
@@ -32,3 +34,31 @@ def test_the_kill_set_collects_in_the_assembled_work_directory(tmp_path: Path) -
 def test_the_score_counts_killed_over_runnable_mutants() -> None:
     stats = {"killed": 90, "survived": 8, "no_tests": 2, "total": 105, "skipped": 5}
     assert mutation_score.score(stats) == (90, 100, 0.9)
+
+
+def test_a_missing_optional_tool_is_named_with_its_extra(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After ``pip install -e '.[dev]'`` every documented command runs; without its tool, an
+    optional command says in one line which extra installs it (no traceback)."""
+    import importlib.util
+
+    from hybridkv.conformance import __main__ as command
+    from hybridkv.conformance import mutation_score
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name in ("mutmut", "crosshair") else real(name, *a),
+    )
+    assert mutation_score.main([]) == 2
+    assert capsys.readouterr().err == (
+        "python -m hybridkv.conformance.mutation_score needs mutmut, in the `dev` extra: "
+        "pip install 'hybridkv[dev]'\n"
+    )
+    assert command.main(["--crosshair"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --crosshair needs crosshair, in the `crosshair` extra: "
+        "pip install 'hybridkv[crosshair]'\n"
+    )
