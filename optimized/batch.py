@@ -51,6 +51,7 @@ import torch
 
 from hybridkv.optimized._buffers import int32_from_bytes, tensor_from_ints
 from hybridkv.optimized.block_pool import hash_key
+from hybridkv.optimized.thresholds import INSERT_MIN
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.events import BlockStored, KVCacheEvent
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
@@ -59,16 +60,6 @@ from hybridkv.spec.errors import check_non_negative
 
 if TYPE_CHECKING:
     from hybridkv.optimized.manager import TorchKVCacheManager
-
-BATCH_MIN = 16
-"""Below this many requests, the single-request calls are cheaper than the tensor calls."""
-
-BUSY_BATCH_MIN = 64
-"""Below this many requests with work to do in a step, they are served one by one."""
-
-INSERT_MIN = 32
-"""Below this many new cache entries, insert them one by one."""
-
 
 _ID = attrgetter("request_id")
 _COMPUTED = attrgetter("num_computed_tokens")

@@ -42,10 +42,16 @@ import torch
 
 from hybridkv.optimized import batch, mamba
 from hybridkv.optimized._buffers import IntBuffer, int32_from_bytes, tensor_from_ints
-from hybridkv.optimized.batch import BATCH_MIN, BUSY_BATCH_MIN, INSERT_MIN
 from hybridkv.optimized.block_pool import TorchBlockPool, hash_key
-from hybridkv.optimized.lookup import PRELOAD_MAX, VECTOR_MIN, Lookup, TypeProbe, WindowedFlags
+from hybridkv.optimized.lookup import Lookup, TypeProbe, WindowedFlags
 from hybridkv.optimized.rows import RowTables
+from hybridkv.optimized.thresholds import (
+    BATCH_MIN,
+    BUSY_BATCH_MIN,
+    INSERT_MIN,
+    PRELOAD_MAX,
+    VECTOR_MIN,
+)
 from hybridkv.reference.events import BlockStored, KVCacheEvent, PrefixCacheStats
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import RequestLike
@@ -248,6 +254,7 @@ class TorchKVCacheManager:
             )
         ]
         self._stats = PrefixCacheStats()
+        # The size thresholds a test may lower (``hybridkv.optimized.thresholds``).
         self.vector_min = VECTOR_MIN
         self.batch_min = BATCH_MIN
         self.busy_batch_min = BUSY_BATCH_MIN
