@@ -49,12 +49,16 @@ class MambaState:
     cached_this_step: dict[int, set[Key]] = field(default_factory=dict)
     # (row, group) pairs tracked as running (``num_cached_block`` of the reference).
     running: set[tuple[int, int]] = field(default_factory=set)
+    # The positions of the real blocks of each Mamba table as of its last allocation
+    # (``state_positions`` of the reference): where its longest cached prefix can sit.
+    positions: dict[tuple[str, int], list[int]] = field(default_factory=dict)
 
     def forget(self, request_id: str, groups: Sequence[int]) -> None:
         for g in groups:
             self.allocated.discard((request_id, g))
             self.last_state.pop((request_id, g), None)
             self.checkpoints.pop((request_id, g), None)
+            self.positions.pop((request_id, g), None)
 
 
 def allocate(
@@ -102,6 +106,7 @@ def allocate(
                 m._mamba.running.add((row, g))
                 if rule.kind == MAMBA_KIND:
                     m.rows.nulls[m.rows.index(row, g)] = 0
+                    _record_adopted(m, request_id, row, g, hits[g], num_local_computed)
     new_blocks = tuple(
         _allocate_group(m, request_id, row, g, need_slot, main) for g in range(m.num_groups)
     )
@@ -271,6 +276,7 @@ def _allocate_group(
     null_end = state_position - checkpoint
     if length < state_position:
         table.extend([0] * (null_end - length))
+    moved_to = len(table)
     if allocated_before:
         for index in range(length - spec_blocks, length):
             if index >= null_end:
@@ -288,7 +294,27 @@ def _allocate_group(
     _write(m, g, row, 0, table)
     lengths[i] = len(table)
     state.allocated.add((request_id, g))
+    # Real blocks: those still held from before, then the moved and the new ones.
+    held = [pos for pos in state.positions.get((request_id, g), ()) if table[pos]]
+    state.positions[request_id, g] = held + list(range(moved_to, len(table)))
     return tuple(appended)
+
+
+def _record_adopted(
+    m: TorchKVCacheManager,
+    request_id: str,
+    row: int,
+    g: int,
+    group_hits: Sequence[int],
+    num_computed: int,
+) -> None:
+    """The positions of the real blocks of an admitted Mamba table: its adopted hit."""
+    skipped = m.rules[g].skipped_positions(num_computed)
+    base = m._base(g, row)
+    tab = m._tab.a
+    m._mamba.positions[request_id, g] = [
+        pos for pos in range(skipped, len(group_hits)) if tab[base + pos]
+    ]
 
 
 def _write(m: TorchKVCacheManager, g: int, row: int, lo: int, blocks: Sequence[int]) -> None:

@@ -674,7 +674,7 @@ class TorchKVCacheManager:
             while nulls < size and tab[base + nulls] == 0:
                 nulls += 1
             i = rows.index(row, g)
-            rows.length[i] = rows.cached[i] = size
+            rows.length[i] = rows.cached[i] = rows.kept[i] = size
             rows.nulls[i] = nulls
             self._touched(g, row, 0, size)
 
@@ -751,6 +751,8 @@ class TorchKVCacheManager:
                     entries.append((block, g, pos, pos))
                     new_hashes.append(hashes[pos])
             cached[at + g] = num_full
+            if mask is not None and new_hashes:
+                self.rows.kept[at + g] = entries[-1][2] + 1
             if pool.enable_kv_cache_events:
                 parent = hashes[start - 1] if start else None
                 tokens = tuple(request.all_token_ids[start * b : num_full * b])
@@ -830,6 +832,7 @@ class TorchKVCacheManager:
         view = hashes[scale - 1 :: scale] if scale > 1 else hashes
         tab, base = self._tab.a, self._base(g, row)
         new_hashes = []
+        kept = 0
         for pos in range(start, num_full):
             block = tab[base + pos]
             if not block or (mask is not None and not mask[pos - start]):
@@ -838,7 +841,11 @@ class TorchKVCacheManager:
             hidx = (pos + 1) * scale - 1
             pool.insert(block, hashes[hidx], g, hidx, src)
             new_hashes.append(view[pos])
-        self.rows.cached[self.rows.index(row, g)] = num_full
+            kept = pos + 1
+        i = self.rows.index(row, g)
+        self.rows.cached[i] = num_full
+        if mask is not None and kept:
+            self.rows.kept[i] = kept
         self._mamba.running.add((row, g))
         if pool.enable_kv_cache_events:
             parent = view[start - 1] if start else None
@@ -977,7 +984,45 @@ class TorchKVCacheManager:
         """Tokens of the request that are in the prefix cache: per group the longest prefix one
         of its blocks is cached under (``block_hash_num_tokens``: the primary key's hash index
         plus one, in hash blocks), the minimum over the groups; 0 for an unknown request
-        (``KVCacheManager.estimate_cached_tokens``)."""
+        (``KVCacheManager.estimate_cached_tokens``). Each group reads the blocks at a few
+        positions (``_prefix_positions``): O(groups), whatever the request's length."""
+        row = self.rows.row_of(request_id)
+        if row is None:
+            return 0
+        cached: int | None = None
+        for g in range(self.num_groups):
+            longest = self._cached_prefix_tokens(request_id, row, g)
+            cached = longest if cached is None else min(cached, longest)
+        return cached or 0
+
+    def _prefix_positions(self, request_id: str, row: int, g: int) -> Sequence[int]:
+        """Table positions among which the longest cached prefix of group ``g``'s table sits
+        (``SingleTypeKVCacheManager.prefix_positions`` says why): for an attention group the
+        last position adopted or kept under a retention mask, the last cached one and the
+        first not cached (a prompt-tail entry); for a Mamba ``"align"`` group its real
+        blocks."""
+        if self.rules[g].kind == MAMBA:
+            return self._mamba.positions.get((request_id, g), ())
+        i = self.rows.index(row, g)
+        cached = self.rows.cached[i]
+        return self.rows.kept[i] - 1, cached - 1, cached
+
+    def _cached_prefix_tokens(self, request_id: str, row: int, g: int) -> int:
+        """The largest ``block_hash_num_tokens`` of group ``g``'s table (0 when no block is
+        cached), read at ``_prefix_positions``."""
+        pool, tab, base = self.pool, self._tab.a, self._base(g, row)
+        length = self.rows.length[self.rows.index(row, g)]
+        longest = -1
+        for pos in self._prefix_positions(request_id, row, g):
+            if 0 <= pos < length:
+                block = tab[base + pos]
+                if block and pool.src.a[block] >= 0:
+                    longest = max(longest, pool.hash_index(block))
+        return (longest + 1) * self.hash_block_size
+
+    def _estimate_cached_tokens_by_scan(self, request_id: str) -> int:
+        """``estimate_cached_tokens`` as vLLM 0.33 computes it, over every block of every table
+        (``check_invariants`` compares the two)."""
         row = self.rows.row_of(request_id)
         if row is None:
             return 0
@@ -1037,7 +1082,8 @@ class TorchKVCacheManager:
         return self.pool.nbytes + self._tab.nbytes + self.rows.nbytes
 
     def check_invariants(self) -> None:
-        """Raise ``InvariantError`` if the pool, the rows and the tables disagree."""
+        """Raise ``InvariantError`` if the pool, the rows and the tables disagree, or a request's
+        estimate of its cached tokens differs from the scan of its tables."""
         pool = self.pool
         pool.check_invariants()
         rows = self.rows
@@ -1093,6 +1139,19 @@ class TorchKVCacheManager:
                     source.row_refs == row_sources.get(index, 0),
                     f"source {index} has a wrong row count",
                 )
+        self._check_estimates()
+
+    def _check_estimates(self) -> None:
+        """Each request's ``estimate_cached_tokens`` equals vLLM's scan of its tables (checked
+        last: it reads the tables the other checks vouch for)."""
+        for request_id, _ in self.rows.items():
+            estimate = self.estimate_cached_tokens(request_id)
+            scan = self._estimate_cached_tokens_by_scan(request_id)
+            require(
+                estimate == scan,
+                f"request {request_id!r}: estimate_cached_tokens {estimate} but its tables hold "
+                f"a prefix of {scan} cached tokens",
+            )
 
 
 @dataclass(frozen=True)

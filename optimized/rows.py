@@ -2,10 +2,10 @@
 
 The block tables themselves (``tables[G, R, W]`` in ``hybridkv.optimized.manager``) say which
 block sits at each position; this class keeps what the manager needs to know about a row without
-reading them: how long each group's table is, where its leading nulls end, how far it is cached,
-and when the row next needs work. The manager, ``hybridkv.optimized.batch`` and
-``hybridkv.optimized.mamba`` read and write these through the named columns below, never through
-offsets into the buffers.
+reading them: how long each group's table is, where its leading nulls end, how far it is cached
+(and where its longest cached prefix can sit), and when the row next needs work. The manager,
+``hybridkv.optimized.batch`` and ``hybridkv.optimized.mamba`` read and write these through the
+named columns below, never through offsets into the buffers.
 
 Data layout (G groups, R = ``max_num_reqs`` rows)
 ----------------------------------------------
@@ -19,6 +19,10 @@ Data layout (G groups, R = ``max_num_reqs`` rows)
                      so the nulls of a row are exactly positions 0 … nulls − 1; for a Mamba
                      ``"align"`` group, whose nulls sit between states, the positions retired)
         cached       the positions already entered into the prefix cache
+    kept[R, G]       int64, same indexing, a buffer of its own (no batch reads it): one past the
+                     last position adopted as a hit or entered into the cache under a retention
+                     mask (which may leave the positions after it, up to ``cached``, uncached);
+                     ``estimate_cached_tokens`` reads the block before it
     next[3, R]       int64, per row, when it next needs work (derived from ``state`` by the
                      manager's ``_refresh``):
         capacity     the tokens its tables hold (a step needing more takes blocks)
@@ -26,10 +30,10 @@ Data layout (G groups, R = ``max_num_reqs`` rows)
                      scheduling) at which a window or chunk next releases a block
         cache_at     the tokens at which its next block is full (and is cached)
 
-Each column is a ``memoryview`` of the buffer (``rows.length[i]``: one indexing operation, for
-the single-request paths) and a row of a tensor (``columns`` ``[3, R·G]``, ``thresholds``
-``[3, R]``: the batched paths). A request takes a row on its first successful allocation
-(``take``) and gives it back when freed (``release``), its counters zeroed.
+Each column is a ``memoryview`` of its buffer (``rows.length[i]``: one indexing operation, for
+the single-request paths) and, but ``kept``, a row of a tensor (``columns`` ``[3, R·G]``,
+``thresholds`` ``[3, R]``: the batched paths). A request takes a row on its first successful
+allocation (``take``) and gives it back when freed (``release``), its counters zeroed.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ class RowTables:
     __slots__ = (
         "_free",
         "_garange",
+        "_kept",
         "_next",
         "_rows",
         "_state",
@@ -55,6 +60,7 @@ class RowTables:
         "cached",
         "capacity",
         "columns",
+        "kept",
         "length",
         "max_num_reqs",
         "nulls",
@@ -73,6 +79,8 @@ class RowTables:
         self.nulls = state[rg : 2 * rg]
         self.cached = state[2 * rg : 3 * rg]
         self.columns = self._state.t.view(3, rg)
+        self._kept = IntBuffer(rg, typecode="q")
+        self.kept = memoryview(self._kept.a)[:rg]
         self._next = IntBuffer(3 * r, typecode="q")
         thresholds = memoryview(self._next.a)
         self.capacity = thresholds[:r]
@@ -101,7 +109,7 @@ class RowTables:
     @property
     def nbytes(self) -> int:
         """Bytes of host memory in the counters."""
-        return self._state.nbytes + self._next.nbytes
+        return self._state.nbytes + self._kept.nbytes + self._next.nbytes
 
     # --- Rows -------------------------------------------------------------------------------
 
@@ -136,9 +144,9 @@ class RowTables:
         the row is next taken)."""
         del self._rows[request_id]
         at = row * self.num_groups
-        length, nulls, cached = self.length, self.nulls, self.cached
+        length, nulls, cached, kept = self.length, self.nulls, self.cached, self.kept
         for i in range(at, at + self.num_groups):
-            length[i] = nulls[i] = cached[i] = 0
+            length[i] = nulls[i] = cached[i] = kept[i] = 0
         self._free.append(row)
 
     def check_invariants(self) -> None:
