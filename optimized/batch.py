@@ -7,10 +7,10 @@ Each is exactly the single-request call applied to each request in order (same r
 
 1. Read every request once (row, computed tokens, tokens in flight, tokens, hashes: C-level
    ``map`` calls; windows and chunks release on the computed tokens less those in flight) and
-   compare with its row's thresholds (``next`` in ``hybridkv.optimized.manager``): a request
-   that needs no new block, releases nothing from a window or chunk and fills no block would
-   change nothing and gets no blocks, so it is not looked at again. In a decode step that is
-   most of them.
+   compare with its row's thresholds (``RowTables.thresholds``, ``hybridkv.optimized.rows``):
+   a request that needs no new block, releases nothing from a window or chunk and fills no
+   block would change nothing and gets no blocks, so it is not looked at again. In a decode
+   step that is most of them.
 2. The requests left ("busy") are served by the single-request call, one by one, if they are
    fewer than ``busy_batch_min`` (with reserved or watermark blocks, every request is: a
    request needing no block fails too when too few are free).
@@ -30,9 +30,9 @@ release; head inserts batch by batch, the last batch first).
 Data layout
 -----------
 Per call, everything is an ``[n, G]`` int64 tensor (n requests, G groups; request-major, so
-that flattening gives the order of sequential calls) gathered from the manager's ``state``
-buffer with one ``index_select`` at ``row × G + g``: table lengths, leading nulls, cached
-positions, blocks required, released positions, new blocks, blocks to cache. Released, new
+that flattening gives the order of sequential calls) gathered from the row counters
+(``RowTables.gather``: one ``index_select`` at ``row × G + g``): table lengths, leading nulls,
+cached positions, blocks required, released positions, new blocks, blocks to cache. Released, new
 and cached positions are enumerated with ``repeat_interleave`` over those counts and become
 flat indices ``(g × R + row) × W + pos`` into the table tensor. Only the blocks taken from the
 free queue (a linked-list walk) and the hashes of newly full blocks (Python ``bytes`` owned by
@@ -51,6 +51,7 @@ import torch
 
 from hybridkv.optimized._buffers import int32_from_bytes, tensor_from_ints
 from hybridkv.optimized.block_pool import hash_key
+from hybridkv.optimized.thresholds import INSERT_MIN
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.events import BlockStored, KVCacheEvent
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
@@ -59,16 +60,6 @@ from hybridkv.spec.errors import check_non_negative
 
 if TYPE_CHECKING:
     from hybridkv.optimized.manager import TorchKVCacheManager
-
-BATCH_MIN = 16
-"""Below this many requests, the single-request calls are cheaper than the tensor calls."""
-
-BUSY_BATCH_MIN = 64
-"""Below this many requests with work to do in a step, they are served one by one."""
-
-INSERT_MIN = 32
-"""Below this many new cache entries, insert them one by one."""
-
 
 _ID = attrgetter("request_id")
 _COMPUTED = attrgetter("num_computed_tokens")
@@ -147,7 +138,7 @@ def _step_fields(
     listed once."""
     n = len(requests)
     ids = list(map(_ID, requests))
-    found = list(map(m._rows.get, ids))
+    found = m.rows.rows_of(ids)
     if None in found or len(set(ids)) != n:
         return None
     rows = cast(list[int], found)
@@ -208,7 +199,7 @@ def _allocate_vectorised(
     if fields is None:
         return None
     rows_list, values = fields
-    b, g_count, w, pool = m.block_size, m.num_groups, m.max_blocks_per_req, m.pool
+    b, w, pool = m.block_size, m.max_blocks_per_req, m.pool
     rows, comp, in_flight, ntok = values[0], values[1], values[2], values[3]
     new_tokens = num_new_tokens if isinstance(num_new_tokens, int) else values[4]
     if m.enable_caching and bool((values[-1] != (ntok - m.lookahead).clamp(min=0) // b).any()):
@@ -222,7 +213,7 @@ def _allocate_vectorised(
     # computed tokens less those in flight (async scheduling), which a step still reads.
     comp = (comp - in_flight).clamp_(min=0)
     if not busy_only:
-        thresholds = m._next.t.view(3, -1)[:, rows]
+        thresholds = m.rows.thresholds[:, rows]
         busy = need > thresholds[0]
         if m._releases:
             busy |= comp >= thresholds[1]
@@ -254,9 +245,8 @@ def _allocate_vectorised(
             for i, result in zip(subset, done, strict=True):
                 merged[i] = result
             return merged
-    pair_index = rows[:, None] * g_count + m._garange  # [n, G]: request-major pairs
-    state = m._state.t.view(3, -1)
-    length, nulls, cached = state.index_select(1, pair_index.view(-1)).view(3, n, g_count)
+    pair_index = m.rows.pair_index(rows)  # [n, G]: request-major pairs
+    length, nulls, cached = m.rows.gather(pair_index)
     required = (need + (b - 1)) // b
     new = (required[:, None] - length).clamp_(min=0)
     if m._releases:
@@ -310,7 +300,9 @@ def _allocate_vectorised(
         assert final is not None
         assert freed is not None
         m._tab.t.index_fill_(0, release_flat, 0)
-        state[1].index_copy_(0, pair_index.view(-1), torch.maximum(nulls, skipped).view(-1))
+        m.rows.columns[1].index_copy_(
+            0, pair_index.view(-1), torch.maximum(nulls, skipped).view(-1)
+        )
         pool.ref.t.index_copy_(0, blocks.to(torch.int64), final.to(torch.int32))
         m._dirty_index.append(release_flat)
     sink: list[tuple[int, KVCacheEvent]] | None = [] if pool.enable_kv_cache_events else None
@@ -326,7 +318,7 @@ def _allocate_vectorised(
         first = table_base + length.view(-1) - (torch.cumsum(per_pair, 0) - per_pair)
         flat = first[torch.repeat_interleave(per_pair)] + torch.arange(total_new)
         m._tab.t.index_copy_(0, flat, torch.frombuffer(array("i", popped), dtype=torch.int32))
-        state[0].index_copy_(0, pair_index.view(-1), (length + new).view(-1))
+        m.rows.columns[0].index_copy_(0, pair_index.view(-1), (length + new).view(-1))
         m._dirty_index.append(flat)
         active = torch.nonzero(new.sum(1)).view(-1).tolist()
     events: list[list[KVCacheEvent]] | None = None
@@ -424,7 +416,7 @@ def _cache_vectorised(
         pool.insert_many(blocks, keys, groups, pos, src_tensor)
         for s, c in Counter(srcs).items():
             pool.source(s).refs += c
-    m._state.t.view(3, -1)[2].index_copy_(
+    m.rows.columns[2].index_copy_(
         0, pair_index.view(-1), torch.maximum(cached, num_full[:, None]).view(-1)
     )
 
@@ -462,7 +454,7 @@ def free_batch(m: TorchKVCacheManager, requests: Sequence[RequestLike]) -> None:
     order: list[tuple[str, int]] = []
     for r in requests:
         rid = r.request_id
-        row = m._rows.get(rid)
+        row = m.rows.row_of(rid)
         if row is not None and rid not in seen:
             seen.add(rid)
             order.append((rid, row))
@@ -470,11 +462,9 @@ def free_batch(m: TorchKVCacheManager, requests: Sequence[RequestLike]) -> None:
         for r in requests:
             m.free(r)
         return
-    g_count, w = m.num_groups, m.max_blocks_per_req
+    w = m.max_blocks_per_req
     rows = torch.frombuffer(array("q", [row for _, row in order]), dtype=torch.int64)
-    pair_index = rows[:, None] * g_count + m._garange
-    state = m._state.t.view(3, -1).index_select(1, pair_index.view(-1)).view(3, *pair_index.shape)
-    length, nulls = state[0], state[1]
+    length, nulls, _ = m.rows.gather(m.rows.pair_index(rows))
     real = (length - nulls).view(-1)  # one release batch per (request, group): its real blocks
     total = int(real.sum())
     if total:

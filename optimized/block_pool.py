@@ -16,7 +16,7 @@ The prefix cache, a chained hash table whose entries are the blocks themselves (
 *primary* key, so no separate entry storage is needed)::
 
     heads[M]                first block of each bucket's chain, N if empty; M is the smallest
-                            power of two >= N (at least 16)
+                            power of two >= N (at least ``MIN_BUCKETS``, 16)
     hnext[N + 1]            next block in the same chain; N ends a chain (and hnext[N] = N)
     hk[N + 1]               int64: (first 4 bytes of the cached hash, little endian, signed)
                             << 32 | (hash index × G + group id); hk[N] = -1 matches nothing
@@ -61,6 +61,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from hybridkv.optimized._buffers import IntBuffer
+from hybridkv.optimized.thresholds import MIN_BUCKETS
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.events import AllBlocksCleared, BlockRemoved, KVCacheEvent
 from hybridkv.spec.errors import require
@@ -123,7 +124,7 @@ class TorchBlockPool:
         self.prev.a[self.tail] = n - 1
         self.num_free_blocks = n - 1
         # Prefix cache.
-        size = 16
+        size = MIN_BUCKETS
         while size < n:
             size *= 2
         self.mask = size - 1

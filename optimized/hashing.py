@@ -26,8 +26,9 @@ Only SHA-256 then runs once per block, as the chain requires: a copy of the stat
 
 The salted first block and a parent that is not 32 bytes take the definition; ids that are
 negative, at least 2**32 or not ints take the reference's path, which encodes or raises exactly
-as ``cbor2`` does. Short inputs (a decode step's new block) also take the reference's path,
-where tensor set-up would cost more than it saves.
+as ``cbor2`` does. Short inputs (below ``VECTOR_MIN_TOKENS`` of ``hybridkv.optimized.thresholds``:
+a decode step's new block) also take the reference's path, where tensor set-up would cost more
+than it saves.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from collections.abc import Sequence
 
 import torch
 
+from hybridkv.optimized.thresholds import VECTOR_MIN_TOKENS
 from hybridkv.reference.block_hash import (
     CBOR_NULL,
     CBOR_PREFIX,
@@ -48,9 +50,6 @@ from hybridkv.reference.block_hash import (
     hash_full_blocks,
     hash_leading_special_blocks,
 )
-
-VECTOR_MIN_TOKENS = 1024
-"""Inputs with fewer tokens to encode than this take the reference's table path."""
 
 _WIDE = 1 << 32
 

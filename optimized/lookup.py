@@ -10,10 +10,11 @@ Data layout
 One ``Lookup`` lives for one ``get_computed_blocks`` call. Per attention type it keeps one memo
 (``TypeProbe``): an int32 buffer ``found[groups, positions]`` (block id, ``MISS`` or
 ``UNKNOWN``) and an int8 buffer of per-position flags (1 when every group of the type has the
-block). Positions are probed in windows: a window of ``VECTOR_MIN`` (position, group) pairs or
+block). Positions are probed in windows: a window of ``vector_min`` (position, group) pairs or
 more goes through the tensor hash table for all groups of the type at once (``probe_tensor``:
 one ``index_select`` per chain step, lanes dropped as their chains end, the last ``TAIL_MAX``
-chains walked on the array views), a smaller one through the array views. The rule functions
+chains walked on the array views), a smaller one through the array views (the sizes are in
+``hybridkv.optimized.thresholds``). The rule functions
 of ``hybridkv.spec.rules`` then read the memo; the full-attention scan of a long prompt reads
 it window by window (``array.index``).
 
@@ -37,21 +38,20 @@ import torch
 
 from hybridkv.optimized._buffers import IntBuffer, int32_from_bytes
 from hybridkv.optimized.block_pool import GROUP_MIX, TorchBlockPool, hash_key
+from hybridkv.optimized.thresholds import (
+    AGREE_MIN_STEP,
+    FLAG_MAX_WINDOW,
+    FLAG_MIN_WINDOW,
+    SCAN_FIRST_WINDOW,
+    TAIL_MAX,
+    VECTOR_MIN,
+)
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.lazy_flags import LazyFlags
 from hybridkv.reference.request import RequestLike
 
 UNKNOWN = -2
 MISS = -1
-VECTOR_MIN = 48
-"""Windows of at least this many (position, group) pairs are probed with tensor calls."""
-
-TAIL_MAX = 32
-"""A tensor probe walks its last chains, once at most this many remain, in Python."""
-
-PRELOAD_MAX = 4096
-"""A prompt with at most this many (position, group) pairs is probed in one tensor call for
-every group at once, before the rules run (cheaper than a call per type)."""
 
 
 def _view(hashes: Sequence[BlockHash], scale: int) -> Sequence[BlockHash]:
@@ -122,7 +122,7 @@ class Lookup:
             # stops at the first difference otherwise (then the search below finds it).
             self._agree[src] = cap
             return pos < cap
-        target = min(max(pos + 1, 2 * agree, agree + 16), cap)
+        target = min(max(pos + 1, 2 * agree, agree + AGREE_MIN_STEP), cap)
         lo, hi = agree * b, target * b
         whole = lo == 0 and hi == len(ours) == len(theirs)
         if same_items(ours, theirs) if whole else same_items(ours[lo:hi], theirs[lo:hi]):
@@ -374,7 +374,7 @@ class TypeProbe:
         """Leading positions cached in every group (the full-attention scan), window by window."""
         flags = self.flags.a
         pos = 0
-        span = 512
+        span = SCAN_FIRST_WINDOW
         while pos < length:
             end = min(length, pos + span)
             self.fill(pos, end)
@@ -401,7 +401,7 @@ class WindowedFlags(LazyFlags):
         super().__init__(length)
         self._memo = memo
         self._leftwards = leftwards
-        self._span = max(span, 8)
+        self._span = max(span, FLAG_MIN_WINDOW)
 
     def flag(self, index: int) -> bool:
         flag = self._memo.flags.a[index]
@@ -410,6 +410,6 @@ class WindowedFlags(LazyFlags):
                 self._memo.fill(max(0, index + 1 - self._span), index + 1)
             else:
                 self._memo.fill(index, min(self._length, index + self._span))
-            self._span = min(self._span * 2, 4096)
+            self._span = min(self._span * 2, FLAG_MAX_WINDOW)
             flag = self._memo.flags.a[index]
         return flag == 1

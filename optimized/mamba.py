@@ -5,9 +5,10 @@ previous one, a prefill checkpoint, the speculative blocks) and nulls everywhere
 nulls are no prefix and the row thresholds and the vectorised step of
 ``hybridkv.optimized.batch`` do not apply. A manager with such a group serves every allocation
 here, one request at a time, step for step as ``KVCacheManager.allocate_slots`` does, with the
-same flat state: the block tables ``_tab``, the lengths ``state[0]`` and the cached positions
-``state[2]`` of ``hybridkv.optimized.manager`` and the ``TorchBlockPool``. ``state[1]`` is the
-leading nulls of an attention group and, for a Mamba group, the positions already retired.
+same flat state: the block tables ``_tab`` of ``hybridkv.optimized.manager``, the row counters
+of ``hybridkv.optimized.rows`` (``length``, ``cached``; ``nulls`` is the leading nulls of an
+attention group and, for a Mamba group, the positions already retired) and the
+``TorchBlockPool``.
 
 What the Mamba manager of the reference keeps besides a table lives in ``MambaState``, keyed by
 (request id, group): the allocated flag, the previous state's position, the checkpoint this
@@ -48,12 +49,16 @@ class MambaState:
     cached_this_step: dict[int, set[Key]] = field(default_factory=dict)
     # (row, group) pairs tracked as running (``num_cached_block`` of the reference).
     running: set[tuple[int, int]] = field(default_factory=set)
+    # The positions of the real blocks of each Mamba table as of its last allocation
+    # (``state_positions`` of the reference): where its longest cached prefix can sit.
+    positions: dict[tuple[str, int], list[int]] = field(default_factory=dict)
 
     def forget(self, request_id: str, groups: Sequence[int]) -> None:
         for g in groups:
             self.allocated.discard((request_id, g))
             self.last_state.pop((request_id, g), None)
             self.checkpoints.pop((request_id, g), None)
+            self.positions.pop((request_id, g), None)
 
 
 def allocate(
@@ -83,7 +88,7 @@ def allocate(
     main = total_computed + num_new_tokens
     need_slot = min(main + num_lookahead_tokens, m.max_model_len)
     in_flight = int(getattr(request, "num_in_flight_tokens", 0))
-    row = m._rows.get(request_id)
+    row = m.rows.row_of(request_id)
     if row is not None:
         _remove_skipped(m, request_id, row, max(0, total_computed - in_flight))
     needed = _num_blocks(
@@ -94,13 +99,14 @@ def allocate(
             m._refresh(row)  # windows may have released blocks
         return None
     if row is None:
-        row = m._take_row(request_id)
+        row = m.rows.take(request_id)
         if any(hits):
             m._adopt(row, hits, num_local_computed)
             for g, rule in enumerate(m.rules):
                 m._mamba.running.add((row, g))
                 if rule.kind == MAMBA_KIND:
-                    m._state.a[m._rg + row * m.num_groups + g] = 0
+                    m.rows.nulls[m.rows.index(row, g)] = 0
+                    _record_adopted(m, request_id, row, g, hits[g], num_local_computed)
     new_blocks = tuple(
         _allocate_group(m, request_id, row, g, need_slot, main) for g in range(m.num_groups)
     )
@@ -129,12 +135,11 @@ def _num_blocks(
     group's checkpoint reservation, unless it is a full-prompt admission's check)."""
     if m.retention_interval != 0:
         prefill_end = 0
-    row = m._rows.get(request_id)
-    st, g_count = m._state.a, m.num_groups
+    row = m.rows.row_of(request_id)
     total = 0
     for g, rule in enumerate(m.rules):
         group_hits = hits[g]
-        held = st[row * g_count + g] if row is not None else 0
+        held = m.rows.length[m.rows.index(row, g)] if row is not None else 0
         if rule.kind == MAMBA_KIND:
             total += _mamba_num_blocks(
                 m, request_id, g, held, group_hits, total_computed, main, apply_cap, prefill_end
@@ -224,8 +229,8 @@ def _checkpoint_position(
     index = rules.cdiv(query_end, b) - 2
     if index < 0:
         return 0
-    row = m._rows.get(request_id)
-    length = m._state.a[row * m.num_groups + g] if row is not None else 0
+    row = m.rows.row_of(request_id)
+    length = m.rows.length[m.rows.index(row, g)] if row is not None else 0
     if (
         row is None
         or index >= length
@@ -242,17 +247,17 @@ def _allocate_group(
     """``allocate_new_blocks`` of one group: its new blocks (a Mamba group also returns the
     nulls and the speculative blocks it moved)."""
     rule = m.rules[g]
-    st, tab = m._state.a, m._tab.a
-    i = row * m.num_groups + g
+    tab, lengths = m._tab.a, m.rows.length
+    i = m.rows.index(row, g)
     base = m._base(g, row)
-    length = st[i]
+    length = lengths[i]
     if rule.kind != MAMBA_KIND:
         count = rule.blocks_for_tokens(num_tokens) - length
         if count <= 0:
             return ()
         blocks = m.pool.pop_n(count)
         _write(m, g, row, length, blocks)
-        st[i] = length + count
+        lengths[i] = length + count
         return tuple(blocks)
     state = m._mamba
     spec_blocks = rule.spec_blocks
@@ -271,6 +276,7 @@ def _allocate_group(
     null_end = state_position - checkpoint
     if length < state_position:
         table.extend([0] * (null_end - length))
+    moved_to = len(table)
     if allocated_before:
         for index in range(length - spec_blocks, length):
             if index >= null_end:
@@ -286,9 +292,29 @@ def _allocate_group(
             f"{request_id!r} ({len(table)} positions)"
         )
     _write(m, g, row, 0, table)
-    st[i] = len(table)
+    lengths[i] = len(table)
     state.allocated.add((request_id, g))
+    # Real blocks: those still held from before, then the moved and the new ones.
+    held = [pos for pos in state.positions.get((request_id, g), ()) if table[pos]]
+    state.positions[request_id, g] = held + list(range(moved_to, len(table)))
     return tuple(appended)
+
+
+def _record_adopted(
+    m: TorchKVCacheManager,
+    request_id: str,
+    row: int,
+    g: int,
+    group_hits: Sequence[int],
+    num_computed: int,
+) -> None:
+    """The positions of the real blocks of an admitted Mamba table: its adopted hit."""
+    skipped = m.rules[g].skipped_positions(num_computed)
+    base = m._base(g, row)
+    tab = m._tab.a
+    m._mamba.positions[request_id, g] = [
+        pos for pos in range(skipped, len(group_hits)) if tab[base + pos]
+    ]
 
 
 def _write(m: TorchKVCacheManager, g: int, row: int, lo: int, blocks: Sequence[int]) -> None:
@@ -303,17 +329,17 @@ def _int_array(values: Sequence[int]) -> array[int]:
 
 def _remove_skipped(m: TorchKVCacheManager, request_id: str, row: int, computed: int) -> None:
     """``remove_skipped_blocks`` of every group, in group order."""
-    st, tab, rg, g_count = m._state.a, m._tab.a, m._rg, m.num_groups
+    tab, rows = m._tab.a, m.rows
     for g, rule in enumerate(m.rules):
         if rule.kind != MAMBA_KIND:
             m._release_skipped_group(row, g, computed)
             continue
-        i = row * g_count + g
+        i = rows.index(row, g)
         base = m._base(g, row)
-        length = st[i]
+        length = rows.length[i]
         skipped = rules.mamba_skipped_tokens(computed) // rule.block_size
         if skipped > 0:
-            first, last = st[rg + i], min(skipped, length)
+            first, last = rows.nulls[i], min(skipped, length)
             if first < last:
                 released = []
                 for index in range(last - 1, first - 1, -1):
@@ -323,7 +349,7 @@ def _remove_skipped(m: TorchKVCacheManager, request_id: str, row: int, computed:
                         tab[base + index] = 0
                 m._touched(g, row, first, last)
                 m.pool.free_blocks(released)
-                st[rg + i] = last
+                rows.nulls[i] = last
         last_state = m._mamba.last_state.get((request_id, g))
         if last_state is not None and last_state < rules.cdiv(computed, rule.block_size) - 1:
             block = tab[base + last_state]
@@ -366,14 +392,13 @@ def cache_mamba_group(
     boundaries: Sequence[int],
 ) -> None:
     """``MambaManager.cache_blocks`` of group ``g`` (``num_tokens``: its cacheable tokens)."""
-    hbs, g_count = m.hash_block_size, m.num_groups
-    st, tab, rg = m._state.a, m._tab.a, m._rg
+    hbs, tab = m.hash_block_size, m._tab.a
     rule = m.rules[g]
     b = rule.block_size
     hashes = request.block_hashes
-    i = row * g_count + g
+    i = m.rows.index(row, g)
     base = m._base(g, row)
-    start = st[2 * rg + i]
+    start = m.rows.cached[i]
     num_full = min(num_tokens, len(hashes) * hbs) // b
     this_step = m._mamba.cached_this_step.setdefault(g, set())
     if start < num_full:
@@ -393,7 +418,7 @@ def cache_mamba_group(
         )
         # A Mamba block is one hash block: the shared loop's hash index is the position.
         m._store_full_blocks(request, row, g, start, num_full, mask, src)
-    after = st[2 * rg + i]
+    after = m.rows.cached[i]
     key = _cache_partial_tail(m, request, row, g, num_tokens)
     if key is not None:
         this_step.add(key)
@@ -410,7 +435,7 @@ def _cache_partial_tail(
     request_id = request.request_id
     b = m.rules[g].block_size
     hbs = m.hash_block_size
-    length = m._state.a[row * m.num_groups + g]
+    length = m.rows.length[m.rows.index(row, g)]
     base = m._base(g, row)
     checkpoint = m._mamba.checkpoints.get((request_id, g))
     if checkpoint is not None:

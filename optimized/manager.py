@@ -14,22 +14,14 @@ Data layout (G groups, R = ``max_num_reqs`` rows, W = ``max_blocks_per_req`` pos
                       row r (positions past its length are stale); on ``device``. With a CUDA
                       device the host keeps an identical copy and every call ends by writing
                       the entries it changed to the device (one indexed copy).
-    state[3, R, G]    int64, per row and group: [0] the table length (positions); [1] the
-                      leading null positions (a window or chunk releases from the front only,
-                      so the nulls of a row are exactly positions 0 … nulls − 1; for a Mamba
-                      "align" group, whose nulls sit between states, the positions retired);
-                      [2] the positions already entered into the prefix cache
-    next[3, R]        int64, per row, when it next needs work, derived from ``state``: [0] the
-                      tokens its tables hold (a step needing more takes blocks); [1] the
-                      processed tokens (computed less ``num_in_flight_tokens``, async
-                      scheduling) at which a window or chunk next releases a block; [2] the
-                      tokens at which its next block is full (and is cached). A batch looks at
-                      these first and works only on the requests that cross one.
 
-Both are ``IntBuffer``s (one flat buffer each, tensor and array views); ``state`` is
-request-major so that a batch gathers ``[n, G]`` blocks of it in one call. A request gets a row
-on its first successful allocation and gives it back when freed; ``row_of`` says which.
-Per-block state lives in ``TorchBlockPool``; lookups in ``hybridkv.optimized.lookup``.
+An ``IntBuffer`` (one flat buffer, tensor and array views). Which request holds which row, and
+per row and group the table's length, leading nulls and cached positions, with the row's
+thresholds (when it next needs work: a batch looks at these first and works only on the
+requests that cross one), live in ``RowTables`` (``hybridkv.optimized.rows``), ``self.rows``. A
+request gets a row on its first successful allocation and gives it back when freed; ``row_of``
+says which. Per-block state lives in ``TorchBlockPool``; lookups in
+``hybridkv.optimized.lookup``.
 
 Groups of one block size take the paths above. With different block sizes every group keeps its
 own positions (``block_table(g)`` is as wide as the largest group's need), sees the hashes at its
@@ -50,9 +42,16 @@ import torch
 
 from hybridkv.optimized import batch, mamba
 from hybridkv.optimized._buffers import IntBuffer, int32_from_bytes, tensor_from_ints
-from hybridkv.optimized.batch import BATCH_MIN, BUSY_BATCH_MIN, INSERT_MIN
 from hybridkv.optimized.block_pool import TorchBlockPool, hash_key
-from hybridkv.optimized.lookup import PRELOAD_MAX, VECTOR_MIN, Lookup, TypeProbe, WindowedFlags
+from hybridkv.optimized.lookup import Lookup, TypeProbe, WindowedFlags
+from hybridkv.optimized.rows import RowTables
+from hybridkv.optimized.thresholds import (
+    BATCH_MIN,
+    BUSY_BATCH_MIN,
+    INSERT_MIN,
+    PRELOAD_MAX,
+    VECTOR_MIN,
+)
 from hybridkv.reference.events import BlockStored, KVCacheEvent, PrefixCacheStats
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import RequestLike
@@ -205,11 +204,9 @@ class TorchKVCacheManager:
         self._dirty: list[tuple[int, int]] = []
         self._dirty_index: list[torch.Tensor] = []
         self._defer_flush = False  # inside ``allocate_slots_batch``: it flushes once at its end
-        self._state = IntBuffer(3 * r * g, typecode="q")
-        self._rg = r * g  # offset of state[1]; state[2] is at 2 × _rg
+        self.rows = RowTables(r, g)
         # Per-group constants of the vectorised paths, as [G] int64 tensors.
-        self._garange = torch.arange(g)
-        self._gtab = self._garange * r  # row 0 of each group's table, in rows
+        self._gtab = torch.arange(g) * r  # row 0 of each group's table, in rows
         spans = [rule.span if rule.kind == SLIDING else _HUGE for rule in self.rules]
         self._wm1 = torch.tensor(spans) - 1
         self._releases = any(rule.releases for rule in self.rules)
@@ -223,10 +220,6 @@ class TorchKVCacheManager:
             )
             for group in config.groups
         ]
-        # When each row next needs work (see ``_refresh``), for ``allocate_slots_batch``.
-        self._next = IntBuffer(3 * r, typecode="q")
-        self._rows: dict[str, int] = {}
-        self._free_rows = list(range(r - 1, -1, -1))
         self._row_src = [-1] * r
         # Groups whose hits take the EAGLE last-block drop: the flagged drafter groups, or
         # every group when none is flagged (``KVCacheCoordinator``).
@@ -261,6 +254,7 @@ class TorchKVCacheManager:
             )
         ]
         self._stats = PrefixCacheStats()
+        # The size thresholds a test may lower (``hybridkv.optimized.thresholds``).
         self.vector_min = VECTOR_MIN
         self.batch_min = BATCH_MIN
         self.busy_batch_min = BUSY_BATCH_MIN
@@ -287,10 +281,15 @@ class TorchKVCacheManager:
 
     def row_of(self, request_id: str) -> int | None:
         """The table row the request occupies, or ``None`` if it holds no blocks."""
-        return self._rows.get(request_id)
+        return self.rows.row_of(request_id)
 
     def _base(self, group_id: int, row: int) -> int:
         return (group_id * self.max_num_reqs + row) * self.max_blocks_per_req
+
+    def _table(self, group_id: int, row: int) -> list[int]:
+        """Group ``group_id``'s block table of the request in row ``row``."""
+        base = self._base(group_id, row)
+        return self._tab.a[base : base + self.rows.length[self.rows.index(row, group_id)]].tolist()
 
     def _touched(self, group_id: int, row: int, lo: int, hi: int) -> None:
         if self._device_tables is not self._tables and hi > lo:
@@ -312,22 +311,9 @@ class TorchKVCacheManager:
         flat = self._device_tables.view(-1)
         flat.index_copy_(0, on_device[:n], on_device[n:].to(torch.int32))
 
-    def _take_row(self, request_id: str) -> int:
-        if not self._free_rows:
-            raise ValueError(
-                f"max_num_reqs must cover every request holding blocks: {self.max_num_reqs} rows "
-                f"are in use, so request {request_id!r} cannot be admitted"
-            )
-        row = self._free_rows.pop()
-        self._rows[request_id] = row
-        return row
-
     def _release_row(self, request_id: str, row: int) -> None:
-        del self._rows[request_id]
-        st, rg, g_count = self._state.a, self._rg, self.num_groups
-        for g in range(g_count):
-            i = row * g_count + g
-            st[i] = st[rg + i] = st[2 * rg + i] = 0
+        """Give the request's row back, with its Mamba bookkeeping and its source."""
+        self.rows.release(request_id, row)
         if self._has_align:
             mamba.release_row(self, row)
         src = self._row_src[row]
@@ -335,7 +321,6 @@ class TorchKVCacheManager:
             self._row_src[row] = -1
             self.pool.source(src).row_refs -= 1
             self.pool.maybe_drop_source(src)
-        self._free_rows.append(row)
 
     # --- Lookup -----------------------------------------------------------------------------
 
@@ -475,7 +460,7 @@ class TorchKVCacheManager:
             num_lookahead_tokens,
             config=self.config,
             enable_caching=self.enable_caching,
-            holds_blocks=self._rows.__contains__,
+            holds_blocks=self.rows.__contains__,
             settings=self.settings,
             allow_fewer_hashes=True,
         )
@@ -530,7 +515,7 @@ class TorchKVCacheManager:
         must stay free."""
         pool = self.pool
         request_id = request.request_id
-        row = self._rows.get(request_id)
+        row = self.rows.row_of(request_id)
         computed = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len)
         need = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         required = [rule.blocks_for_tokens(need) for rule in self.rules]
@@ -539,20 +524,19 @@ class TorchKVCacheManager:
             cache_up_to = min(computed + num_new_tokens, request.num_tokens)
         if row is not None:
             # A running request: the row's thresholds say which steps can do anything.
-            nxt, r = self._next.a, self.max_num_reqs
+            rows = self.rows
             changed = False
             # A step still in flight reads the window's blocks: only processed tokens count.
             processed = max(0, computed - int(getattr(request, "num_in_flight_tokens", 0)))
-            if processed >= nxt[r + row]:
+            if processed >= rows.release_at[row]:
                 self._release_skipped(row, processed)
                 changed = True
             new_blocks: tuple[tuple[int, ...], ...] | None = None
             total = 0
-            grows = need > nxt[row]
+            grows = need > rows.capacity[row]
             if grows:
-                at = row * self.num_groups
-                st = self._state.a
-                total = sum(max(c - st[at + g], 0) for g, c in enumerate(required))
+                at, length = row * self.num_groups, rows.length
+                total = sum(max(c - length[at + g], 0) for g, c in enumerate(required))
             if total + kept_free > pool.num_free_blocks:
                 if changed:
                     self._refresh(row)
@@ -560,7 +544,7 @@ class TorchKVCacheManager:
             if grows:
                 new_blocks = self._extend(row, required)
                 changed = True
-            if cache_up_to >= nxt[2 * r + row]:
+            if cache_up_to >= rows.cache_at[row]:
                 self._cache(request, row, cache_up_to)
                 changed = True
             if changed:
@@ -576,7 +560,7 @@ class TorchKVCacheManager:
             total += sum(1 for b in group_hits[skipped:] if b != 0 and ref[b] == 0)
         if total + kept_free > pool.num_free_blocks:
             return None
-        row = self._take_row(request_id)
+        row = self.rows.take(request_id)
         self._adopt(row, hits, computed)
         admitted = self._extend(row, required)
         if cache_up_to >= 0:
@@ -596,8 +580,8 @@ class TorchKVCacheManager:
         is released)."""
         computed = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len)
         full_length = min(request.num_tokens, self.max_model_len)
-        row = self._rows.get(request.request_id)
-        st = self._state.a
+        row = self.rows.row_of(request.request_id)
+        length = self.rows.length
         total = 0
         ref = self.pool.ref.a
         for g, rule in enumerate(self.rules):
@@ -606,7 +590,7 @@ class TorchKVCacheManager:
             if cap is not None:
                 required = min(required, cap)
             if row is not None:
-                total += max(required - st[row * self.num_groups + g], 0)
+                total += max(required - length[row * self.num_groups + g], 0)
                 continue
             skipped = rule.skipped_positions(computed)
             total += max(required - max(skipped, len(hits[g])), 0)
@@ -616,9 +600,9 @@ class TorchKVCacheManager:
     def _extend(self, row: int, required: list[int]) -> tuple[tuple[int, ...], ...]:
         """Take new blocks, group 0 first, until each group holds ``required`` positions."""
         new_blocks: list[tuple[int, ...]] = []
-        tab, st, at = self._tab.a, self._state.a, row * self.num_groups
+        tab, length, at = self._tab.a, self.rows.length, row * self.num_groups
         for g, count in enumerate(required):
-            have = st[at + g]
+            have = length[at + g]
             count -= have
             if count <= 0:
                 new_blocks.append(())
@@ -626,20 +610,20 @@ class TorchKVCacheManager:
             blocks = self.pool.pop_n(count)
             base = self._base(g, row) + have
             tab[base : base + count] = _int_array(blocks)
-            st[at + g] = have + count
+            length[at + g] = have + count
             self._touched(g, row, have, have + count)
             new_blocks.append(tuple(blocks))
         return tuple(new_blocks)
 
     def _refresh(self, row: int) -> None:
-        """Recompute ``next`` for one row from its ``state``."""
-        st, rg, g_count = self._state.a, self._rg, self.num_groups
+        """Recompute the row's thresholds from its counters (``RowTables``)."""
+        rows = self.rows
         huge = _HUGE
         capacity = release = cache = huge
-        at = row * g_count
+        at = row * self.num_groups
         for g, rule in enumerate(self.rules):
             b = rule.block_size
-            length, nulls, cached = st[at + g], st[rg + at + g], st[2 * rg + at + g]
+            length, nulls, cached = rows.length[at + g], rows.nulls[at + g], rows.cached[at + g]
             capacity = min(capacity, (length - rule.spec_blocks) * b)
             if rule.kind == SLIDING:
                 release = min(release, (nulls + 1) * b + rule.span - 1)
@@ -648,18 +632,16 @@ class TorchKVCacheManager:
             cache = min(cache, (cached + 1) * b)
         if self._general:
             cache = 0  # scheduler-block rounding, prompt tails, Mamba: every call looks
-        nxt, r = self._next.a, self.max_num_reqs
-        nxt[row] = capacity
-        nxt[r + row] = release
-        nxt[2 * r + row] = cache
+        rows.capacity[row] = capacity
+        rows.release_at[row] = release
+        rows.cache_at[row] = cache
 
     def _refresh_rows(self, rows: torch.Tensor) -> None:
         """``_refresh`` for many rows (an int64 tensor), in tensor calls."""
-        b, g_count = self.block_size, self.num_groups
-        pair_index = rows[:, None] * g_count + self._garange
-        length, nulls, cached = self._state.t.view(3, -1)[:, pair_index]
+        b = self.block_size
+        length, nulls, cached = self.rows.gather(self.rows.pair_index(rows))
         capacity = length * b
-        nxt = self._next.t.view(3, -1)
+        nxt = self.rows.thresholds
         nxt[0, rows] = capacity.amin(1)
         if self._releases:
             release = (nulls + 1) * b + self._wm1
@@ -671,8 +653,7 @@ class TorchKVCacheManager:
 
     def _adopt(self, row: int, hits: BlockIds, computed: int) -> None:
         """Admit a request: null positions for its skipped tokens, then its adopted hits."""
-        st, rg, g_count = self._state.a, self._rg, self.num_groups
-        tab = self._tab.a
+        rows, tab = self.rows, self._tab.a
         everything = [
             b
             for g, rule in enumerate(self.rules)
@@ -692,10 +673,9 @@ class TorchKVCacheManager:
             nulls = skipped
             while nulls < size and tab[base + nulls] == 0:
                 nulls += 1
-            i = row * g_count + g
-            st[i] = size
-            st[rg + i] = nulls
-            st[2 * rg + i] = size
+            i = rows.index(row, g)
+            rows.length[i] = rows.cached[i] = rows.kept[i] = size
+            rows.nulls[i] = nulls
             self._touched(g, row, 0, size)
 
     def _release_skipped(self, row: int, computed: int) -> None:
@@ -708,17 +688,17 @@ class TorchKVCacheManager:
         rule = self.rules[g]
         if not rule.releases:
             return
-        st, rg, tab = self._state.a, self._rg, self._tab.a
-        i = row * self.num_groups + g
-        skipped = min(rule.skipped_positions(computed), st[i])
-        nulls = st[rg + i]
+        rows, tab = self.rows, self._tab.a
+        i = rows.index(row, g)
+        skipped = min(rule.skipped_positions(computed), rows.length[i])
+        nulls = rows.nulls[i]
         if skipped <= nulls:
             return
         base = self._base(g, row)
         released = tab[base + nulls : base + skipped].tolist()
         released.reverse()
         tab[base + nulls : base + skipped] = _int_array([0] * (skipped - nulls))
-        st[rg + i] = skipped
+        rows.nulls[i] = skipped
         self._touched(g, row, nulls, skipped)
         self.pool.free_blocks(released)
 
@@ -748,13 +728,13 @@ class TorchKVCacheManager:
         pool = self.pool
         b, g_count = self.block_size, self.num_groups
         num_full = min(num_tokens // b, len(request.block_hashes))
-        tab, st, at = self._tab.a, self._state.a, 2 * self._rg + row * g_count
+        tab, cached, at = self._tab.a, self.rows.cached, row * g_count
         entries: list[tuple[int, int, int, int]] = []  # (block, group, position, hash index)
         hashes = request.block_hashes
         src = -1
         boundaries: list[int] | None = None
         for g in range(g_count):
-            start = st[at + g]
+            start = cached[at + g]
             if start >= num_full:
                 continue
             if src < 0:
@@ -770,7 +750,9 @@ class TorchKVCacheManager:
                 if block and (mask is None or mask[pos - start]):
                     entries.append((block, g, pos, pos))
                     new_hashes.append(hashes[pos])
-            st[at + g] = num_full
+            cached[at + g] = num_full
+            if mask is not None and new_hashes:
+                self.rows.kept[at + g] = entries[-1][2] + 1
             if pool.enable_kv_cache_events:
                 parent = hashes[start - 1] if start else None
                 tokens = tuple(request.all_token_ids[start * b : num_full * b])
@@ -805,8 +787,7 @@ class TorchKVCacheManager:
         """``_cache`` for groups with different block sizes: each group caches its full blocks
         at its block size (keyed by the hash at the block's last hash boundary), one by one; a
         full-attention block larger than the hash block also keeps the prompt's tail entry."""
-        hbs, g_count = self.hash_block_size, self.num_groups
-        st, rg = self._state.a, self._rg
+        hbs = self.hash_block_size
         num_hashed = len(request.block_hashes) * hbs
         boundaries: list[int] | None = None
         for g, rule in enumerate(self.rules):
@@ -818,8 +799,7 @@ class TorchKVCacheManager:
                     boundaries = self._reachable_boundaries(request)
                 mamba.cache_mamba_group(self, request, row, g, tokens, boundaries)
                 continue
-            i = row * g_count + g
-            start = st[2 * rg + i]
+            start = self.rows.cached[self.rows.index(row, g)]
             num_full = min(tokens, num_hashed) // b
             if start < num_full:
                 src = self._source_of(request, row, num_full * scale, num_full * b)
@@ -852,6 +832,7 @@ class TorchKVCacheManager:
         view = hashes[scale - 1 :: scale] if scale > 1 else hashes
         tab, base = self._tab.a, self._base(g, row)
         new_hashes = []
+        kept = 0
         for pos in range(start, num_full):
             block = tab[base + pos]
             if not block or (mask is not None and not mask[pos - start]):
@@ -860,7 +841,11 @@ class TorchKVCacheManager:
             hidx = (pos + 1) * scale - 1
             pool.insert(block, hashes[hidx], g, hidx, src)
             new_hashes.append(view[pos])
-        self._state.a[2 * self._rg + row * self.num_groups + g] = num_full
+            kept = pos + 1
+        i = self.rows.index(row, g)
+        self.rows.cached[i] = num_full
+        if mask is not None and kept:
+            self.rows.kept[i] = kept
         self._mamba.running.add((row, g))
         if pool.enable_kv_cache_events:
             parent = view[start - 1] if start else None
@@ -878,7 +863,7 @@ class TorchKVCacheManager:
         if boundary == 0 or boundary > num_tokens or boundary % b == 0:
             return
         index = boundary // b
-        if index >= self._state.a[row * self.num_groups + g]:
+        if index >= self.rows.length[self.rows.index(row, g)]:
             return
         block = self._tab.a[self._base(g, row) + index]
         if block == 0:
@@ -960,13 +945,11 @@ class TorchKVCacheManager:
         """Release every block of the request, each group as one batch (a no-op if none)."""
         if self._has_align:
             mamba.free(self, request.request_id)
-        row = self._rows.get(request.request_id)
+        row = self.rows.row_of(request.request_id)
         if row is None:
             return
-        st, g_count = self._state.a, self.num_groups
-        for g in range(g_count):
-            base = self._base(g, row)
-            walk = self._tab.a[base : base + st[row * g_count + g]].tolist()
+        for g in range(self.num_groups):
+            walk = self._table(g, row)
             walk.reverse()
             self.pool.free_blocks(walk)
         self._release_row(request.request_id, row)
@@ -978,7 +961,7 @@ class TorchKVCacheManager:
             return
         hbs = self.hash_block_size
         check_block_hashes(request, hbs, self.lookahead, allow_fewer=True)
-        row = self._rows.get(request.request_id)
+        row = self.rows.row_of(request.request_id)
         if row is None:
             num_hashed = len(request.block_hashes) * hbs
             if any(
@@ -992,29 +975,63 @@ class TorchKVCacheManager:
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's whole block table per group (empty lists for an unknown request)."""
-        row = self._rows.get(request_id)
+        row = self.rows.row_of(request_id)
         if row is None:
             return tuple([] for _ in range(self.num_groups))
-        st, g_count = self._state.a, self.num_groups
-        out: list[list[int]] = []
-        for g in range(g_count):
-            base = self._base(g, row)
-            out.append(self._tab.a[base : base + st[row * g_count + g]].tolist())
-        return tuple(out)
+        return tuple(self._table(g, row) for g in range(self.num_groups))
 
     def estimate_cached_tokens(self, request_id: str) -> int:
         """Tokens of the request that are in the prefix cache: per group the longest prefix one
         of its blocks is cached under (``block_hash_num_tokens``: the primary key's hash index
         plus one, in hash blocks), the minimum over the groups; 0 for an unknown request
-        (``KVCacheManager.estimate_cached_tokens``)."""
-        row = self._rows.get(request_id)
+        (``KVCacheManager.estimate_cached_tokens``). Each group reads the blocks at a few
+        positions (``_prefix_positions``): O(groups), whatever the request's length."""
+        row = self.rows.row_of(request_id)
         if row is None:
             return 0
-        pool, st, g_count = self.pool, self._state.a, self.num_groups
+        cached: int | None = None
+        for g in range(self.num_groups):
+            longest = self._cached_prefix_tokens(request_id, row, g)
+            cached = longest if cached is None else min(cached, longest)
+        return cached or 0
+
+    def _prefix_positions(self, request_id: str, row: int, g: int) -> Sequence[int]:
+        """Table positions among which the longest cached prefix of group ``g``'s table sits
+        (``SingleTypeKVCacheManager.prefix_positions`` says why): for an attention group the
+        last position adopted or kept under a retention mask, the last cached one and the
+        first not cached (a prompt-tail entry); for a Mamba ``"align"`` group its real
+        blocks."""
+        if self.rules[g].kind == MAMBA:
+            return self._mamba.positions.get((request_id, g), ())
+        i = self.rows.index(row, g)
+        cached = self.rows.cached[i]
+        return self.rows.kept[i] - 1, cached - 1, cached
+
+    def _cached_prefix_tokens(self, request_id: str, row: int, g: int) -> int:
+        """The largest ``block_hash_num_tokens`` of group ``g``'s table (0 when no block is
+        cached), read at ``_prefix_positions``."""
+        pool, tab, base = self.pool, self._tab.a, self._base(g, row)
+        length = self.rows.length[self.rows.index(row, g)]
+        longest = -1
+        for pos in self._prefix_positions(request_id, row, g):
+            if 0 <= pos < length:
+                block = tab[base + pos]
+                if block and pool.src.a[block] >= 0:
+                    longest = max(longest, pool.hash_index(block))
+        return (longest + 1) * self.hash_block_size
+
+    def _estimate_cached_tokens_by_scan(self, request_id: str) -> int:
+        """``estimate_cached_tokens`` as vLLM 0.33 computes it, over every block of every table
+        (``check_invariants`` compares the two)."""
+        row = self.rows.row_of(request_id)
+        if row is None:
+            return 0
+        pool, g_count = self.pool, self.num_groups
         cached: int | None = None
         for g in range(g_count):
             base = self._base(g, row)
-            table = self._tab.t[base : base + st[row * g_count + g]].to(torch.int64)
+            length = self.rows.length[self.rows.index(row, g)]
+            table = self._tab.t[base : base + length].to(torch.int64)
             held = table[pool.src.t[table] >= 0]
             longest = 0
             if held.numel():
@@ -1062,25 +1079,22 @@ class TorchKVCacheManager:
     @property
     def host_nbytes(self) -> int:
         """Bytes of host memory in the manager's tensors (pool and tables)."""
-        return self.pool.nbytes + self._tab.nbytes + self._state.nbytes
+        return self.pool.nbytes + self._tab.nbytes + self.rows.nbytes
 
     def check_invariants(self) -> None:
-        """Raise ``InvariantError`` if the pool, the rows and the tables disagree."""
+        """Raise ``InvariantError`` if the pool, the rows and the tables disagree, or a request's
+        estimate of its cached tokens differs from the scan of its tables."""
         pool = self.pool
         pool.check_invariants()
-        r = self.max_num_reqs
+        rows = self.rows
+        rows.check_invariants()
         holders = [0] * self.config.num_blocks
         owner: dict[int, int] = {}
-        require(
-            len(self._rows) + len(self._free_rows) == r
-            and sorted(list(self._rows.values()) + self._free_rows) == list(range(r)),
-            "table rows are lost or shared",
-        )
         row_sources: dict[int, int] = {}
-        for request_id, row in self._rows.items():
+        for request_id, row in rows.items():
             for g in range(self.num_groups):
-                table = self.get_block_ids(request_id)[g]
-                nulls = self._state.a[self._rg + row * self.num_groups + g]
+                table = self._table(g, row)
+                nulls = rows.nulls[rows.index(row, g)]
                 if self.rules[g].kind == MAMBA:
                     # Nulls anywhere, but few real blocks (``_check_null_positions``).
                     real = sum(1 for b in table if b)
@@ -1108,11 +1122,10 @@ class TorchKVCacheManager:
             src = self._row_src[row]
             if src >= 0:
                 row_sources[src] = row_sources.get(src, 0) + 1
-            nxt = self._next.a
-            stored = [nxt[row + k * r] for k in range(3)]
+            stored = rows.thresholds[:, row].tolist()
             self._refresh(row)
             require(
-                stored == [nxt[row + k * r] for k in range(3)],
+                stored == rows.thresholds[:, row].tolist(),
                 f"thresholds of {request_id!r} are stale",
             )
         for block in range(1, self.config.num_blocks):
@@ -1126,6 +1139,19 @@ class TorchKVCacheManager:
                     source.row_refs == row_sources.get(index, 0),
                     f"source {index} has a wrong row count",
                 )
+        self._check_estimates()
+
+    def _check_estimates(self) -> None:
+        """Each request's ``estimate_cached_tokens`` equals vLLM's scan of its tables (checked
+        last: it reads the tables the other checks vouch for)."""
+        for request_id, _ in self.rows.items():
+            estimate = self.estimate_cached_tokens(request_id)
+            scan = self._estimate_cached_tokens_by_scan(request_id)
+            require(
+                estimate == scan,
+                f"request {request_id!r}: estimate_cached_tokens {estimate} but its tables hold "
+                f"a prefix of {scan} cached tokens",
+            )
 
 
 @dataclass(frozen=True)

@@ -242,7 +242,17 @@ class KVCacheManager:
     def estimate_cached_tokens(self, request_id: str) -> int:
         """Tokens of the request that are in the prefix cache: per group the longest prefix one
         of its blocks is cached under, the minimum over the groups (vLLM's estimate, read from
-        the request's own tables, not the pool)."""
+        the request's own tables, not the pool). Each group reads a few positions of its table
+        (``SingleTypeKVCacheManager.prefix_positions``): O(groups), whatever the length."""
+        cached: int | None = None
+        for manager in self.coordinator.managers:
+            longest = manager.cached_prefix_tokens(request_id)
+            cached = longest if cached is None else min(cached, longest)
+        return cached or 0
+
+    def _estimate_cached_tokens_by_scan(self, request_id: str) -> int:
+        """``estimate_cached_tokens`` as vLLM 0.33 computes it, over every block of every table
+        (``check_invariants`` compares the two)."""
         cached: int | None = None
         for table in self.coordinator.get_blocks(request_id):
             longest = max((block.block_hash_num_tokens or 0 for block in table), default=0)
@@ -292,7 +302,8 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` if the pool and the managers disagree (tests call it after
         every step): reference counts equal holders, no block in two groups, nulls only where
-        the group's type puts them."""
+        the group's type puts them, and each request's estimate of its cached tokens equal to
+        the scan of its tables."""
         self.block_pool.check_invariants()
         holders: Counter[int] = Counter()
         owner_group: dict[int, int] = {}
@@ -313,6 +324,15 @@ class KVCacheManager:
             require(
                 block.ref_cnt == count,
                 f"block {block.block_id} has ref_cnt {block.ref_cnt} but {count} holders",
+            )
+        # Last: the estimate reads the tables the checks above vouch for.
+        for request_id in {r for m in self.coordinator.managers for r in m.req_to_blocks}:
+            estimate = self.estimate_cached_tokens(request_id)
+            scan = self._estimate_cached_tokens_by_scan(request_id)
+            require(
+                estimate == scan,
+                f"request {request_id!r}: estimate_cached_tokens {estimate} but its tables hold "
+                f"a prefix of {scan} cached tokens",
             )
 
     # --- Validation (hybridkv.reference.validation) ------------------------------------------

@@ -24,6 +24,10 @@ Counts a manager receives (vLLM's names, so the two read alike):
 A request is *running* in a group once the group tracks its cached positions
 (``num_cached_block``): from its first adopted hit, or from the first time one of its blocks
 is cached. Until then every allocation counts as an admission.
+
+The longest prefix one of a request's blocks is cached under (vLLM's per-group
+``estimate_cached_tokens``: the largest ``block_hash_num_tokens`` of its table) is read at the
+few positions that can hold it (``prefix_positions``), not by scanning the table.
 """
 
 from __future__ import annotations
@@ -97,6 +101,9 @@ class SingleTypeKVCacheManager(ABC):
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Positions of each running request's table already entered into the prefix cache.
         self.num_cached_block: dict[str, int] = {}
+        # One past the last position each running request adopted as a hit or entered into the
+        # prefix cache itself (a retention mask may leave the positions after it uncached).
+        self.num_kept_block: dict[str, int] = {}
 
     # --- Hooks ------------------------------------------------------------------------------
 
@@ -180,6 +187,7 @@ class SingleTypeKVCacheManager(ABC):
         table.extend([self.block_pool.null_block] * skipped + adopted)
         # Hits are cached already; nulls hold nothing to cache.
         self.num_cached_block[request_id] = len(table)
+        self.num_kept_block[request_id] = len(table)
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int
@@ -218,9 +226,10 @@ class SingleTypeKVCacheManager(ABC):
                 # A sibling diverging right after the junction cannot peek past it.
                 boundaries.append(shared - self.block_size)
         mask = self.reachable_block_mask(num_cached, num_full, retention_interval, boundaries)
+        table = self.req_to_blocks[request_id]
         self.block_pool.cache_full_blocks(
             request,
-            self.req_to_blocks[request_id],
+            table,
             num_cached_blocks=num_cached,
             num_full_blocks=num_full,
             block_size=self.block_size,
@@ -228,6 +237,46 @@ class SingleTypeKVCacheManager(ABC):
             block_mask=mask,
         )
         self.num_cached_block[request_id] = num_full
+        for index in range(num_full - 1, num_cached - 1, -1):
+            # The last position ``cache_full_blocks`` entered (it skips nulls and masked ones).
+            if not table[index].is_null and (mask is None or mask[index - num_cached]):
+                self.num_kept_block[request_id] = index + 1
+                break
+
+    # --- Estimate ---------------------------------------------------------------------------
+
+    def cached_prefix_tokens(self, request_id: str) -> int:
+        """The longest prefix one of the request's blocks is cached under: the largest
+        ``block_hash_num_tokens`` of its table (0 when none is cached), read at
+        ``prefix_positions`` only."""
+        table = self.req_to_blocks.get(request_id, [])
+        return max(
+            (
+                table[index].block_hash_num_tokens or 0
+                for index in self.prefix_positions(request_id)
+                if 0 <= index < len(table)
+            ),
+            default=0,
+        )
+
+    def prefix_positions(self, request_id: str) -> tuple[int, ...]:
+        """Table positions among which the longest cached prefix of the table sits.
+
+        An attention table's block at position ``i`` is cached under ``(i + 1) × block_size``
+        tokens (an adopted hit, or a full block the request cached) or, the prompt-tail entry
+        of a full-attention block larger than the hash block, under fewer: the further right,
+        the longer. A held attention block keeps its key (a prompt-tail entry only grows into
+        the full-block key; only Mamba states lose or change keys while held). Positions from
+        ``num_cached_block`` on hold blocks the request took fresh, without a key but for a
+        prompt-tail entry, which can sit at ``num_cached_block`` only (caching its block whole
+        moves the count past it). Below it, the positions after the last one kept hold nulls or
+        blocks a retention mask left uncached. So the longest prefix is at the last kept
+        position or at ``num_cached_block``; a window's released position reads as a null, and
+        then every position before it is one too."""
+        return (
+            self.num_kept_block.get(request_id, 0) - 1,
+            self.num_cached_block.get(request_id, 0),
+        )
 
     # --- Release ----------------------------------------------------------------------------
 
@@ -257,6 +306,7 @@ class SingleTypeKVCacheManager(ABC):
         """Release the whole table, last position first, so the tail is evicted first."""
         table = self.req_to_blocks.pop(request_id, [])
         self.num_cached_block.pop(request_id, None)
+        self.num_kept_block.pop(request_id, None)
         self.block_pool.free_blocks(table[::-1])
 
     def new_step_starts(self) -> None:  # noqa: B027 (a hook: only Mamba keeps per-step state)
@@ -515,6 +565,9 @@ class MambaManager(SingleTypeKVCacheManager):
         self.allocated_block_reqs: set[str] = set()
         # Align mode: (checkpoint token position, table position) reserved by this allocation.
         self.checkpoints: dict[str, tuple[int, int]] = {}
+        # Align mode: the positions of the request's real blocks (states, checkpoint,
+        # speculative blocks), as of its last allocation: a few, wherever they sit.
+        self.state_positions: dict[str, list[int]] = {}
 
     # --- Cache hits -------------------------------------------------------------------------
 
@@ -557,7 +610,30 @@ class MambaManager(SingleTypeKVCacheManager):
             reachable_boundaries=reachable_boundaries,
         )
 
+    def prefix_positions(self, request_id: str) -> tuple[int, ...]:
+        """Align mode: every real block's position. A state's key need not match its position
+        (a checkpoint is keyed at its own boundary), another request may re-key or evict a state
+        it shares, and speculative blocks move: only the few real blocks bound the search."""
+        if not self.align:
+            return super().prefix_positions(request_id)
+        return tuple(self.state_positions.get(request_id, ()))
+
     # --- Allocation -------------------------------------------------------------------------
+
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_computed_tokens: int,
+    ) -> None:
+        """Align mode also records where the adopted state sits (the table is the skipped
+        nulls, then the hit: nulls and one state)."""
+        super().add_local_computed_blocks(request_id, new_computed_blocks, num_computed_tokens)
+        if self.align:
+            table = self.req_to_blocks[request_id]
+            self.state_positions[request_id] = [
+                index for index, block in enumerate(table) if not block.is_null
+            ]
 
     def get_num_blocks_to_allocate(
         self,
@@ -673,6 +749,7 @@ class MambaManager(SingleTypeKVCacheManager):
         null_end = state_position - checkpoint
         if previous_length < state_position:
             table.extend([self.block_pool.null_block] * (null_end - previous_length))
+        moved_to = len(table)
         if allocated_before:
             # Speculative blocks the state moved past go to the end of the table (same ids).
             for index in range(previous_length - self.num_speculative_blocks, previous_length):
@@ -684,6 +761,9 @@ class MambaManager(SingleTypeKVCacheManager):
         appended = table[previous_length:] + new_blocks
         table.extend(new_blocks)
         self.allocated_block_reqs.add(request_id)
+        # Real blocks: those still held from before, then the moved and the new ones.
+        held = [i for i in self.state_positions.get(request_id, ()) if not table[i].is_null]
+        self.state_positions[request_id] = held + list(range(moved_to, len(table)))
         return appended
 
     # --- Caching ----------------------------------------------------------------------------
@@ -823,6 +903,7 @@ class MambaManager(SingleTypeKVCacheManager):
         self.last_state_block_idx.pop(request_id, None)
         self.num_retired_blocks.pop(request_id, None)
         self.checkpoints.pop(request_id, None)
+        self.state_positions.pop(request_id, None)
         super().free(request_id)
 
     def new_step_starts(self) -> None:

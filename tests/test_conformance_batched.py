@@ -131,9 +131,13 @@ def test_the_optimized_backend_takes_small_thresholds_on_odd_pools() -> None:
     even = backend[1](_config(10), 16, True, False, EngineOptions())
     assert isinstance(odd, ProtocolAdapter)
     assert isinstance(even, ProtocolAdapter)
+    from hybridkv.optimized import thresholds
+
     for attribute, value in SMALL_THRESHOLDS.items():
         assert getattr(odd.manager, attribute) == value
-    assert (even.manager.batch_min, even.manager.busy_batch_min) == (16, 64)  # type: ignore[attr-defined]
+        # The production value, from the constants (which the small ones leave unchanged).
+        assert getattr(even.manager, attribute) == getattr(thresholds, attribute.upper())
+    assert (thresholds.BATCH_MIN, thresholds.BUSY_BATCH_MIN) == (16, 64)
 
 
 def test_the_shares_are_reported() -> None:

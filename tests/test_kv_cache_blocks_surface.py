@@ -181,6 +181,29 @@ def test_estimate_cached_tokens_is_the_shortest_group(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_estimate_cached_tokens_reads_the_blocks_not_the_cached_count(backend: str) -> None:
+    """A window that released every block it cached holds no cached prefix, though it still
+    counts those positions as cached: vLLM's estimate (a scan of the blocks) is 0."""
+    config = KVCacheConfig(32, CONFIG.groups)
+    manager: Manager = (
+        KVCacheManager(config, 64)
+        if backend == "reference"
+        else TorchKVCacheManager(config, 64, max_num_reqs=4)
+    )
+    request = Request("r", list(range(24)), hash_block_size=4)
+    manager.allocate_slots(request, 24, delay_cache_blocks=True)
+    request.num_computed_tokens = 24
+    manager.cache_blocks(request, 8)  # positions 0 and 1 of both groups
+    assert manager.estimate_cached_tokens("r") == 8
+    request.append_output_token_ids(24)
+    manager.allocate_slots(request, 1, delay_cache_blocks=True)  # the window drops 0 … 3
+    assert manager.get_block_ids("r") == ([1, 2, 3, 4, 5, 6, 10], [0, 0, 0, 0, 11, 12, 9])
+    assert manager.estimate_cached_tokens("r") == 0
+    assert manager._estimate_cached_tokens_by_scan("r") == 0
+    manager.check_invariants()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_requests_with_fewer_block_hashes_use_their_hashed_blocks(backend: str) -> None:
     manager = make(backend)
     first = Request("a", list(range(16)), hash_block_size=4)

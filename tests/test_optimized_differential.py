@@ -4,6 +4,9 @@ Every call's result (hits, new blocks, ``None``s, tables), the pool snapshot (fr
 reference counts, cached blocks, keys), events and statistics must be equal after each step;
 the optimized backend's invariant checker runs after each step too. The probes run once with
 tensor windows everywhere and once without them, so both lookup paths are compared.
+
+Each request's ``estimate_cached_tokens``, which reads a few table positions per group, must
+also equal vLLM's scan of its whole tables (``_estimate_cached_tokens_by_scan``), on both.
 """
 
 from __future__ import annotations
@@ -123,6 +126,45 @@ def engine_layouts(draw: st.DrawFn) -> Layout:
     )
 
 
+@st.composite
+def estimate_layouts(draw: st.DrawFn) -> Layout:
+    """Every kind of table ``estimate_cached_tokens`` reads differently: the unit and engine
+    layouts, plus windows and chunks under sparse retention beside a Mamba ``"align"`` group,
+    and full-attention blocks larger than the hash block (prompt-tail entries) beside one."""
+    kind = draw(st.sampled_from(["unit", "engine", "local", "tail"]))
+    if kind == "unit":
+        return draw(unit_layouts())
+    if kind == "engine":
+        return draw(engine_layouts())
+    b = draw(st.sampled_from([1, 2]))
+    mamba = MambaSpec(
+        block_size=b,
+        state_bytes=16,
+        mamba_cache_mode="align",
+        num_speculative_blocks=draw(st.integers(0, 2)),
+        num_prefill_checkpoint_blocks=draw(st.integers(0, 1)),
+        prefill_checkpoint_alignment=draw(st.sampled_from([None, 1])),
+    )
+    window = SlidingWindowSpec(block_size=b, sliding_window=draw(st.integers(2, 9)), **SIZES)
+    specs: tuple[KVCacheSpec, ...]
+    if kind == "local":
+        chunk = ChunkedLocalAttentionSpec(
+            block_size=b, attention_chunk_size=draw(st.integers(1, 9)), **SIZES
+        )
+        specs = (chunk, window, mamba)
+    else:
+        specs = (FullAttentionSpec(block_size=2 * b, **SIZES), window, mamba)
+    order: list[KVCacheSpec] = draw(st.permutations(list(specs)))
+    specs = tuple(order[: draw(st.integers(2, 3))])
+    if not any(isinstance(spec, (SlidingWindowSpec, MambaSpec)) for spec in specs):
+        specs = (*specs, mamba)
+    scheduler = max(spec.block_size for spec in specs)
+    retention = draw(st.sampled_from([None, 0, scheduler, 2 * scheduler]))
+    # A chunk cannot take the EAGLE drop.
+    eagle = kind == "tail" and draw(st.booleans())
+    return Layout(specs, True, retention, use_eagle=eagle)
+
+
 @dataclass
 class Twin:
     """One request as seen by each backend (separate objects: nothing shared by accident)."""
@@ -139,7 +181,10 @@ def same_state(ref: KVCacheManager, opt: TorchKVCacheManager, ids: list[str]) ->
     assert opt.take_events() == ref.take_events()
     for rid in ids:
         assert opt.get_block_ids(rid) == ref.get_block_ids(rid)
-        assert opt.estimate_cached_tokens(rid) == ref.estimate_cached_tokens(rid), rid
+        estimate = ref.estimate_cached_tokens(rid)
+        assert estimate == ref._estimate_cached_tokens_by_scan(rid), rid
+        assert opt.estimate_cached_tokens(rid) == estimate, rid
+        assert opt._estimate_cached_tokens_by_scan(rid) == estimate, rid
     opt.check_invariants()
 
 
@@ -336,6 +381,21 @@ def test_batched_steps_match_sequential_reference_calls(data: st.DataObject) -> 
     """Every batch vectorised (however small), and batches split between vectorised and
     single-request work (``batch_min`` 3)."""
     run_traffic(data, vector_min=1, batched=True, batch_min=data.draw(st.sampled_from([1, 3])))
+
+
+@SETTINGS
+@given(st.data())
+def test_estimates_read_at_a_few_positions_equal_the_scan(data: st.DataObject) -> None:
+    """``estimate_cached_tokens`` (a few positions per group) against the scan of the tables
+    (``same_state``) on every layout kind: windows and chunks releasing cached blocks, sparse
+    retention, Mamba ``"none"`` (caching off) and ``"align"`` groups, mixed block sizes,
+    prompt-tail entries, delayed caching and adopted hits."""
+    run_traffic(
+        data,
+        vector_min=data.draw(st.sampled_from([1, 10_000])),
+        batched=data.draw(st.booleans()),
+        layout_strategy=estimate_layouts(),
+    )
 
 
 @SETTINGS

@@ -546,7 +546,8 @@ def reference_stand_in() -> Backend:
 
 SMALL_THRESHOLDS = {"batch_min": 2, "busy_batch_min": 2, "vector_min": 1}
 """The optimized backend's size thresholds on half the layouts (an odd pool): every batch of two
-requests or more, and every lookup, takes the vectorised path."""
+requests or more, and every lookup, takes the vectorised path. Each is a manager attribute that
+starts at its constant in ``hybridkv.optimized.thresholds``; the constants stay as they are."""
 
 
 def optimized_backend(

@@ -1,0 +1,158 @@
+"""``RowTables``: which block-table row each request holds, and the counters of every row's tables.
+
+The block tables themselves (``tables[G, R, W]`` in ``hybridkv.optimized.manager``) say which
+block sits at each position; this class keeps what the manager needs to know about a row without
+reading them: how long each group's table is, where its leading nulls end, how far it is cached
+(and where its longest cached prefix can sit), and when the row next needs work. The manager,
+``hybridkv.optimized.batch`` and ``hybridkv.optimized.mamba`` read and write these through the
+named columns below, never through offsets into the buffers.
+
+Data layout (G groups, R = ``max_num_reqs`` rows)
+----------------------------------------------
+::
+
+    state[3, R, G]   int64, one flat ``IntBuffer``; row r, group g is at index ``r × G + g``
+                     (``index(row, g)``) of each column (request-major, so that a batch gathers
+                     the ``[n, G]`` counters of n rows with one ``index_select``):
+        length       the table length (positions past it are stale)
+        nulls        the leading null positions (a window or chunk releases from the front only,
+                     so the nulls of a row are exactly positions 0 … nulls − 1; for a Mamba
+                     ``"align"`` group, whose nulls sit between states, the positions retired)
+        cached       the positions already entered into the prefix cache
+    kept[R, G]       int64, same indexing, a buffer of its own (no batch reads it): one past the
+                     last position adopted as a hit or entered into the cache under a retention
+                     mask (which may leave the positions after it, up to ``cached``, uncached);
+                     ``estimate_cached_tokens`` reads the block before it
+    next[3, R]       int64, per row, when it next needs work (derived from ``state`` by the
+                     manager's ``_refresh``):
+        capacity     the tokens its tables hold (a step needing more takes blocks)
+        release_at   the processed tokens (computed less ``num_in_flight_tokens``, async
+                     scheduling) at which a window or chunk next releases a block
+        cache_at     the tokens at which its next block is full (and is cached)
+
+Each column is a ``memoryview`` of its buffer (``rows.length[i]``: one indexing operation, for
+the single-request paths) and, but ``kept``, a row of a tensor (``columns`` ``[3, R·G]``,
+``thresholds`` ``[3, R]``: the batched paths). A request takes a row on its first successful
+allocation (``take``) and gives it back when freed (``release``), its counters zeroed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import ItemsView, Iterable
+
+import torch
+
+from hybridkv.optimized._buffers import IntBuffer
+from hybridkv.spec.errors import require
+
+
+class RowTables:
+    """The rows of the block tables and their per-group counters (see the module docstring)."""
+
+    __slots__ = (
+        "_free",
+        "_garange",
+        "_kept",
+        "_next",
+        "_rows",
+        "_state",
+        "cache_at",
+        "cached",
+        "capacity",
+        "columns",
+        "kept",
+        "length",
+        "max_num_reqs",
+        "nulls",
+        "num_groups",
+        "release_at",
+        "thresholds",
+    )
+
+    def __init__(self, max_num_reqs: int, num_groups: int) -> None:
+        r, g = max_num_reqs, num_groups
+        self.max_num_reqs, self.num_groups = r, g
+        rg = r * g
+        self._state = IntBuffer(3 * rg, typecode="q")
+        state = memoryview(self._state.a)
+        self.length = state[:rg]
+        self.nulls = state[rg : 2 * rg]
+        self.cached = state[2 * rg : 3 * rg]
+        self.columns = self._state.t.view(3, rg)
+        self._kept = IntBuffer(rg, typecode="q")
+        self.kept = memoryview(self._kept.a)[:rg]
+        self._next = IntBuffer(3 * r, typecode="q")
+        thresholds = memoryview(self._next.a)
+        self.capacity = thresholds[:r]
+        self.release_at = thresholds[r : 2 * r]
+        self.cache_at = thresholds[2 * r : 3 * r]
+        self.thresholds = self._next.t.view(3, r)
+        self._garange = torch.arange(g)
+        self._rows: dict[str, int] = {}
+        self._free = list(range(r - 1, -1, -1))
+
+    # --- Indexing ---------------------------------------------------------------------------
+
+    def index(self, row: int, group_id: int) -> int:
+        """Where row ``row``, group ``group_id`` sits in every column."""
+        return row * self.num_groups + group_id
+
+    def pair_index(self, rows: torch.Tensor) -> torch.Tensor:
+        """``index`` of every (row, group) of ``rows`` (an int64 tensor), as ``[n, G]``."""
+        return rows[:, None] * self.num_groups + self._garange
+
+    def gather(self, pair_index: torch.Tensor) -> torch.Tensor:
+        """``[3, n, G]``: length, nulls and cached of the pairs ``pair_index`` (``[n, G]``)."""
+        picked = self.columns.index_select(1, pair_index.view(-1))
+        return picked.view(3, *pair_index.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of host memory in the counters."""
+        return self._state.nbytes + self._kept.nbytes + self._next.nbytes
+
+    # --- Rows -------------------------------------------------------------------------------
+
+    def row_of(self, request_id: str) -> int | None:
+        """The row the request holds, or ``None``."""
+        return self._rows.get(request_id)
+
+    def rows_of(self, request_ids: Iterable[str]) -> list[int | None]:
+        """``row_of`` of each request (one C-level ``map``: a batch reads every request)."""
+        return list(map(self._rows.get, request_ids))
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._rows
+
+    def items(self) -> ItemsView[str, int]:
+        """(request id, row) of every row in use."""
+        return self._rows.items()
+
+    def take(self, request_id: str) -> int:
+        """A free row for the request (its counters are zero)."""
+        if not self._free:
+            raise ValueError(
+                f"max_num_reqs must cover every request holding blocks: {self.max_num_reqs} rows "
+                f"are in use, so request {request_id!r} cannot be admitted"
+            )
+        row = self._free.pop()
+        self._rows[request_id] = row
+        return row
+
+    def release(self, request_id: str, row: int) -> None:
+        """Give the request's row back, its counters zeroed (its thresholds are rewritten when
+        the row is next taken)."""
+        del self._rows[request_id]
+        at = row * self.num_groups
+        length, nulls, cached, kept = self.length, self.nulls, self.cached, self.kept
+        for i in range(at, at + self.num_groups):
+            length[i] = nulls[i] = cached[i] = kept[i] = 0
+        self._free.append(row)
+
+    def check_invariants(self) -> None:
+        """Raise ``InvariantError`` unless every row is either free or held by one request."""
+        held = list(self._rows.values())
+        require(
+            sorted(held + self._free) == list(range(self.max_num_reqs)),
+            "table rows are lost or shared",
+        )

@@ -1,0 +1,74 @@
+"""The size thresholds of the optimized backend, in one place.
+
+Most paths of the backend exist twice: one element at a time on the ``array`` views of its
+buffers (cheap per element, nothing to set up) and in tensor calls (a fixed cost per call, then
+cheap per element). Each constant below says where one such switch flips, or how large a window
+of work is; none changes a result, only the time it takes (the differential tests run both sides
+of every switch).
+
+Layout
+------
+Plain module constants, never reassigned. The three that tests and the conformance adapter set
+smaller, to drive the vectorised paths with a few requests, are copied onto each
+``TorchKVCacheManager`` when it is built and changed there: ``vector_min``, ``batch_min`` and
+``busy_batch_min``. ``VECTOR_MIN_TOKENS`` is read by a free function (the hasher), so a test
+patches it where that function reads it, on ``hybridkv.optimized.hashing``.
+"""
+
+from __future__ import annotations
+
+# --- Whole-step calls (``hybridkv.optimized.batch``) ------------------------------------------
+
+BATCH_MIN = 16
+"""A batched call of fewer requests makes the single-request calls: below this, their cost is
+less than the vectorised step's fixed cost in tensor calls."""
+
+BUSY_BATCH_MIN = 64
+"""Fewer requests than this with work to do in a step (in a decode step most have none) are
+served one by one; from it, by the vectorised step, whose tensor calls then pay off."""
+
+INSERT_MIN = 32
+"""Fewer blocks than this are cached, touched or linked into the free queue one by one on the
+array views; from it, in tensor calls (``insert_many``, ``touch_many``, ``link_after_tensor``)."""
+
+# --- Cache-hit lookups (``hybridkv.optimized.lookup``) ----------------------------------------
+
+VECTOR_MIN = 48
+"""A window of at least this many (position, group) pairs is probed through the tensor hash
+table (one call per chain step for all of them); a smaller one walks the chains on the arrays."""
+
+TAIL_MAX = 32
+"""A tensor probe walks its last chains on the array views once at most this many remain: a
+tensor call per chain step would cost more than the walk."""
+
+PRELOAD_MAX = 4096
+"""With several attention types, a prompt of at most this many (position, group) pairs is
+probed for every group in one tensor call before the rules run (cheaper than a call per type);
+a longer one is probed window by window, as far as the rules' scans go."""
+
+SCAN_FIRST_WINDOW = 512
+"""The full-attention scan of a long prompt probes this many positions first, then windows four
+times as long as the last: a miss early in the prompt costs one small window."""
+
+FLAG_MIN_WINDOW = 8
+"""A rule's scan asking for one position not probed yet gets at least this many probed, in its
+direction (it asks for the neighbours next)."""
+
+FLAG_MAX_WINDOW = 4096
+"""Each further window of a rule's scan is twice the last, up to this many positions."""
+
+AGREE_MIN_STEP = 16
+"""Token agreement with a source is extended by at least this many blocks per slice comparison
+(and at least doubled), so that a lookup compares each token a few times at most."""
+
+# --- Block hashing (``hybridkv.optimized.hashing``) -------------------------------------------
+
+VECTOR_MIN_TOKENS = 1024
+"""Inputs with fewer tokens to encode than this (a decode step's new block) take the reference's
+path: setting up the CBOR tensors would cost more than it saves."""
+
+# --- The prefix-cache hash table (``hybridkv.optimized.block_pool``) --------------------------
+
+MIN_BUCKETS = 16
+"""The hash table has at least this many buckets (the smallest power of two at least the number
+of blocks, otherwise), so that a tiny pool still spreads its keys over a few chains."""
