@@ -52,8 +52,12 @@ class MambaState:
     # The positions of the real blocks of each Mamba table as of its last allocation
     # (``state_positions`` of the reference): where its longest cached prefix can sit.
     positions: dict[tuple[str, int], list[int]] = field(default_factory=dict)
+    # Tokens in flight at each request's last allocation (the reference's ``_in_flight``):
+    # a table may hold their states' blocks too until that step is processed.
+    in_flight: dict[str, int] = field(default_factory=dict)
 
     def forget(self, request_id: str, groups: Sequence[int]) -> None:
+        self.in_flight.pop(request_id, None)
         for g in groups:
             self.allocated.discard((request_id, g))
             self.last_state.pop((request_id, g), None)
@@ -91,6 +95,10 @@ def allocate(
     row = m.rows.row_of(request_id)
     if row is not None:
         _remove_skipped(m, request_id, row, max(0, total_computed - in_flight))
+    if in_flight:
+        m._mamba.in_flight[request_id] = in_flight
+    else:
+        m._mamba.in_flight.pop(request_id, None)
     needed = _num_blocks(
         m, request_id, need_slot, hits, num_local_computed, main, False, prefill_end
     )
@@ -448,8 +456,8 @@ def _cache_partial_tail(
     boundary = rules.mamba_prefill_checkpoint_position(
         prompt_tokens(request), hbs, m.settings.use_eagle, m.lookahead
     )
-    if num_tokens != boundary:
-        return None
+    if num_tokens != boundary or num_tokens > len(request.block_hashes) * hbs:
+        return None  # not the boundary, or its hash lags behind (see the reference)
     index = rules.cdiv(num_tokens, b) - 1
     if index >= length or m._tab.a[base + index] == 0:
         return None

@@ -1098,7 +1098,9 @@ class TorchKVCacheManager:
                 if self.rules[g].kind == MAMBA:
                     # Nulls anywhere, but few real blocks (``_check_null_positions``).
                     real = sum(1 for b in table if b)
+                    in_flight = self._mamba.in_flight.get(request_id, 0)
                     limit = 3 + self.rules[g].spec_blocks
+                    limit += rules.cdiv(in_flight, self.rules[g].block_size)
                     require(real <= limit, f"request {request_id!r} holds {real} Mamba blocks")
                 else:
                     require(

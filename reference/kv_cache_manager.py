@@ -29,6 +29,7 @@ from hybridkv.reference.validation import (
 from hybridkv.spec import (
     KVCacheConfig,
     KVCacheSpec,
+    rules,
 )
 from hybridkv.spec.errors import check_non_negative, require
 
@@ -87,6 +88,9 @@ class KVCacheManager:
         self.block_pool = self.coordinator.block_pool
         self.num_groups = len(config.groups)
         self._stats = PrefixCacheStats()
+        # Tokens in flight at each request's last allocation: that step still reads the Mamba
+        # states before them, so an "align" table may hold their blocks too (the invariant).
+        self._in_flight: dict[str, int] = {}
 
     # --- The scheduler's calls --------------------------------------------------------------
 
@@ -196,6 +200,10 @@ class KVCacheManager:
         # still in flight reads them, so only processed tokens count.
         in_flight = int(getattr(request, "num_in_flight_tokens", 0))
         self.coordinator.remove_skipped_blocks(request_id, max(0, total_computed - in_flight))
+        if in_flight:
+            self._in_flight[request_id] = in_flight
+        else:
+            self._in_flight.pop(request_id, None)
         needed = self.coordinator.get_num_blocks_to_allocate(
             request_id,
             num_tokens_need_slot,
@@ -220,6 +228,7 @@ class KVCacheManager:
     def free(self, request: RequestLike) -> None:
         """Release every block of a finished, aborted or preempted request (a no-op if none)."""
         self.coordinator.free(request.request_id)
+        self._in_flight.pop(request.request_id, None)
 
     def cache_blocks(self, request: RequestLike, num_computed_tokens: int) -> None:
         """Enter the request's full blocks up to ``num_computed_tokens`` into the prefix cache
@@ -309,7 +318,13 @@ class KVCacheManager:
         owner_group: dict[int, int] = {}
         for manager in self.coordinator.managers:
             for request_id, table in manager.req_to_blocks.items():
-                _check_null_positions(manager.spec, request_id, [b.block_id for b in table])
+                in_flight = self._in_flight.get(request_id, 0)
+                _check_null_positions(
+                    manager.spec,
+                    request_id,
+                    [b.block_id for b in table],
+                    rules.cdiv(in_flight, manager.block_size),
+                )
                 for block in table:
                     if block.is_null:
                         continue
@@ -362,14 +377,18 @@ class KVCacheManager:
         return tuple([blocks[i] for i in ids] for ids in hit_ids)
 
 
-def _check_null_positions(spec: KVCacheSpec, request_id: str, table: list[int]) -> None:
+def _check_null_positions(
+    spec: KVCacheSpec, request_id: str, table: list[int], in_flight_blocks: int = 0
+) -> None:
     """Nulls only where the type puts them: a window or chunk (or a Mamba state in ``"none"``
     mode) releases from the front only; full attention keeps every position; an ``"align"``
     Mamba table holds nulls anywhere but at most a few real blocks (the state, the previous
-    one, a prefill checkpoint and the speculative blocks)."""
+    one, a prefill checkpoint and the speculative blocks), plus the blocks of tokens still in
+    flight (``in_flight_blocks``: states released only once their step is processed)."""
     nulls = [i for i, block_id in enumerate(table) if block_id == 0]
     limit = spec.max_live_blocks
     if limit is not None:
+        limit += in_flight_blocks
         real = len(table) - len(nulls)
         require(
             real <= limit, f"request {request_id!r} holds {real} {spec.title} blocks (> {limit})"

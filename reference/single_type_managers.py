@@ -812,7 +812,9 @@ class MambaManager(SingleTypeKVCacheManager):
             self.drop_eagle_checkpoint_block,
             self.block_pool.num_hash_lookahead_tokens,
         )
-        if num_tokens != boundary:
+        if num_tokens != boundary or num_tokens > len(request.block_hashes) * hash_block_size:
+            # Not the prompt's boundary, or its hash lags behind (lookahead hashes in flight):
+            # no key yet, nothing cached (as for a checkpoint past the hashes).
             return None
         index = rules.cdiv(num_tokens, self.block_size) - 1
         if index >= len(table) or table[index].is_null:
