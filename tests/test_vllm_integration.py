@@ -87,6 +87,23 @@ def test_to_vllm_config_is_undone_by_from_vllm_config() -> None:
     assert {t.size for t in vllm_config.kv_cache_tensors} == {2 * page * 100}
 
 
+def test_to_vllm_config_keeps_a_mamba_groups_state_size_and_mode() -> None:
+    from hybridkv.spec import KVCacheConfig, KVCacheGroup
+
+    mamba = MambaSpec(
+        block_size=80,
+        state_bytes=1000,
+        page_size_padded=1280,
+        mamba_cache_mode="align",
+        num_speculative_blocks=1,
+    )
+    full = FullAttentionSpec(block_size=80, num_kv_heads=1, head_size=4, dtype_bytes=2)
+    config = KVCacheConfig(10, (KVCacheGroup(("attn",), full), KVCacheGroup(("m.0", "m.1"), mamba)))
+    vllm_config = to_vllm_config(config)
+    assert vllm_config.kv_cache_groups[1].kv_cache_spec.page_size_bytes == 1280
+    assert from_vllm_config(vllm_config) == config
+
+
 @pytest.mark.parametrize(
     ("setting", "value"),
     [

@@ -9,6 +9,10 @@ scheduled tokens per request, every block id handed to the worker, the preemptio
 finished requests, the new blocks to zero, the KV events, the prefix-cache statistics and the
 usage. The first step whose records differ is printed.
 
+The layouts are three small hybrids (``--layout gemma3|llama4|jamba``: one layer per group,
+blocks of 16 tokens); ``--model MODEL`` checks a real model's groups instead, every one with
+all its layer names and specs, as vLLM 0.33 groups that model's layers (``model_layout``).
+
 Runs: ``sync``, ``async`` (two steps in flight) and ``spec`` (n-gram speculative decoding with
 seeded acceptance), each under ``engine`` defaults (retention interval 0, full-prompt
 admission) and ``unit`` defaults (dense retention, first-chunk admission).
@@ -19,6 +23,7 @@ Run it with ``python -m hybridkv.integrations.vllm.check`` or ``hybridkv vllm-ch
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -28,7 +33,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hybridkv.integrations.vllm.model_layout import ModelLayout
 
 LAYOUTS = ("gemma3", "llama4", "jamba")
 RUNS = ("sync", "async", "spec")
@@ -80,10 +88,31 @@ class RunConfig:
     max_model_len: int = 1024
     num_speculative_tokens: int = 2
     max_steps: int = 4000
+    model: ModelLayout | None = None
+    """A real model's groups (``--model``), which replace ``layout``'s."""
 
     @property
     def name(self) -> str:
-        return f"{self.layout}/{self.run}/{self.defaults}"
+        layout = self.layout if self.model is None else self.model.name
+        return f"{layout}/{self.run}/{self.defaults}"
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block of every group (and of the scheduler and the block hashes)."""
+        return BLOCK_SIZE if self.model is None else self.model.block_size
+
+    @property
+    def has_mamba(self) -> bool:
+        """Whether a group is Mamba: the engine runs its cache in ``"align"`` mode."""
+        return self.layout == "jamba" if self.model is None else self.model.has_mamba
+
+    def kv_cache_config(self) -> Any:
+        """vLLM's ``KVCacheConfig`` of the run: the layout's or the model's groups, the pool,
+        and the retention interval of the defaults (an engine's 0, a unit test's dense)."""
+        retention = 0 if self.defaults == "engine" else None
+        if self.model is not None:
+            return self.model.vllm_config(self.num_blocks, retention=retention)
+        return kv_cache_config_for(self.layout, self.num_blocks, retention=retention)
 
 
 def kv_cache_config_for(layout: str, num_blocks: int, *, retention: int | None) -> Any:
@@ -171,12 +200,12 @@ def build_scheduler(
         scheduler_cls=scheduler_cls,
     )
     cache_config = CacheConfig(
-        block_size=BLOCK_SIZE,
+        block_size=cfg.block_size,
         gpu_memory_utilization=0.9,
         cache_dtype="auto",
         enable_prefix_caching=True,
     )
-    if cfg.layout == "jamba":
+    if cfg.has_mamba:
         cache_config.mamba_cache_mode = "align"
     speculative_config = None
     if cfg.run == "spec":
@@ -196,9 +225,7 @@ def build_scheduler(
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
     )
     if kv_cache_config is None:
-        kv_cache_config = kv_cache_config_for(
-            cfg.layout, cfg.num_blocks, retention=0 if cfg.defaults == "engine" else None
-        )
+        kv_cache_config = cfg.kv_cache_config()
     cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     register_all_kvcache_specs(vllm_config)
     chosen = scheduler_config.get_scheduler_cls()
@@ -207,7 +234,7 @@ def build_scheduler(
     kwargs = {
         "vllm_config": vllm_config,
         "kv_cache_config": kv_cache_config,
-        "block_size": BLOCK_SIZE,
+        "block_size": cfg.block_size,
         "log_stats": True,
         "structured_output_manager": StructuredOutputManager(vllm_config),
     }
@@ -355,7 +382,7 @@ def drive(cfg: RunConfig, manager: str) -> RunResult:
     from vllm.v1.request import Request, RequestStatus
 
     init_none_hash(sha256)
-    hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+    hasher = get_request_block_hasher(cfg.block_size, sha256)
     try:
         scheduler = build_scheduler(cfg, manager)
     except Exception as error:  # a setting the backend refuses, by name
@@ -620,6 +647,7 @@ def run_check(
 ) -> list[Comparison]:
     """Every config on vLLM's manager and on each backend; one comparison per backend."""
     comparisons: list[Comparison] = []
+    width = max([22] + [len(cfg.name) + 1 for cfg in configs])  # the longest name fits
     for cfg in configs:
         expected = drive(cfg, "vllm")
         for backend in backends:
@@ -627,40 +655,89 @@ def run_check(
             comparisons.append(result)
             status = result.status
             echo(
-                f"{cfg.name:<22} {backend:<10} {result.equal_steps}/{result.steps} steps {status}"
+                f"{cfg.name:<{width}} {backend:<10} "
+                f"{result.equal_steps}/{result.steps} steps {status}"
                 + (f" ({result.summary})" if result.ok else f"\n    {result.divergence}")
             )
     return comparisons
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line; ``--layout`` and ``--model`` name the groups, one way or the other."""
     parser = argparse.ArgumentParser(
         prog="python -m hybridkv.integrations.vllm.check",
         description=(__doc__ or "").split("\n\n")[0],
     )
-    parser.add_argument("--layout", action="append", choices=LAYOUTS)
+    groups = parser.add_mutually_exclusive_group()
+    groups.add_argument("--layout", action="append", choices=LAYOUTS)
+    groups.add_argument(
+        "--model",
+        metavar="MODEL",
+        help="a model's own groups, as vLLM 0.33 groups its layers: a catalogue name or Hub "
+        "id, a config.json or a Hugging Face snapshot directory (what `hybridkv plan` takes)",
+    )
     parser.add_argument("--run", action="append", choices=RUNS)
     parser.add_argument("--defaults", action="append", choices=DEFAULTS)
     parser.add_argument("--backend", action="append", choices=MANAGERS[1:])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--requests", type=int, default=48)
-    parser.add_argument("--num-blocks", type=int, default=96)
-    args = parser.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    configs = [
-        RunConfig(
-            layout=layout,
-            run=run,
-            defaults=defaults,
-            seed=args.seed,
-            num_requests=args.requests,
-            num_blocks=args.num_blocks,
+    parser.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="blocks in the pool, the null block included [default: 96 for a layout; for a "
+        "model, the null block and what one request of the longest length holds in every group]",
+    )
+    return parser
+
+
+def _configs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[RunConfig]:
+    """Every run the arguments ask for; a model that cannot be checked is a usage error."""
+    from hybridkv.integrations.vllm.model_layout import ModelLayoutError, load_model_layout
+
+    base = RunConfig(seed=args.seed, num_requests=args.requests)
+    model = None
+    if args.model is not None:
+        try:
+            model = load_model_layout(args.model, BLOCK_SIZE)
+        except ModelLayoutError as error:
+            parser.error(f"argument --model: {error}")
+    num_blocks = args.num_blocks
+    if num_blocks is None:
+        num_blocks = base.num_blocks
+        if model is not None:
+            num_blocks = model.default_num_blocks(base.max_model_len, base.max_num_batched_tokens)
+    layouts = (base.layout,) if model is not None else args.layout or LAYOUTS  # a model's own
+    return [
+        dataclasses.replace(
+            base, layout=layout, run=run, defaults=defaults, num_blocks=num_blocks, model=model
         )
-        for layout in args.layout or LAYOUTS
+        for layout in layouts
         for run in args.run or RUNS
         for defaults in args.defaults or DEFAULTS
     ]
+
+
+def _notes(configs: Sequence[RunConfig]) -> list[str]:
+    """What a model's own layout leaves the workload unable to exercise, said before the runs."""
+    cfg = configs[0] if configs else None
+    if cfg is None or cfg.model is None or 2 * cfg.block_size <= cfg.max_model_len // 2:
+        return []
+    return [
+        f"{cfg.model.name}'s Mamba states raise its block size to {cfg.block_size} tokens, as "
+        f"vLLM does; the workload's prompts (at most {cfg.max_model_len // 2} tokens) fill few "
+        "blocks, so prefix-cache hits are rare (see the hit tokens)"
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    configs = _configs(args, parser)
+    for note in _notes(configs):
+        print(f"note: {note}")
     comparisons = run_check(configs, args.backend or ["reference"])
     equal = sum(c.ok for c in comparisons)
     refused = sum(c.refused for c in comparisons)

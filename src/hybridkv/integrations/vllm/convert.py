@@ -1,6 +1,6 @@
 """vLLM 0.33's ``KVCacheConfig`` → hybridkv's: the groups' specs, one by one, or a refusal naming
-the spec kind or field hybridkv does not model; and back (``to_vllm_config``) for attention
-layouts, built with vLLM's own classes."""
+the spec kind or field hybridkv does not model; and back (``to_vllm_config``), built with vLLM's
+own classes."""
 
 from __future__ import annotations
 
@@ -149,37 +149,24 @@ def _torch_dtype(dtype_bytes: int) -> Any:
 def to_vllm_config(config: KVCacheConfig) -> Any:
     """hybridkv's ``KVCacheConfig`` of attention groups as vLLM 0.33's, built with vLLM's
     ``KVCacheConfig``, ``KVCacheGroupSpec``, ``FullAttentionSpec``, ``SlidingWindowSpec``,
-    ``ChunkedLocalAttentionSpec`` and ``KVCacheTensor``: the same groups (layer names, specs,
-    EAGLE flags), the same number of blocks and retention interval, and one layer-outermost
-    tensor per group as vLLM's planner lays them out (groups alias from byte 0; each block of
-    the pool is as large as the largest group's page). A dtype of 2 bytes becomes bfloat16.
+    ``ChunkedLocalAttentionSpec``, ``MambaSpec`` and ``KVCacheTensor``: the same groups (layer
+    names, specs, EAGLE flags), the same number of blocks and retention interval, and one
+    layer-outermost tensor per group as vLLM's planner lays them out (groups alias from byte 0;
+    each block of the pool is as large as the largest group's page). A dtype of 2 bytes becomes
+    bfloat16.
 
-    ``ValueError`` for a Mamba group (its state shapes are not part of hybridkv's spec)."""
-    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec as VChunked
-    from vllm.v1.kv_cache_interface import FullAttentionSpec as VFull
+    hybridkv knows a Mamba state by its size only, so a Mamba group's state becomes one flat
+    ``uint8`` tensor of ``state_bytes``: vLLM's manager reads the state's bytes, the padded page,
+    the cache mode and the extra blocks, never the shapes, and ``from_vllm_config`` gives the
+    same spec back. ``ValueError`` for a dtype size torch has no float type of."""
     from vllm.v1.kv_cache_interface import KVCacheConfig as VConfig
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec as VGroup
     from vllm.v1.kv_cache_interface import KVCacheTensor as VTensor
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec as VSliding
 
-    groups: list[Any] = []
-    for index, group in enumerate(config.groups):
-        spec = group.spec
-        if isinstance(spec, MambaSpec):
-            raise ValueError(f"groups[{index}]: Mamba groups have no vLLM spec here")
-        common = {
-            "block_size": spec.block_size,
-            "num_kv_heads": spec.num_kv_heads,
-            "head_size": spec.head_size,
-            "dtype": _torch_dtype(spec.dtype_bytes),
-        }
-        if isinstance(spec, SlidingWindowSpec):
-            vspec: Any = VSliding(**common, sliding_window=spec.sliding_window)
-        elif isinstance(spec, ChunkedLocalAttentionSpec):
-            vspec = VChunked(**common, attention_chunk_size=spec.attention_chunk_size)
-        else:
-            vspec = VFull(**common)
-        groups.append(VGroup(list(group.layer_names), vspec, is_eagle_group=group.is_eagle_group))
+    groups = [
+        VGroup(list(g.layer_names), _vllm_spec(g.spec), is_eagle_group=g.is_eagle_group)
+        for g in config.groups
+    ]
     n = config.num_blocks
     block_bytes = max(len(g.layer_names) * g.kv_cache_spec.page_size_bytes for g in groups)
     tensors = [
@@ -196,4 +183,42 @@ def to_vllm_config(config: KVCacheConfig) -> Any:
         kv_cache_tensors=tensors,
         kv_cache_groups=groups,
         prefix_cache_retention_interval=config.prefix_cache_retention_interval,
+    )
+
+
+def _vllm_spec(spec: KVCacheSpec) -> Any:
+    """One hybridkv layer spec as vLLM 0.33's (a Mamba state as one flat byte tensor)."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec as VChunked
+    from vllm.v1.kv_cache_interface import FullAttentionSpec as VFull
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec as VSliding
+
+    if isinstance(spec, MambaSpec):
+        return _vllm_mamba_spec(spec)
+    common = {
+        "block_size": spec.block_size,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_size": spec.head_size,
+        "dtype": _torch_dtype(spec.dtype_bytes),
+    }
+    if isinstance(spec, SlidingWindowSpec):
+        return VSliding(**common, sliding_window=spec.sliding_window)
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return VChunked(**common, attention_chunk_size=spec.attention_chunk_size)
+    return VFull(**common)
+
+
+def _vllm_mamba_spec(spec: MambaSpec) -> Any:
+    """vLLM's ``MambaSpec`` with hybridkv's state size, padding, cache mode and extra blocks."""
+    import torch
+    from vllm.v1.kv_cache_interface import MambaSpec as VMamba
+
+    return VMamba(
+        block_size=spec.block_size,
+        shapes=((spec.state_bytes,),),
+        dtypes=(torch.uint8,),
+        page_size_padded=spec.page_size_padded,
+        mamba_cache_mode=spec.mamba_cache_mode,
+        num_speculative_blocks=spec.num_speculative_blocks,
+        num_prefill_checkpoint_blocks=spec.num_prefill_checkpoint_blocks,
+        prefill_checkpoint_alignment=spec.prefill_checkpoint_alignment,
     )

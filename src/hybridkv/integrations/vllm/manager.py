@@ -325,6 +325,12 @@ class KVCacheManager:
             "KV events for requests with a session_id (BlockStored.session_id)",
             "the core's events do not carry the request's session yet",
         )
+        self._remember_salt(request)
+
+    def _remember_salt(self, request: Any) -> None:
+        """Note the salt of a salted request's first block hash once it exists, for the events'
+        ``extra_keys``: at every call that may cache its blocks, since a prompt shorter than a
+        block gets its first hash only later, from its output tokens."""
         hashes = request.block_hashes
         if hashes and request.cache_salt:
             self._salt_of_first_hash[bytes(hashes[0])] = request.cache_salt
@@ -422,6 +428,7 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         if self.enable_caching:
+            self._remember_salt(request)
             self.core.cache_blocks(request, num_computed_tokens)
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
