@@ -260,6 +260,7 @@ class TorchKVCacheManager:
         self.busy_batch_min = BUSY_BATCH_MIN
         empty: BlockIds = tuple(() for _ in range(self.num_groups))
         self._no_blocks = KVCacheBlocks(empty)
+        self._no_hits = empty
 
     @staticmethod
     def _attention_types(config: KVCacheConfig) -> list[tuple[KVCacheSpec, list[int]]]:
@@ -452,20 +453,39 @@ class TorchKVCacheManager:
         ``watermark_blocks`` more stay free (the full-sequence check keeps the watermark only).
         Window and chunk blocks are released on the processed count, ``num_computed_tokens``
         less the request's ``num_in_flight_tokens`` (async scheduling)."""
-        hits = check_allocation(
-            request,
-            num_new_tokens,
-            num_new_computed_tokens,
-            new_computed_blocks,
-            num_lookahead_tokens,
-            config=self.config,
-            enable_caching=self.enable_caching,
-            holds_blocks=self.rows.__contains__,
-            settings=self.settings,
-            allow_fewer_hashes=True,
-        )
-        check_non_negative("reserved_blocks", reserved_blocks)
-        check_non_negative("watermark_blocks", watermark_blocks)
+        if (
+            new_computed_blocks is None
+            and type(num_new_computed_tokens) is int
+            and num_new_computed_tokens == 0
+            and type(num_new_tokens) is int
+            and num_new_tokens > 0
+            and type(num_lookahead_tokens) is int
+            and num_lookahead_tokens >= 0
+            and type(reserved_blocks) is int
+            and reserved_blocks >= 0
+            and type(watermark_blocks) is int
+            and watermark_blocks >= 0
+        ):
+            # A step of a running request (no hit to adopt, plain counts): what
+            # ``check_allocation`` checks reduces to the request's hash count.
+            if self.enable_caching:
+                check_block_hashes(request, self.hash_block_size, self.lookahead, allow_fewer=True)
+            hits = self._no_hits
+        else:
+            hits = check_allocation(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens,
+                new_computed_blocks,
+                num_lookahead_tokens,
+                config=self.config,
+                enable_caching=self.enable_caching,
+                holds_blocks=self.rows.__contains__,
+                settings=self.settings,
+                allow_fewer_hashes=True,
+            )
+            check_non_negative("reserved_blocks", reserved_blocks)
+            check_non_negative("watermark_blocks", watermark_blocks)
         if self._has_align:
             try:
                 return mamba.allocate(
@@ -518,7 +538,6 @@ class TorchKVCacheManager:
         row = self.rows.row_of(request_id)
         computed = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len)
         need = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        required = [rule.blocks_for_tokens(need) for rule in self.rules]
         cache_up_to = -1
         if self.enable_caching and not delay_cache_blocks:
             cache_up_to = min(computed + num_new_tokens, request.num_tokens)
@@ -535,6 +554,7 @@ class TorchKVCacheManager:
             total = 0
             grows = need > rows.capacity[row]
             if grows:
+                required = [rule.blocks_for_tokens(need) for rule in self.rules]
                 at, length = row * self.num_groups, rows.length
                 total = sum(max(c - length[at + g], 0) for g, c in enumerate(required))
             if total + kept_free > pool.num_free_blocks:
@@ -551,6 +571,7 @@ class TorchKVCacheManager:
                 self._refresh(row)
             return self._no_blocks if new_blocks is None else KVCacheBlocks(new_blocks)
         # Admission: skipped positions, then the adopted hits, then new blocks.
+        required = [rule.blocks_for_tokens(need) for rule in self.rules]
         total = 0
         ref = pool.ref.a
         for g, rule in enumerate(self.rules):
