@@ -274,6 +274,12 @@ class KVCacheManager:
         # The cache salt of each salted request's first block hash (events' extra_keys).
         self._salt_of_first_hash: dict[bytes, str] = {}
         self._request_of_chain: dict[bytes, Any] = {}
+        # Requests whose settings were checked (until freed): a decode step does not check
+        # them again (their LoRA, multimodal inputs and embeddings never change).
+        self._checked: dict[str, Any] = {}
+        from vllm.v1.request import RequestStatus
+
+        self._waiting_statuses = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
     # --- Statistics ----------------------------------------------------------------------
 
@@ -305,6 +311,11 @@ class KVCacheManager:
     # --- The scheduler's calls -----------------------------------------------------------
 
     def _check_request(self, request: Any) -> None:
+        salted = bool(request.cache_salt)
+        if self._checked.get(request.request_id) is request:
+            if salted:
+                self._remember_salt(request)
+            return
         refuse(
             getattr(request, "lora_request", None) is not None,
             "LoRA requests (lora_request)",
@@ -325,6 +336,7 @@ class KVCacheManager:
             "KV events for requests with a session_id (BlockStored.session_id)",
             "the core's events do not carry the request's session yet",
         )
+        self._checked[request.request_id] = request
         self._remember_salt(request)
 
     def _remember_salt(self, request: Any) -> None:
@@ -375,33 +387,17 @@ class KVCacheManager:
         skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> KVCacheBlocks | None:
         """Slots for new tokens (vLLM's full keyword set; see the README's picture)."""
-        refuse(
-            num_external_computed_tokens != 0,
-            f"num_external_computed_tokens={num_external_computed_tokens}",
-            "tokens cached by a KV connector are not modelled",
-        )
-        refuse(
-            num_encoder_tokens != 0,
-            f"num_encoder_tokens={num_encoder_tokens} (cross-attention)",
-            "encoder-decoder models are not modelled",
-        )
-        refuse(
-            bool(skip_zeroing_group_ids),
-            f"skip_zeroing_group_ids={skip_zeroing_group_ids}",
-            "async KV loads are not modelled",
-        )
+        if num_external_computed_tokens or num_encoder_tokens or skip_zeroing_group_ids:
+            _refuse_allocation_settings(
+                num_external_computed_tokens, num_encoder_tokens, skip_zeroing_group_ids
+            )
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
             )
         self._check_request(request)
-        from vllm.v1.request import RequestStatus
-
         watermark_blocks = 0
-        if has_scheduled_reqs and request.status in (
-            RequestStatus.WAITING,
-            RequestStatus.PREEMPTED,
-        ):
+        if has_scheduled_reqs and request.status in self._waiting_statuses:
             watermark_blocks = self.watermark_blocks
         # Both backends release window and chunk blocks on the processed count (the request's
         # ``num_in_flight_tokens``, async scheduling) and keep the reserved and watermark blocks.
@@ -425,6 +421,7 @@ class KVCacheManager:
 
     def free(self, request: Any) -> None:
         self.core.free(request)
+        self._checked.pop(request.request_id, None)
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         if self.enable_caching:
@@ -501,15 +498,22 @@ class KVCacheManager:
 
     def take_events(self) -> list[Any]:
         """The core's events in vLLM's schema."""
+        from vllm import envs
         from vllm.distributed.kv_events import (
             MEDIUM_GPU,
             AllBlocksCleared,
             BlockRemoved,
             BlockStored,
         )
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
         from hybridkv.reference import events as core_events
+
+        # vLLM's ``maybe_convert_block_hash``, its switch read once per call (vLLM's ``envs``
+        # reads the environment at every access).
+        use_ints = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+
+        def maybe_convert_block_hash(block_hash: bytes) -> Any:
+            return int.from_bytes(block_hash, "big") & _LOW_64 if use_ints else block_hash
 
         out: list[Any] = []
         for event in self.core.take_events():
@@ -562,3 +566,27 @@ class KVCacheManager:
         if isinstance(blocks, KVCacheBlocks):
             return blocks
         return KVCacheBlocks(tuple(tuple(group) for group in ids))
+
+
+_LOW_64 = (1 << 64) - 1
+
+
+def _refuse_allocation_settings(
+    num_external_computed_tokens: int, num_encoder_tokens: int, skip_zeroing_group_ids: object
+) -> None:
+    """The ``allocate_slots`` keywords the integration refuses, each by name."""
+    refuse(
+        num_external_computed_tokens != 0,
+        f"num_external_computed_tokens={num_external_computed_tokens}",
+        "tokens cached by a KV connector are not modelled",
+    )
+    refuse(
+        num_encoder_tokens != 0,
+        f"num_encoder_tokens={num_encoder_tokens} (cross-attention)",
+        "encoder-decoder models are not modelled",
+    )
+    refuse(
+        bool(skip_zeroing_group_ids),
+        f"skip_zeroing_group_ids={skip_zeroing_group_ids}",
+        "async KV loads are not modelled",
+    )
