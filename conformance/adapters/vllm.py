@@ -8,11 +8,12 @@ traces never saw. vLLM is imported when a factory builds an adapter, not with th
 The translations between the suite's values and vLLM's:
 
 * **Config.** Each hybridkv group becomes a ``KVCacheGroupSpec`` of the same layers and the
-  vLLM spec of the same kind and fields. Layer sizes do not matter to the manager:
-  ``dtype_bytes`` picks a torch dtype of that size (1, 2 or 4 bytes).
+  vLLM spec of the same kind and fields (``hybridkv.integrations.vllm.to_vllm_config``).
+  Layer sizes do not matter to the manager: ``dtype_bytes`` picks a torch dtype of that size
+  (1, 2 or 4 bytes).
 * **Mamba block size.** hybridkv's ``MambaSpec.block_size`` is vLLM's, unchanged: the tokens
   one Mamba block spans (the attention block size with prefix caching, ``max_model_len``
-  without). A state of ``state_bytes`` is one int8 tensor of that many elements; ``"align"``
+  without). A state of ``state_bytes`` is one uint8 tensor of that many elements; ``"align"``
   / ``"none"``, speculative and checkpoint blocks and ``page_size_padded`` pass through.
 * **Scheduler and hash block sizes.** vLLM takes them as arguments; they are what the suite's
   requests assume: the scheduler block is the lcm of the groups' block sizes
@@ -49,70 +50,18 @@ from hybridkv.conformance.adapters import (
     hash_block_size_of,
 )
 from hybridkv.spec import (
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
     KVCacheConfig,
-    KVCacheSpec,
-    MambaSpec,
-    SlidingWindowSpec,
     rules,
 )
 
-_TORCH_DTYPES = {1: "int8", 2: "float16", 4: "float32"}
-
-
-def vllm_spec(spec: KVCacheSpec) -> Any:
-    """vLLM's layer spec of the same kind and fields as hybridkv's ``spec``."""
-    import torch
-    from vllm.v1 import kv_cache_interface as v
-
-    if isinstance(spec, MambaSpec):
-        return v.MambaSpec(
-            block_size=spec.block_size,
-            shapes=((spec.state_bytes,),),
-            dtypes=(torch.int8,),
-            page_size_padded=spec.page_size_padded,
-            mamba_cache_mode=spec.mamba_cache_mode,
-            num_speculative_blocks=spec.num_speculative_blocks,
-            num_prefill_checkpoint_blocks=spec.num_prefill_checkpoint_blocks,
-            prefill_checkpoint_alignment=spec.prefill_checkpoint_alignment,
-        )
-    dtype_name = _TORCH_DTYPES.get(spec.dtype_bytes)
-    if dtype_name is None:
-        raise ValueError(
-            f"dtype_bytes must be one of {sorted(_TORCH_DTYPES)} for vLLM, got {spec.dtype_bytes}"
-        )
-    common = {
-        "block_size": spec.block_size,
-        "num_kv_heads": spec.num_kv_heads,
-        "head_size": spec.head_size,
-        "dtype": getattr(torch, dtype_name),
-    }
-    if isinstance(spec, SlidingWindowSpec):
-        return v.SlidingWindowSpec(**common, sliding_window=spec.sliding_window)
-    if isinstance(spec, ChunkedLocalAttentionSpec):
-        return v.ChunkedLocalAttentionSpec(**common, attention_chunk_size=spec.attention_chunk_size)
-    if isinstance(spec, FullAttentionSpec):
-        return v.FullAttentionSpec(**common)
-    raise ValueError(f"spec must be a hybridkv layer spec, got {type(spec).__name__}")
-
 
 def vllm_config(config: KVCacheConfig) -> Any:
-    """vLLM's ``KVCacheConfig`` of hybridkv's (no tensors: the manager never reads them)."""
-    from vllm.v1.kv_cache_interface import KVCacheConfig as VConfig
-    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+    """vLLM's ``KVCacheConfig`` of hybridkv's: the integration's ``to_vllm_config`` (the same
+    groups, specs, EAGLE flags, blocks and retention interval; a Mamba state as one flat byte
+    tensor of ``state_bytes``)."""
+    from hybridkv.integrations.vllm.convert import to_vllm_config
 
-    return VConfig(
-        num_blocks=config.num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                list(group.layer_names), vllm_spec(group.spec), is_eagle_group=group.is_eagle_group
-            )
-            for group in config.groups
-        ],
-        prefix_cache_retention_interval=config.prefix_cache_retention_interval,
-    )
+    return to_vllm_config(config)
 
 
 def _ids(per_group: Sequence[Sequence[int]]) -> BlockIds:

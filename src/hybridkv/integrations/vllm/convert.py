@@ -142,7 +142,7 @@ def _torch_dtype(dtype_bytes: int) -> Any:
 
     dtypes = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}
     if dtype_bytes not in dtypes:
-        raise ValueError(f"no torch dtype of {dtype_bytes} bytes for vLLM's spec")
+        raise ValueError(f"dtype_bytes must be one of {sorted(dtypes)} for vLLM, got {dtype_bytes}")
     return dtypes[dtype_bytes]
 
 
