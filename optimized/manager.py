@@ -467,8 +467,13 @@ class TorchKVCacheManager:
             and watermark_blocks >= 0
         ):
             # A step of a running request (no hit to adopt, plain counts): what
-            # ``check_allocation`` checks reduces to the request's hash count.
-            if self.enable_caching:
+            # ``check_allocation`` checks reduces to the request's hash count (more hashes
+            # than full blocks: another hash block size; the checker says so).
+            if (
+                self.enable_caching
+                and len(request.block_hashes)
+                > max(request.num_tokens - self.lookahead, 0) // self.hash_block_size
+            ):
                 check_block_hashes(request, self.hash_block_size, self.lookahead, allow_fewer=True)
             hits = self._no_hits
         else:
