@@ -294,15 +294,19 @@ def test_roomy_pools_let_most_allocations_succeed() -> None:
     """The default pools starve (a fifth or more of the allocations fail, though a scheduler
     stops admitting after a failure); ``roomy`` pools of two to twelve longest requests feed
     prefills and decodes."""
+    # A seed, not the derandomized default: Hypothesis's derandomized examples depend on what
+    # the process has imported (this test's numbers moved with the test files run before it).
     families = ("mamba_align",)
-    tight = run_differential([reference_backend()], max_examples=20, steps=30, families=families)
+    tight = run_differential(
+        [reference_backend()], max_examples=20, steps=30, families=families, seed=5
+    )
     roomy = run_differential(
-        [reference_backend()], max_examples=20, steps=30, families=families, roomy=True
+        [reference_backend()], max_examples=20, steps=30, families=families, roomy=True, seed=5
     )
     assert roomy.failed_allocations * 10 < roomy.allocations
     assert tight.failed_allocations * 5 > tight.allocations
-    fed = roomy.rules["prefill"] + roomy.rules["decode"]
-    assert fed > tight.rules["prefill"] + tight.rules["decode"]
+    fed = roomy.allocations - roomy.failed_allocations
+    assert fed > tight.allocations - tight.failed_allocations
 
 
 def test_a_seed_changes_the_examples_and_a_run_is_reproducible() -> None:
