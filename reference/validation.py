@@ -230,6 +230,8 @@ def _check_hit_ids(
             f"{len(ids)} blocks of new_computed_blocks group {group_id} "
             f"× block_size {block_size}"
         )
+    if ids and set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < num_blocks:
+        return  # plain ints in range, checked at C speed
     bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < num_blocks]
     if bad:
         raise ValueError(f"new_computed_blocks group {group_id} has invalid ids {bad!r}")
