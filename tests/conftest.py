@@ -1,4 +1,4 @@
-"""Both backends run the reference's manager tests (issue 3, PEP 399 style).
+"""Both backends run the reference's manager tests (PEP 399 style).
 
 A test that takes ``make_manager`` runs once per backend, and the backend's name shows in its
 id: ``test_x[reference]``, ``test_x[optimized]``. ``make_manager`` is the backend's manager

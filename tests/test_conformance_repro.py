@@ -1,6 +1,6 @@
 """A failure of the differential machine comes with the scheduler calls that show it, as a
 program a person can paste: it replays the shortest failing example and stops at the same call
-with the same values (issue 12, "reports a person can act on")."""
+with the same values: a report a person can act on."""
 
 from __future__ import annotations
 
