@@ -32,11 +32,12 @@ from hybridkv.conformance.adapters import (
     Lookup,
     ManagerAdapter,
     PlanFacts,
-    backends_named,
     batch_allocator,
     batch_freer,
     load_backend,
+    optimized_backend,
     planner,
+    reference_backend,
 )
 from hybridkv.conformance.invariants import (
     ConformanceError,
@@ -65,10 +66,18 @@ class _Counts:
         self.batched_calls: Counter[str] = Counter()
 
 
-def backend_by_name(name: str, device: str = "cpu") -> Backend:
-    """``"reference"``, ``"optimized"`` (on ``device``) or ``"MODULE:FACTORY"``."""
-    if name in ("reference", "optimized"):
-        return backends_named(name, device)[0]
+def backend_by_name(name: str) -> Backend:
+    """A backend by the name a run reports it under: ``"reference"`` (or its stand-in
+    ``"reference-again"``), ``"optimized"`` or ``"optimized[DEVICE]"``, or
+    ``"MODULE:FACTORY"`` (an outside adapter)."""
+    if name in ("reference", "reference-again"):
+        return reference_backend()
+    if name == "optimized" or (name.startswith("optimized[") and name.endswith("]")):
+        device = name.removeprefix("optimized").strip("[]") or "cpu"
+        backend = optimized_backend(device)
+        if backend is None:
+            raise ValueError(f"backend {name}: hybridkv.optimized.TorchKVCacheManager is missing")
+        return backend
     return load_backend(name)
 
 
@@ -259,6 +268,13 @@ class Lockstep:
         self._record("m.reset_prefix_cache()")
         self.agree("reset_prefix_cache()", [impl.reset_prefix_cache() for impl in self.impls])
 
+    @property
+    def plans(self) -> bool:
+        """Whether the model and at least one other implementation plan (``Planning``): only
+        then is there a plan to compare."""
+        planners = [planner(impl) is not None for impl in self.impls]
+        return planners[0] and sum(planners) >= 2
+
     def plan_model(
         self,
         layers: Mapping[str, KVCacheSpec],
@@ -267,10 +283,10 @@ class Lockstep:
         kv_sharing: Mapping[str, str],
     ) -> PlanFacts | str | None:
         """The model planned by every implementation that plans (``Planning``), compared
-        (``MODEL_REFUSED`` for a refusal); ``None`` when fewer than two plan."""
-        planners = [planner(impl) for impl in self.impls]
-        if planners[0] is None or sum(p is not None for p in planners) < 2:
+        (``MODEL_REFUSED`` for a refusal); ``None`` unless ``plans``."""
+        if not self.plans:
             return None
+        planners = [planner(impl) for impl in self.impls]
         self._record(
             f"m.plan_model({dict(layers)!r}, {memory}, {max_model_len}, {dict(kv_sharing)!r})"
         )

@@ -29,7 +29,6 @@ from hybridkv.conformance.adapters import (
     Backend,
     Lookup,
     ManagerAdapter,
-    planner,
     reference_stand_in,
 )
 from hybridkv.conformance.lockstep import Lockstep, repro
@@ -255,7 +254,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         """The implementations that plan (``Planning``: layers → KV cache groups → memory →
         blocks) plan one drawn model (the document's or a random one) alike: the planner
         decides the layout every manager then runs on."""
-        if sum(planner(impl) is not None for impl in self.impls) < 2:
+        if not self.ms.plans:
             return
         seed = data.draw(st.integers(0, 2**32 - 1), label="model seed")
         # One in eight a model of the document; else a random one (whose draw may leave no
@@ -265,8 +264,6 @@ class DifferentialMachine(RuleBasedStateMachine):
         layers, sharing = drawn[0] if drawn else models[seed % len(models)]
         memory = random.Random(seed).choice([10**6, 10**8, 10**9])
         plan = self.ms.plan_model(layers, memory, 4096, sharing)
-        if plan is None:
-            return
         self.stats.plans += 1
         self.stats.plans_refused += plan == MODEL_REFUSED
 
@@ -876,22 +873,13 @@ def run_differential(
         except Exception as error:
             if stats.last_run is not None:
                 layout, script, names = stats.last_run
-                loadable = [adapter_specs.get(name, _loadable(name)) for name in names]
+                loadable = [adapter_specs.get(name, name) for name in names]
                 text = repro(layout, loadable, script)
                 error.add_note("The failing example as scheduler calls (paste into Python):")
                 error.add_note(text)
                 error.repro = text  # type: ignore[attr-defined]
             raise
     return stats
-
-
-def _loadable(name: str) -> str:
-    """A backend name as ``Lockstep.build`` takes it (the project's own backends by name)."""
-    if name.startswith("reference"):
-        return "reference"
-    if name.startswith("optimized"):
-        return "optimized"
-    return name
 
 
 def run_command_machine(

@@ -145,3 +145,16 @@ def test_a_full_attention_scan_past_a_miss_is_unobservable_through_scheduler_cal
     found = run_adapter_hit_oracle(name, factory, 400, seed=3)
     assert found.failures == []
     assert found.hits > 400
+
+
+def test_a_program_names_each_backend_as_the_run_reported_it() -> None:
+    """The printed program rebuilds the very backends that differed: the optimized backend on
+    its device (not the reference, which the model already is) and the stand-in as a
+    reference."""
+    from hybridkv.conformance.lockstep import backend_by_name
+
+    pytest.importorskip("torch")
+    assert backend_by_name("optimized[cpu]")[0] == "optimized[cpu]"
+    assert backend_by_name("optimized")[0] == "optimized[cpu]"
+    assert backend_by_name("reference-again")[0] == "reference"
+    assert backend_by_name("reference")[0] == "reference"
