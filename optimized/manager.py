@@ -52,7 +52,12 @@ from hybridkv.optimized.thresholds import (
     PRELOAD_MAX,
     VECTOR_MIN,
 )
-from hybridkv.reference.events import BlockStored, KVCacheEvent, PrefixCacheStats
+from hybridkv.reference.events import (
+    BlockStored,
+    KVCacheEvent,
+    PrefixCacheStats,
+    count_admission,
+)
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import RequestLike
 from hybridkv.reference.single_type_managers import prompt_tokens
@@ -148,6 +153,7 @@ class TorchKVCacheManager:
         max_in_flight_tokens: int | None = None,
         use_eagle: bool = False,
         num_hash_lookahead_tokens: int = 0,
+        log_stats: bool = True,
     ) -> None:
         self.settings = validate_manager_config(
             config,
@@ -157,11 +163,13 @@ class TorchKVCacheManager:
             max_in_flight_tokens=max_in_flight_tokens,
             use_eagle=use_eagle,
             num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+            log_stats=log_stats,
         )
         check_positive("max_num_reqs", max_num_reqs)
         self.config = config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
+        self.log_stats = log_stats
         self.hash_block_size = self.settings.hash_block_size
         self.block_size = self.settings.scheduler_block_size
         self.num_groups = len(config.groups)
@@ -332,7 +340,7 @@ class TorchKVCacheManager:
         shared-prefix boundary (``KVCacheManager.get_computed_blocks``); at most
         ``max_cache_hit_length`` tokens when given. A request with fewer block hashes than full
         blocks is looked up over its hashed blocks only."""
-        if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
+        if not self.prefix_cache_lookup_enabled(request):
             return self._no_blocks, 0, 0
         hbs = self.hash_block_size
         check_block_hashes(request, hbs, self.lookahead, allow_fewer=True)
@@ -373,7 +381,6 @@ class TorchKVCacheManager:
         else:
             hits, hit_length, longest = self._hybrid_hit(memos, max_length)
             boundary = longest if longest > hit_length else 0
-        self._stats = self._stats.record(request.num_tokens, hit_length)
         return KVCacheBlocks(tuple(tuple(h) for h in hits)), hit_length, boundary
 
     def new_step_starts(self) -> None:
@@ -1071,7 +1078,8 @@ class TorchKVCacheManager:
         if not self.pool.reset_prefix_cache():
             return False
         self._row_src = [-1] * self.max_num_reqs
-        self._stats = self._stats.after_reset()
+        if self.log_stats:
+            self._stats = self._stats.after_reset()
         return True
 
     # --- Observation ------------------------------------------------------------------------
@@ -1087,7 +1095,22 @@ class TorchKVCacheManager:
     def take_events(self) -> list[KVCacheEvent]:
         return self.pool.take_events()
 
-    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The statistics counted since the last ``make_prefix_cache_stats`` (``None`` with
+        ``log_stats`` off)."""
+        return self._stats if self.log_stats else None
+
+    def prefix_cache_lookup_enabled(self, request: RequestLike) -> bool:
+        return self.enable_caching and not getattr(request, "skip_reading_prefix_cache", False)
+
+    def record_prefix_cache_stats(self, request: RequestLike, num_hits: int) -> None:
+        if self.log_stats and self.prefix_cache_lookup_enabled(request):
+            self._stats = count_admission(self._stats, request, num_hits)
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        if not self.log_stats:
+            return None
         stats, self._stats = self._stats, PrefixCacheStats()
         return stats
 

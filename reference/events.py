@@ -6,9 +6,10 @@ a block stored, a block removed, everything cleared. Statistics count lookups an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridkv.reference.block_hash import BlockHash
+from hybridkv.reference.request import RequestLike
 
 
 @dataclass(frozen=True)
@@ -40,22 +41,63 @@ KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 @dataclass(frozen=True)
 class PrefixCacheStats:
-    """Lookups since the last report: requests looked up, tokens queried, tokens hit.
+    """Prefix-cache lookups counted since the last report, in vLLM's shape.
 
-    ``reset`` says the prefix cache was reset in that interval.
+    A lookup is counted when its request is admitted (``record``), not when it is made: a
+    scheduler looks a waiting request up at every step until it fits, and only the lookup that
+    admits it says what the cache saved. Requests admitted again after a preemption are counted
+    apart (``preempted_*``): their hits are mostly their own blocks, kept since the preemption,
+    and would inflate the hit rate of new traffic. ``queries`` and ``hits`` are tokens;
+    ``reset`` says the prefix cache was reset in the interval.
     """
 
     requests: int = 0
     queries: int = 0
     hits: int = 0
     reset: bool = False
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
 
-    def record(self, num_tokens: int, num_hits: int) -> PrefixCacheStats:
-        """These statistics plus one lookup of ``num_tokens`` tokens that hit ``num_hits``."""
-        return PrefixCacheStats(
-            self.requests + 1, self.queries + num_tokens, self.hits + num_hits, self.reset
+    def record(self, num_tokens: int, num_hits: int, preempted: bool = False) -> PrefixCacheStats:
+        """These statistics plus one admitted lookup of ``num_tokens`` tokens that hit
+        ``num_hits`` (counted apart when the request was ``preempted`` before)."""
+        if preempted:
+            return replace(
+                self,
+                preempted_requests=self.preempted_requests + 1,
+                preempted_queries=self.preempted_queries + num_tokens,
+                preempted_hits=self.preempted_hits + num_hits,
+            )
+        return replace(
+            self,
+            requests=self.requests + 1,
+            queries=self.queries + num_tokens,
+            hits=self.hits + num_hits,
         )
 
     def after_reset(self) -> PrefixCacheStats:
         """These statistics, marked as spanning a prefix-cache reset."""
-        return PrefixCacheStats(self.requests, self.queries, self.hits, reset=True)
+        return replace(self, reset=True)
+
+
+def count_admission(
+    stats: PrefixCacheStats, request: RequestLike, num_hits: int
+) -> PrefixCacheStats:
+    """``stats`` plus the lookup that admitted ``request`` with ``num_hits`` cached tokens.
+
+    A request counts as preempted when it has ``num_preemptions > 0`` (the scheduler's
+    counter; a request without the attribute was never preempted). ``num_hits`` must lie in
+    ``[0, num_tokens)``: the last token is always recomputed.
+    """
+    if (
+        not isinstance(num_hits, int)
+        or isinstance(num_hits, bool)
+        or not 0 <= num_hits < max(request.num_tokens, 1)
+    ):
+        raise ValueError(
+            f"num_hits must be an int in [0, {request.num_tokens}) for request "
+            f"{request.request_id!r}, got {num_hits!r}"
+        )
+    preempted = getattr(request, "num_preemptions", 0) > 0
+    return stats.record(request.num_tokens, num_hits, preempted)

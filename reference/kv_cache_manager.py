@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import Counter
 
 from hybridkv.reference.coordinator import make_coordinator
-from hybridkv.reference.events import KVCacheEvent, PrefixCacheStats
+from hybridkv.reference.events import KVCacheEvent, PrefixCacheStats, count_admission
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import RequestLike
 from hybridkv.reference.single_type_managers import BlocksPerGroup, prompt_tokens
@@ -49,6 +49,8 @@ class KVCacheManager:
       it (only the groups flagged ``is_eagle_group``, or all when none is).
     - ``num_hash_lookahead_tokens``: EAGLE/MTP with lookahead block hashes instead; requests
       must be built with the same value.
+    - ``log_stats``: count admitted lookups for ``make_prefix_cache_stats`` (on by default, as
+      an engine logs them unless told not to).
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class KVCacheManager:
         max_in_flight_tokens: int | None = None,
         use_eagle: bool = False,
         num_hash_lookahead_tokens: int = 0,
+        log_stats: bool = True,
     ) -> None:
         settings = validate_manager_config(
             config,
@@ -71,6 +74,7 @@ class KVCacheManager:
             max_in_flight_tokens=max_in_flight_tokens,
             use_eagle=use_eagle,
             num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+            log_stats=log_stats,
         )
         self.config = config
         self.max_model_len = max_model_len
@@ -87,6 +91,7 @@ class KVCacheManager:
         )
         self.block_pool = self.coordinator.block_pool
         self.num_groups = len(config.groups)
+        self.log_stats = log_stats
         self._stats = PrefixCacheStats()
         # Tokens in flight at each request's last allocation: that step still reads the Mamba
         # states before them, so an "align" table may hold their blocks too (the invariant).
@@ -110,7 +115,7 @@ class KVCacheManager:
         ``max_cache_hit_length`` caps the hit below ``num_tokens − 1`` (vLLM's argument: an
         external connector that knows a shorter valid prefix).
         """
-        if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
+        if not self.prefix_cache_lookup_enabled(request):
             return KVCacheBlocks.empty(self.num_groups), 0, 0
         check_block_hashes(
             request,
@@ -126,7 +131,6 @@ class KVCacheManager:
         hits, num_hit_tokens, num_uncached = self.coordinator.find_longest_cache_hit(
             request.block_hashes, max_cache_hit_length
         )
-        self._stats = self._stats.record(request.num_tokens, num_hit_tokens)
         block_ids = tuple(tuple(block.block_id for block in blocks) for blocks in hits)
         boundary = num_hit_tokens + num_uncached if num_uncached else 0
         return KVCacheBlocks(block_ids), num_hit_tokens, boundary
@@ -272,7 +276,8 @@ class KVCacheManager:
         """Forget every cached block; refused (``False``) while any request holds a block."""
         if not self.block_pool.reset_prefix_cache():
             return False
-        self._stats = self._stats.after_reset()
+        if self.log_stats:
+            self._stats = self._stats.after_reset()
         return True
 
     # --- Observation ------------------------------------------------------------------------
@@ -290,8 +295,33 @@ class KVCacheManager:
         """KV cache events since the last call (empty unless events are enabled)."""
         return self.block_pool.take_events()
 
-    def make_prefix_cache_stats(self) -> PrefixCacheStats:
-        """Lookup statistics since the last call; the counters restart."""
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The statistics counted since the last ``make_prefix_cache_stats`` (``None`` with
+        ``log_stats`` off)."""
+        return self._stats if self.log_stats else None
+
+    def prefix_cache_lookup_enabled(self, request: RequestLike) -> bool:
+        """Whether ``get_computed_blocks`` looks ``request`` up: caching is on and the request
+        does not skip reading the cache."""
+        return self.enable_caching and not getattr(request, "skip_reading_prefix_cache", False)
+
+    def record_prefix_cache_stats(self, request: RequestLike, num_hits: int) -> None:
+        """Count the lookup that admitted ``request``, with its ``num_hits`` cached tokens.
+
+        The scheduler calls it when ``allocate_slots`` admitted the request, not after every
+        lookup: a waiting request is looked up at every step until it fits, and only the
+        admitting lookup says what the cache saved (vLLM's rule). Nothing is counted with
+        ``log_stats`` off or for a request that did not look the cache up.
+        """
+        if self.log_stats and self.prefix_cache_lookup_enabled(request):
+            self._stats = count_admission(self._stats, request, num_hits)
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """Admitted lookups since the last call (the counters restart), or ``None`` with
+        ``log_stats`` off."""
+        if not self.log_stats:
+            return None
         stats, self._stats = self._stats, PrefixCacheStats()
         return stats
 

@@ -85,7 +85,9 @@ class Request:
     still writes the cache: a request that needs prompt logprobs, say);
     ``num_hash_lookahead_tokens`` (EAGLE/MTP with lookahead hashes) makes each block hash cover
     the tokens after the block too (``hash_full_blocks_lookahead``). ``shared_prefix_boundary``
-    is the scheduler's copy of the third result of ``get_computed_blocks`` (0 until set).
+    is the scheduler's copy of the third result of ``get_computed_blocks`` (0 until set);
+    ``num_preemptions`` counts the times the scheduler preempted the request (it increments it),
+    so that the prefix-cache statistics count a readmission apart.
     """
 
     def __init__(
@@ -120,6 +122,7 @@ class Request:
         self.block_hasher = block_hasher
         self.num_computed_tokens = 0
         self.shared_prefix_boundary = 0
+        self.num_preemptions = 0
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self._block_hashes: list[BlockHash] = []
         self._hash_new_full_blocks()

@@ -26,6 +26,7 @@ def validate_manager_config(
     max_in_flight_tokens: int | None = None,
     use_eagle: bool = False,
     num_hash_lookahead_tokens: int = 0,
+    log_stats: bool = True,
 ) -> EngineSettings:
     """Reject configurations the manager does not support, naming the field and the value;
     return the resolved engine settings."""
@@ -36,6 +37,8 @@ def validate_manager_config(
         check_positive("max_in_flight_tokens", max_in_flight_tokens)
     if not isinstance(use_eagle, bool):
         raise ValueError(f"use_eagle must be a bool, got {use_eagle!r}")
+    if not isinstance(log_stats, bool):
+        raise ValueError(f"log_stats must be a bool, got {log_stats!r}")
     check_non_negative("num_hash_lookahead_tokens", num_hash_lookahead_tokens)
     if enable_caching:
         for group in config.groups:

@@ -36,6 +36,8 @@ class ManagerFactory(Protocol):
         max_model_len: int,
         enable_caching: bool = True,
         enable_kv_cache_events: bool = False,
+        *,
+        log_stats: bool = True,
     ) -> BackendManager: ...
 
 

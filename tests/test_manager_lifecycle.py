@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -109,32 +110,103 @@ def test_a_step_within_the_held_blocks_needs_no_free_block(make_manager: Manager
     m.check_invariants()
 
 
-def test_prefix_cache_stats_count_lookups_since_the_last_report(
+def test_prefix_cache_stats_count_admissions_since_the_last_report(
     make_manager: ManagerFactory,
 ) -> None:
+    """A lookup alone counts nothing: the scheduler records the lookup that admitted a
+    request (vLLM looks a waiting request up at every step until it fits)."""
     spec = FullAttentionSpec(block_size=2, **SIZES)
     m = make_manager(single_group(spec, 8), max_model_len=16)
     a = Request("a", [1, 2, 3, 4, 5], hash_block_size=2)
     assert m.get_computed_blocks(a)[1] == 0
     assert m.allocate_slots(a, 5) is not None
-    assert m.get_computed_blocks(Request("b", [1, 2, 3, 4, 7], hash_block_size=2))[1] == 4
+    m.record_prefix_cache_stats(a, 0)
+    b = Request("b", [1, 2, 3, 4, 7], hash_block_size=2)
+    assert m.get_computed_blocks(b)[1] == 4
+    assert m.get_computed_blocks(b)[1] == 4
+    assert m.prefix_cache_stats == PrefixCacheStats(requests=1, queries=5, hits=0)
+    m.record_prefix_cache_stats(b, 4)
     assert m.make_prefix_cache_stats() == PrefixCacheStats(requests=2, queries=10, hits=4)
     assert m.make_prefix_cache_stats() == PrefixCacheStats()
+
+
+def test_prefix_cache_stats_count_a_preempted_request_apart(
+    make_manager: ManagerFactory,
+) -> None:
+    """A request readmitted after a preemption (``num_preemptions > 0``) counts in the
+    ``preempted_*`` fields, as vLLM reports it, not as new traffic."""
+    spec = FullAttentionSpec(block_size=2, **SIZES)
+    m = make_manager(single_group(spec, 8), max_model_len=16)
+    a = Request("a", [1, 2, 3, 4, 5], hash_block_size=2)
+    assert m.allocate_slots(a, 5) is not None
+    m.record_prefix_cache_stats(a, 0)
+    m.free(a)
+    a.num_computed_tokens = 0
+    a.num_preemptions += 1
+    blocks, hits, _ = m.get_computed_blocks(a)
+    assert hits == 4
+    assert m.allocate_slots(a, 1, hits, blocks) is not None
+    m.record_prefix_cache_stats(a, hits)
+    assert m.make_prefix_cache_stats() == PrefixCacheStats(
+        requests=1,
+        queries=5,
+        hits=0,
+        preempted_requests=1,
+        preempted_queries=5,
+        preempted_hits=4,
+    )
+
+
+def test_prefix_cache_stats_are_off_with_log_stats_off_and_skip_uncached_lookups(
+    make_manager: ManagerFactory,
+) -> None:
+    """``log_stats=False`` reports ``None``; a request that skips reading the cache is not
+    counted (it made no lookup)."""
+    spec = FullAttentionSpec(block_size=2, **SIZES)
+    quiet = make_manager(single_group(spec, 8), max_model_len=16, log_stats=False)
+    a = Request("a", [1, 2, 3], hash_block_size=2)
+    quiet.record_prefix_cache_stats(a, 0)
+    assert quiet.prefix_cache_stats is None
+    assert quiet.make_prefix_cache_stats() is None
+    m = make_manager(single_group(spec, 8), max_model_len=16)
+    skipping = Request("s", [1, 2, 3], hash_block_size=2, skip_reading_prefix_cache=True)
+    assert not m.prefix_cache_lookup_enabled(skipping)
+    m.record_prefix_cache_stats(skipping, 0)
+    assert m.make_prefix_cache_stats() == PrefixCacheStats()
+
+
+def test_recording_an_impossible_hit_count_is_refused_by_name(
+    make_manager: ManagerFactory,
+) -> None:
+    spec = FullAttentionSpec(block_size=2, **SIZES)
+    m = make_manager(single_group(spec, 8), max_model_len=16)
+    a = Request("a", [1, 2, 3], hash_block_size=2)
+    with pytest.raises(
+        ValueError, match=r"num_hits must be an int in \[0, 3\) for request 'a', got 3"
+    ):
+        m.record_prefix_cache_stats(a, 3)
+    assert m.make_prefix_cache_stats() == PrefixCacheStats()
+    with pytest.raises(ValueError, match="log_stats must be a bool, got 'yes'"):
+        make_manager(single_group(spec, 8), max_model_len=16, log_stats="yes")  # type: ignore[arg-type]
 
 
 def test_prefix_cache_stats_mark_a_reset_and_keep_counting_across_it(
     make_manager: ManagerFactory,
 ) -> None:
-    """A reset is reported with the counts of the interval it falls in, lookups before and
+    """A reset is reported with the counts of the interval it falls in, admissions before and
     after it alike; the next interval starts unmarked."""
     spec = FullAttentionSpec(block_size=2, **SIZES)
     m = make_manager(single_group(spec, 8), max_model_len=16)
     a = Request("a", [1, 2, 3, 4, 5], hash_block_size=2)
     assert m.allocate_slots(a, 5) is not None
-    assert m.get_computed_blocks(Request("b", [1, 2, 3, 4, 7], hash_block_size=2))[1] == 4
+    b = Request("b", [1, 2, 3, 4, 7], hash_block_size=2)
+    assert m.get_computed_blocks(b)[1] == 4
+    m.record_prefix_cache_stats(b, 4)
     m.free(a)
     assert m.reset_prefix_cache()
-    assert m.get_computed_blocks(Request("c", [1, 2, 3], hash_block_size=2))[1] == 0
+    c = Request("c", [1, 2, 3], hash_block_size=2)
+    assert m.get_computed_blocks(c)[1] == 0
+    m.record_prefix_cache_stats(c, 0)
     assert m.make_prefix_cache_stats() == PrefixCacheStats(
         requests=2, queries=8, hits=4, reset=True
     )

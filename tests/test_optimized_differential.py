@@ -286,6 +286,9 @@ def run_traffic(
                 reserved_blocks=reserved, watermark_blocks=watermark,
             )  # fmt: skip
             if new is not None:
+                # Admitted: the admitting lookup is counted (the scheduler's call).
+                opt.record_prefix_cache_stats(t.opt, hit)
+                ref.record_prefix_cache_stats(t.ref, hit)
                 for r in (t.ref, t.opt):
                     r.num_computed_tokens = min(r.num_computed_tokens + hit + n, r.num_tokens)
                 t.running = True
@@ -343,6 +346,8 @@ def run_traffic(
                 ref.free(twins[rid].ref)
                 if preempt:
                     twins[rid].ref.num_computed_tokens = twins[rid].opt.num_computed_tokens = 0
+                    twins[rid].ref.num_preemptions += 1
+                    twins[rid].opt.num_preemptions += 1
                     twins[rid].running = False
                 else:
                     del twins[rid]

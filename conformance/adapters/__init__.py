@@ -331,6 +331,9 @@ class ProtocolAdapter:
 
     def lookup(self, request: Request) -> Lookup:
         blocks, num_hit_tokens, boundary = self.manager.get_computed_blocks(request)
+        # Each lookup counts as an admission (as the vLLM adapter counts it): the statistics
+        # then compare every lookup the machine makes.
+        self.manager.record_prefix_cache_stats(request, num_hit_tokens)
         return Lookup(_as_ids(blocks), num_hit_tokens, blocks, boundary)
 
     def new_step(self) -> None:
@@ -423,8 +426,10 @@ class ProtocolAdapter:
     def take_events(self) -> tuple[tuple[object, ...], ...]:
         return tuple(_plain_event(event) for event in self.manager.take_events())
 
-    def take_stats(self) -> tuple[int, int, int, bool]:
+    def take_stats(self) -> tuple[int, int, int, bool] | None:
         stats = self.manager.make_prefix_cache_stats()
+        if stats is None:
+            return None
         return (stats.requests, stats.queries, stats.hits, stats.reset)
 
     def check_invariants(self) -> None:

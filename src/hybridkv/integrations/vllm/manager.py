@@ -114,6 +114,7 @@ def make_core(
     num_hash_lookahead_tokens: int,
     device: str | None,
     max_num_reqs: int | None = None,
+    log_stats: bool = True,
 ) -> Any:
     """The core manager of ``backend`` with vLLM's settings."""
     settings: dict[str, Any] = {
@@ -121,6 +122,7 @@ def make_core(
         "max_in_flight_tokens": max_in_flight_tokens,
         "use_eagle": use_eagle,
         "num_hash_lookahead_tokens": num_hash_lookahead_tokens,
+        "log_stats": log_stats,
     }
     if backend == "reference":
         refuse(device is not None, "device= with backend='reference'", "it runs on the CPU")
@@ -230,6 +232,7 @@ class KVCacheManager:
             ),
             use_eagle=use_eagle,
             num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+            log_stats=log_stats,
             device=device,
             max_num_reqs=max_num_reqs,
         )
@@ -291,22 +294,28 @@ class KVCacheManager:
         """vLLM's ``PrefixCacheStats`` since the last call, or ``None`` with ``log_stats`` off."""
         if not self.log_stats:
             return None
+        self.core.make_prefix_cache_stats()
         stats, self.prefix_cache_stats = self.prefix_cache_stats, self._stats_class()
         return stats
 
     def prefix_cache_lookup_enabled(self, request: Any) -> bool:
-        return self.enable_caching and not request.skip_reading_prefix_cache
+        return bool(self.core.prefix_cache_lookup_enabled(request))
 
     def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
-        """Count one admitted lookup (vLLM counts at admission, preempted requests apart)."""
-        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
+        """Count one admitted lookup: the core counts (preempted requests apart), and vLLM's
+        live ``prefix_cache_stats`` object shows its counters."""
+        if self.log_stats:
+            self.core.record_prefix_cache_stats(request, num_hits)
+            self._publish_stats()
+
+    def _publish_stats(self) -> None:
+        """Copy the core's counters into vLLM's ``PrefixCacheStats`` object, which callers may
+        hold across steps (vLLM's scheduler tests do)."""
+        core_stats = self.core.prefix_cache_stats
+        if core_stats is None or self.prefix_cache_stats is None:
             return
-        assert self.prefix_cache_stats is not None
-        self.prefix_cache_stats.record(
-            num_tokens=request.num_tokens,
-            num_hits=num_hits,
-            preempted=request.num_preemptions > 0,
-        )
+        for name in _STATS_FIELDS:
+            setattr(self.prefix_cache_stats, name, getattr(core_stats, name))
 
     # --- The scheduler's calls -----------------------------------------------------------
 
@@ -440,9 +449,7 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         if not self.core.reset_prefix_cache():
             return False
-        if self.log_stats:
-            assert self.prefix_cache_stats is not None
-            self.prefix_cache_stats.reset = True
+        self._publish_stats()
         return True
 
     def new_step_starts(self) -> None:
@@ -569,6 +576,17 @@ class KVCacheManager:
 
 
 _LOW_64 = (1 << 64) - 1
+
+_STATS_FIELDS = (
+    "requests",
+    "queries",
+    "hits",
+    "reset",
+    "preempted_requests",
+    "preempted_queries",
+    "preempted_hits",
+)
+"""The counters of vLLM's ``PrefixCacheStats`` that the core's ``PrefixCacheStats`` holds."""
 
 
 def _refuse_allocation_settings(
