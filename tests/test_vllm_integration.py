@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from typing import Any
 
@@ -170,3 +171,33 @@ def test_scheduler_cls_selects_hybridkv(
     assert type(scheduler).__name__ == name
     assert isinstance(scheduler.kv_cache_manager, KVCacheManager)
     assert scheduler.kv_cache_manager.backend == "reference"
+
+
+def test_the_manager_clock_times_each_outer_call_once() -> None:
+    """The scheduler bench splits a step into the manager's time and the scheduler's own: a
+    method calling another counts once, and the calls still return their results."""
+    from hybridkv.integrations.vllm.bench import ManagerClock
+
+    class Slow:
+        def outer(self, x: int) -> int:
+            return self.inner(x) + 1
+
+        def inner(self, x: int) -> int:
+            time.sleep(0.01)
+            return x * 2
+
+    slow = Slow()
+    clock = ManagerClock(slow)
+    assert slow.outer(3) == 7
+    assert 0.01 <= clock.seconds < 0.05
+    assert slow.inner(1) == 2
+    assert 0.02 <= clock.seconds < 0.1
+
+
+def test_the_scheduler_bench_splits_a_step_between_manager_and_scheduler() -> None:
+    from hybridkv.integrations.vllm.bench import measure
+
+    times = measure("optimized", 8, 2)
+    assert times.step > 0
+    assert times.manager > 0
+    assert times.scheduler > 0

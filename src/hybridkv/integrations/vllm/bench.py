@@ -6,15 +6,23 @@ so that every step sees 1/16 of the requests enter a new block). After the prefi
 is ``schedule()`` + ``update_from_output()`` with a fake model that samples one token per
 request; the median over the steps is reported, with vLLM's own manager, the reference and the
 optimized backend in one process, and the ratio vLLM ÷ backend (above 1: hybridkv is faster).
+
+What bounds the ratio: after the timed steps, as many more run with every method of the
+scheduler's manager timed (``ManagerClock``), which splits a step into the manager's time and
+the scheduler's own (the step less the manager). The scheduler's own work is the same whichever
+manager runs, so vLLM's step divided by it is the most any manager could gain ("bound": a
+manager that took no time at all).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from hybridkv.integrations.vllm.check import BLOCK_SIZE, RunConfig, build_scheduler
@@ -40,8 +48,49 @@ def _kv_cache_config(num_blocks: int) -> Any:
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
-def measure(manager: str, batch: int, steps: int) -> float:
-    """Median µs of ``schedule()`` + ``update_from_output()`` per decode step."""
+class ManagerClock:
+    """Times every method call on one manager object (calls made from inside a timed call
+    count once, in the outer call)."""
+
+    def __init__(self, manager: Any) -> None:
+        self.seconds = 0.0
+        self._inside = False
+        for name in dir(type(manager)):
+            if name.startswith("_"):
+                continue
+            attribute = getattr(manager, name, None)
+            if callable(attribute) and not isinstance(attribute, type):
+                setattr(manager, name, self._timed(attribute))
+
+    def _timed(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._inside:
+                return method(*args, **kwargs)
+            self._inside = True
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self._inside = False
+
+        return timed
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Median µs per decode step: the whole step, and (from the clocked steps) the manager's
+    share and the scheduler's own work."""
+
+    step: float
+    manager: float
+    scheduler: float
+
+
+def measure(manager: str, batch: int, steps: int) -> StepTimes:
+    """Median µs of ``schedule()`` + ``update_from_output()`` per decode step, then the split
+    of as many clocked steps into the manager's time and the scheduler's own."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -102,7 +151,18 @@ def measure(manager: str, batch: int, steps: int) -> float:
         if scheduled != batch:
             raise RuntimeError(f"{manager}: {scheduled} of {batch} requests scheduled")
         times.append(seconds)
-    return statistics.median(times) * 1e6
+    clock = ManagerClock(scheduler.kv_cache_manager)
+    own, spent = [], []
+    for _ in range(steps):
+        before = clock.seconds
+        _, seconds = step()
+        spent.append(clock.seconds - before)
+        own.append(seconds - spent[-1])
+    return StepTimes(
+        statistics.median(times) * 1e6,
+        statistics.median(spent) * 1e6,
+        statistics.median(own) * 1e6,
+    )
 
 
 def main(argv: Sequence[str] | None = None, *, quick: bool = False) -> int:
@@ -117,15 +177,28 @@ def main(argv: Sequence[str] | None = None, *, quick: bool = False) -> int:
         "update_from_output() step"
     )
     print(f"{'B':>6} " + " ".join(f"{m:>12}" for m in managers) + "   vLLM÷ref  vLLM÷opt")
+    splits: list[str] = []
     for batch in batches:
         timings = {m: measure(m, batch, steps) for m in managers}
         print(
             f"{batch:>6} "
-            + " ".join(f"{timings[m]:>12,.0f}" for m in managers)
-            + f"   {timings['vllm'] / timings['reference']:>7.2f}×"
-            + f"  {timings['vllm'] / timings['optimized']:>7.2f}×"
+            + " ".join(f"{timings[m].step:>12,.0f}" for m in managers)
+            + f"   {timings['vllm'].step / timings['reference'].step:>7.2f}×"
+            + f"  {timings['vllm'].step / timings['optimized'].step:>7.2f}×"
         )
         sys.stdout.flush()
+        splits.extend(
+            f"{batch:>6} {m:>10} {t.manager:>12,.0f} {t.scheduler:>16,.0f}"
+            for m, t in timings.items()
+        )
+        own = timings["optimized"].scheduler
+        splits.append(
+            f"{batch:>6} bound: vLLM's step ÷ the scheduler's own work with the optimized "
+            f"backend = {timings['vllm'].step / own:.2f}× (a manager that took no time)"
+        )
+    print("\nWhere a clocked step goes (median µs per step; every manager method timed):")
+    print(f"{'B':>6} {'manager':>10} {'in manager':>12} {'scheduler own':>16}")
+    print("\n".join(splits))
     return 0
 
 
