@@ -53,7 +53,7 @@ from hybridkv.optimized._buffers import int32_from_bytes, tensor_from_ints
 from hybridkv.optimized.block_pool import hash_key
 from hybridkv.optimized.thresholds import INSERT_MIN
 from hybridkv.reference.block_hash import BlockHash
-from hybridkv.reference.events import BlockStored, KVCacheEvent
+from hybridkv.reference.events import KVCacheEvent
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import Request, RequestLike
 from hybridkv.spec.errors import check_non_negative
@@ -432,6 +432,8 @@ def _stored_events(
 ) -> None:
     """One ``BlockStored`` per (request, group) that cached, in sequential order."""
     g_count, b = m.num_groups, m.block_size
+    builder = m.pool.event_builder
+    assert builder is not None
     runs: dict[int, list[tuple[int, int, BlockHash]]] = {}
     for p, position, blk, h in zip(
         pair.tolist(), pos.tolist(), blocks.tolist(), hashes, strict=True
@@ -442,9 +444,19 @@ def _stored_events(
         request = requests[i]
         lo, hi = run[0][0], run[-1][0] + 1
         parent = request.block_hashes[lo - 1] if lo else None
-        own = tuple(h for _, blk, h in run if blk)
-        tokens = tuple(request.all_token_ids[lo * b : hi * b])
-        events[i].append(BlockStored(own, parent, tokens, b, g))
+        kept = [(position, h) for position, blk, h in run if blk]
+        events[i].append(
+            builder.stored(
+                request,
+                [h for _, h in kept],
+                [position for position, _ in kept],
+                parent,
+                lo * b,
+                hi * b,
+                b,
+                g,
+            )
+        )
 
 
 def free_batch(m: TorchKVCacheManager, requests: Sequence[RequestLike]) -> None:

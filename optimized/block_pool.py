@@ -63,7 +63,7 @@ import torch
 from hybridkv.optimized._buffers import IntBuffer
 from hybridkv.optimized.thresholds import MIN_BUCKETS
 from hybridkv.reference.block_hash import BlockHash
-from hybridkv.reference.events import AllBlocksCleared, BlockRemoved, KVCacheEvent
+from hybridkv.reference.events import AllBlocksCleared, EventBuilder, KVCacheEvent
 from hybridkv.spec.errors import require
 
 GROUP_MIX = 0x9E3779B1
@@ -103,12 +103,17 @@ class TorchBlockPool:
         *,
         enable_caching: bool,
         enable_kv_cache_events: bool = False,
+        event_builder: EventBuilder | None = None,
     ) -> None:
+        if enable_kv_cache_events and event_builder is None:
+            raise ValueError("enable_kv_cache_events needs an event_builder (the groups' specs)")
         n = num_blocks
         self.num_blocks = n
         self.num_groups = num_groups
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events
+        # Builds the events in vLLM's schema (set with events on; see ``EventBuilder``).
+        self.event_builder = event_builder
         self.head = n
         self.tail = n + 1
         self.ref = IntBuffer(n)
@@ -395,7 +400,7 @@ class TorchBlockPool:
                 del self.extra_index[key]
             source = self.source(src)
             if self.enable_kv_cache_events:
-                removed = BlockRemoved((source.hashes[key[2]],), key[1])
+                removed = EventBuilder.removed(source.hashes[key[2]], key[1])
                 (self.events if events is None else events).append(removed)
             source.refs -= 1
             self.maybe_drop_source(src)
@@ -419,7 +424,7 @@ class TorchBlockPool:
         src = self.src.a[block]
         source = self.source(src)
         if self.enable_kv_cache_events:
-            removed = BlockRemoved((source.hashes[tag // self.num_groups],), group_id)
+            removed = EventBuilder.removed(source.hashes[tag // self.num_groups], group_id)
             (self.events if events is None else events).append(removed)
         heads, hnext = self.heads.a, self.hnext.a
         bucket = ((hk >> 32) + group_id * GROUP_MIX) & self.mask

@@ -21,7 +21,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from hybridkv.reference.events import BlockStored
+from hybridkv.reference.events import EventBuilder
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import RequestLike
 from hybridkv.reference.single_type_managers import prompt_tokens
@@ -535,9 +535,11 @@ def _cache_partial_block(
         if tokens is not None and tokens < num_tokens:
             pool.remove_keys(block)
     pool.insert_key(block, src, hidx, g)
-    if pool.enable_kv_cache_events and not already:
+    builder: EventBuilder | None = pool.event_builder
+    if builder is not None and not already:
         start = num_tokens - hbs
-        parent = hashes[start // hbs - 1] if start else None
-        stored = tuple(request.all_token_ids[start:num_tokens])
-        pool.events.append(BlockStored((hashes[hidx],), parent, stored, hbs, g))
+        parent = hashes[hidx - 1] if start else None
+        pool.events.append(
+            builder.stored(request, (hashes[hidx],), (hidx,), parent, start, num_tokens, hbs, g)
+        )
     return hashes[hidx], g

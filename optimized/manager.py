@@ -53,7 +53,7 @@ from hybridkv.optimized.thresholds import (
     VECTOR_MIN,
 )
 from hybridkv.reference.events import (
-    BlockStored,
+    EventBuilder,
     KVCacheEvent,
     PrefixCacheStats,
     count_admission,
@@ -200,6 +200,11 @@ class TorchKVCacheManager:
             self.num_groups,
             enable_caching=enable_caching,
             enable_kv_cache_events=enable_kv_cache_events,
+            event_builder=(
+                EventBuilder.of(config, self.settings.num_hash_lookahead_tokens)
+                if enable_kv_cache_events
+                else None
+            ),
         )
         g, r, w = self.num_groups, max_num_reqs, max_blocks_per_req
         self.max_num_reqs, self.max_blocks_per_req = r, w
@@ -773,7 +778,7 @@ class TorchKVCacheManager:
             if src < 0:
                 src = self._source_of(request, row, num_full, num_full * b)
             base = self._base(g, row)
-            new_hashes = []
+            stored = []
             mask: Sequence[bool] | None = None
             if g in self._sparse_groups:
                 if boundaries is None:
@@ -782,14 +787,24 @@ class TorchKVCacheManager:
             for pos, block in enumerate(tab[base + start : base + num_full], start):
                 if block and (mask is None or mask[pos - start]):
                     entries.append((block, g, pos, pos))
-                    new_hashes.append(hashes[pos])
+                    stored.append(pos)
             cached[at + g] = num_full
-            if mask is not None and new_hashes:
+            if mask is not None and stored:
                 self.rows.kept[at + g] = entries[-1][2] + 1
-            if pool.enable_kv_cache_events:
+            if pool.event_builder is not None:
                 parent = hashes[start - 1] if start else None
-                tokens = tuple(request.all_token_ids[start * b : num_full * b])
-                pool.events.append(BlockStored(tuple(new_hashes), parent, tokens, b, g))
+                pool.events.append(
+                    pool.event_builder.stored(
+                        request,
+                        [hashes[p] for p in stored],
+                        stored,
+                        parent,
+                        start * b,
+                        num_full * b,
+                        b,
+                        g,
+                    )
+                )
         if len(entries) < INSERT_MIN:
             for block, g, pos, _ in entries:
                 pool.insert(block, hashes[pos], g, pos, src)
@@ -864,7 +879,7 @@ class TorchKVCacheManager:
         hashes = request.block_hashes
         view = hashes[scale - 1 :: scale] if scale > 1 else hashes
         tab, base = self._tab.a, self._base(g, row)
-        new_hashes = []
+        positions = []
         kept = 0
         for pos in range(start, num_full):
             block = tab[base + pos]
@@ -873,17 +888,27 @@ class TorchKVCacheManager:
             pool.remove_keys(block)
             hidx = (pos + 1) * scale - 1
             pool.insert(block, hashes[hidx], g, hidx, src)
-            new_hashes.append(view[pos])
+            positions.append(pos)
             kept = pos + 1
         i = self.rows.index(row, g)
         self.rows.cached[i] = num_full
         if mask is not None and kept:
             self.rows.kept[i] = kept
         self._mamba.running.add((row, g))
-        if pool.enable_kv_cache_events:
+        if pool.event_builder is not None:
             parent = view[start - 1] if start else None
-            stored = tuple(request.all_token_ids[start * b : num_full * b])
-            pool.events.append(BlockStored(tuple(new_hashes), parent, stored, b, g))
+            pool.events.append(
+                pool.event_builder.stored(
+                    request,
+                    [view[p] for p in positions],
+                    positions,
+                    parent,
+                    start * b,
+                    num_full * b,
+                    b,
+                    g,
+                )
+            )
 
     def _cache_prompt_tail(self, request: RequestLike, row: int, g: int, num_tokens: int) -> None:
         """``FullAttentionManager._cache_prompt_tail``: the block holding the prompt's last hash
@@ -907,11 +932,14 @@ class TorchKVCacheManager:
         if not already and pool.src.a[block] >= 0 and (pool.hash_index(block) + 1) < hidx + 1:
             pool.remove_keys(block)  # a shorter entry gives way
         pool.insert_key(block, src, hidx, g)
-        if pool.enable_kv_cache_events and not already:
+        if pool.event_builder is not None and not already:
             start = boundary - hbs
-            parent = hashes[start // hbs - 1] if start else None
-            stored = tuple(request.all_token_ids[start:boundary])
-            pool.events.append(BlockStored((hashes[hidx],), parent, stored, hbs, g))
+            parent = hashes[hidx - 1] if start else None
+            pool.events.append(
+                pool.event_builder.stored(
+                    request, (hashes[hidx],), (hidx,), parent, start, boundary, hbs, g
+                )
+            )
 
     def _reachable_boundaries(self, request: RequestLike) -> list[int]:
         """Where a later request can resume (``KVCacheCoordinator.cache_blocks``): a resend of

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from hybridkv.reference.block_hash import BlockHash
-from hybridkv.reference.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from hybridkv.reference.events import AllBlocksCleared, EventBuilder, KVCacheEvent
 from hybridkv.reference.free_queue import FreeKVCacheBlockQueue
 from hybridkv.reference.kv_cache_block import BlockHashWithGroupId, KVCacheBlock
 from hybridkv.reference.request import RequestLike
@@ -35,7 +35,11 @@ def hashes_at_block_size(
 
 
 class BlockPool:
-    """Blocks ``0 … num_blocks − 1``; block 0 is the null block and is never free."""
+    """Blocks ``0 … num_blocks − 1``; block 0 is the null block and is never free.
+
+    With ``enable_kv_cache_events``, ``event_builder`` (required then) builds the events in
+    vLLM's schema from the groups' specs and the lookahead setting.
+    """
 
     def __init__(
         self,
@@ -45,13 +49,17 @@ class BlockPool:
         enable_kv_cache_events: bool = False,
         hash_block_size: int = 1,
         num_hash_lookahead_tokens: int = 0,
+        event_builder: EventBuilder | None = None,
     ) -> None:
+        if enable_kv_cache_events and event_builder is None:
+            raise ValueError("enable_kv_cache_events needs an event_builder (the groups' specs)")
         self.num_blocks = num_blocks
         # Tokens per block hash, and the tokens after a block that its hash also covers.
         self.hash_block_size = hash_block_size
         self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events
+        self.event_builder = event_builder
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
@@ -147,6 +155,7 @@ class BlockPool:
         """
         hashes = hashes_at_block_size(request.block_hashes, self.hash_block_size, block_size)
         new_hashes: list[BlockHash] = []
+        positions: list[int] = []
         for index in range(num_cached_blocks, num_full_blocks):
             block = blocks[index]
             if block.is_null or (
@@ -157,13 +166,20 @@ class BlockPool:
                 self._remove_cached_block_hashes(block)
             self._insert_block_hash((hashes[index], group_id), block, (index + 1) * block_size)
             new_hashes.append(hashes[index])
-        if self.enable_kv_cache_events:
+            positions.append(index)
+        if self.event_builder is not None and self.enable_kv_cache_events:
             parent = hashes[num_cached_blocks - 1] if num_cached_blocks else None
-            tokens = request.all_token_ids[
-                num_cached_blocks * block_size : num_full_blocks * block_size
-            ]
             self.events.append(
-                BlockStored(tuple(new_hashes), parent, tuple(tokens), block_size, group_id)
+                self.event_builder.stored(
+                    request,
+                    new_hashes,
+                    positions,
+                    parent,
+                    num_cached_blocks * block_size,
+                    num_full_blocks * block_size,
+                    block_size,
+                    group_id,
+                )
             )
 
     def cache_partial_block(
@@ -197,12 +213,14 @@ class BlockPool:
         ):
             self._remove_cached_block_hashes(block)
         self._insert_block_hash(key, block, num_tokens)
-        if self.enable_kv_cache_events and not already:
-            start = num_tokens - self.hash_block_size
-            parent = request.block_hashes[start // self.hash_block_size - 1] if start else None
-            tokens = tuple(request.all_token_ids[start:num_tokens])
+        if self.event_builder is not None and self.enable_kv_cache_events and not already:
+            hbs = self.hash_block_size
+            start = num_tokens - hbs
+            parent = request.block_hashes[start // hbs - 1] if start else None
             self.events.append(
-                BlockStored((key[0],), parent, tokens, self.hash_block_size, group_id)
+                self.event_builder.stored(
+                    request, (key[0],), (start // hbs,), parent, start, num_tokens, hbs, group_id
+                )
             )
         return key
 
@@ -239,7 +257,7 @@ class BlockPool:
         block.block_hash = None
         block.block_hash_num_tokens = None
         if self.enable_kv_cache_events:
-            self.events.extend(BlockRemoved((key[0],), key[1]) for key in removed)
+            self.events.extend(EventBuilder.removed(key[0], key[1]) for key in removed)
         return removed
 
     def maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:

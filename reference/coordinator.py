@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.block_pool import BlockPool
 from hybridkv.reference.engine_settings import EngineSettings
+from hybridkv.reference.events import EventBuilder
 from hybridkv.reference.kv_cache_block import KVCacheBlock
 from hybridkv.reference.request import RequestLike
 from hybridkv.reference.single_type_managers import (
@@ -59,6 +60,11 @@ class KVCacheCoordinator(ABC):
             enable_kv_cache_events=enable_kv_cache_events,
             hash_block_size=settings.hash_block_size,
             num_hash_lookahead_tokens=settings.num_hash_lookahead_tokens,
+            event_builder=(
+                EventBuilder.of(config, settings.num_hash_lookahead_tokens)
+                if enable_kv_cache_events
+                else None
+            ),
         )
         self.managers: list[SingleTypeKVCacheManager] = [
             manager_class(group.spec)(

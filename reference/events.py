@@ -1,34 +1,65 @@
 """KV cache events and prefix-cache statistics: what the manager reports to the outside.
 
 Events let an external index (a KV-aware router, a CPU offload tier) mirror the prefix cache:
-a block stored, a block removed, everything cleared. Statistics count lookups and their hits.
+a block stored, a block removed, everything cleared. They have vLLM 0.33's schema
+(``vllm.distributed.kv_events``): the same classes, fields, order and defaults, tuples in place
+of lists, and hashes as the core's 32-byte ``BlockHash`` (an engine converts them, as vLLM does
+under ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``). The core fills every field with the value
+vLLM 0.33's own manager gives it in the same situation; ``EventBuilder`` says why each has it.
+Statistics count lookups and their hits.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.request import RequestLike
+from hybridkv.spec import KVCacheConfig, event_metadata
+
+MEDIUM_GPU = "GPU"
+"""vLLM's ``MEDIUM_GPU``: the medium of blocks of the device pool."""
 
 
 @dataclass(frozen=True)
 class BlockStored:
-    """Full blocks of one group entered the prefix cache, in chain order."""
+    """Full blocks of one group entered the prefix cache, in chain order (vLLM's fields).
+
+    ``block_hashes`` the blocks stored; ``parent_block_hash`` the hash before the first position
+    of the run (``None`` at the start of the chain); ``token_ids`` the tokens of every position of
+    the run, null and skipped positions included; ``extra_keys`` and ``lookahead_token_ids`` one
+    entry per stored block.
+    """
 
     block_hashes: tuple[BlockHash, ...]
     parent_block_hash: BlockHash | None
     token_ids: tuple[int, ...]
     block_size: int
-    group_id: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
-    """A cached block of one group was evicted (its memory is about to be reused)."""
+    """A cached key of one group was dropped (its block's memory is about to be reused, or the
+    block now answers for a longer prefix): one event per key, as vLLM's."""
 
     block_hashes: tuple[BlockHash, ...]
-    group_id: int
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 @dataclass(frozen=True)
@@ -37,6 +68,97 @@ class AllBlocksCleared:
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventBuilder:
+    """Builds a manager's events with every field vLLM 0.33's manager gives them.
+
+    Precomputed once per manager: each group's ``kv_cache_spec_kind`` and
+    ``kv_cache_spec_sliding_window`` (``hybridkv.spec.event_metadata``, equal to vLLM's
+    ``get_kv_cache_spec_kind`` / ``get_kv_cache_spec_sliding_window`` of the group's spec) and
+    the lookahead hashing setting. Why each field has its value:
+
+    - ``lora_id``, ``lora_name``: ``None``: the core has no LoRA (vLLM sets them from the
+      request's LoRA adapter; engines refuse LoRA requests).
+    - ``medium``: ``MEDIUM_GPU``: the pool is the device tier (vLLM's block pool default).
+    - ``extra_keys``: one entry per stored block, as vLLM's ``to_event_extra_keys`` publishes the
+      keys of each block's hash: ``(cache_salt,)`` for the block starting at token 0 of a
+      request with a (non-empty) salt, ``None`` for every other block (the core hashes no LoRA,
+      multimodal or prompt-embedding keys); ``None`` when no block was stored.
+    - ``group_idx``: the KV cache group of the blocks.
+    - ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``: the group's (see above; vLLM's
+      manager annotates them in ``take_events``).
+    - ``locality``, ``ownership``: ``None``: vLLM's block pool leaves them unspecified (they
+      describe offloading tiers).
+    - ``session_id``: the request's ``session_id`` when it has one, else ``None``.
+    - ``lookahead_token_ids``: with ``num_hash_lookahead_tokens > 0``, for each stored block the
+      tokens after it that its hash covers (vLLM's ``_lookahead_token_ids``); else ``None``.
+
+    ``BlockRemoved`` carries ``medium`` and ``group_idx``; its ``locality`` and ``ownership``
+    are ``None``, as vLLM's.
+    """
+
+    __slots__ = ("groups", "num_hash_lookahead_tokens")
+
+    def __init__(
+        self, groups: Sequence[tuple[str, int | None]], num_hash_lookahead_tokens: int = 0
+    ) -> None:
+        self.groups = tuple(groups)
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
+
+    @classmethod
+    def of(cls, config: KVCacheConfig, num_hash_lookahead_tokens: int = 0) -> EventBuilder:
+        """The builder of a manager of ``config``."""
+        return cls(
+            [event_metadata(group.spec) for group in config.groups], num_hash_lookahead_tokens
+        )
+
+    def stored(
+        self,
+        request: Any,
+        block_hashes: Sequence[BlockHash],
+        positions: Sequence[int],
+        parent_block_hash: BlockHash | None,
+        start: int,
+        end: int,
+        block_size: int,
+        group_idx: int,
+    ) -> BlockStored:
+        """``BlockStored`` of ``block_hashes``, the blocks at ``positions`` (block indices at
+        ``block_size``, one per hash, ascending) of the run of tokens ``start … end − 1``."""
+        tokens = request.all_token_ids
+        extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
+        if positions:
+            salt = getattr(request, "cache_salt", None)
+            first = (salt,) if salt and positions[0] == 0 else None
+            extra_keys = (first,) + (None,) * (len(positions) - 1)
+        lookahead: tuple[tuple[int, ...], ...] | None = None
+        if self.num_hash_lookahead_tokens:
+            n = self.num_hash_lookahead_tokens
+            lookahead = tuple(
+                tuple(tokens[(p + 1) * block_size : (p + 1) * block_size + n]) for p in positions
+            )
+        kind, window = self.groups[group_idx]
+        return BlockStored(
+            block_hashes=tuple(block_hashes),
+            parent_block_hash=parent_block_hash,
+            token_ids=tuple(tokens[start:end]),
+            block_size=block_size,
+            lora_id=None,
+            medium=MEDIUM_GPU,
+            lora_name=None,
+            extra_keys=extra_keys,
+            group_idx=group_idx,
+            kv_cache_spec_kind=kind,
+            kv_cache_spec_sliding_window=window,
+            session_id=getattr(request, "session_id", None),
+            lookahead_token_ids=lookahead,
+        )
+
+    @staticmethod
+    def removed(block_hash: BlockHash, group_idx: int) -> BlockRemoved:
+        """``BlockRemoved`` of one key."""
+        return BlockRemoved((block_hash,), MEDIUM_GPU, group_idx)
 
 
 @dataclass(frozen=True)

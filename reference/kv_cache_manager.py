@@ -292,7 +292,8 @@ class KVCacheManager:
         return self.block_pool.num_free_blocks
 
     def take_events(self) -> list[KVCacheEvent]:
-        """KV cache events since the last call (empty unless events are enabled)."""
+        """KV cache events since the last call, in vLLM 0.33's schema (``reference.events``;
+        empty unless events are enabled)."""
         return self.block_pool.take_events()
 
     @property

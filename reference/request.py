@@ -87,7 +87,9 @@ class Request:
     the tokens after the block too (``hash_full_blocks_lookahead``). ``shared_prefix_boundary``
     is the scheduler's copy of the third result of ``get_computed_blocks`` (0 until set);
     ``num_preemptions`` counts the times the scheduler preempted the request (it increments it),
-    so that the prefix-cache statistics count a readmission apart.
+    so that the prefix-cache statistics count a readmission apart. ``session_id`` names the
+    session the request belongs to; the manager only reports it in the KV events of the blocks
+    the request stores (``BlockStored.session_id``, as vLLM's).
     """
 
     def __init__(
@@ -100,6 +102,7 @@ class Request:
         skip_reading_prefix_cache: bool = False,
         num_hash_lookahead_tokens: int = 0,
         block_hasher: BlockHasher = hash_full_blocks,
+        session_id: str | None = None,
     ) -> None:
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str, got {request_id!r}")
@@ -111,7 +114,10 @@ class Request:
                 f"skip_reading_prefix_cache must be a bool, got {skip_reading_prefix_cache!r}"
             )
         check_non_negative("num_hash_lookahead_tokens", num_hash_lookahead_tokens)
+        if session_id is not None and not isinstance(session_id, str):
+            raise ValueError(f"session_id must be a str or None, got {session_id!r}")
         self.request_id = request_id
+        self.session_id = session_id
         self.prompt_token_ids: tuple[int, ...] = tuple(
             check_token_ids("prompt_token_ids", prompt_token_ids)
         )

@@ -9,6 +9,7 @@ from hybridkv.spec.kv_cache_spec import (
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
+    event_metadata,
     spec_kind,
 )
 
@@ -22,6 +23,7 @@ __all__ = [
     "KVCacheTensor",
     "MambaSpec",
     "SlidingWindowSpec",
+    "event_metadata",
     "rules",
     "spec_kind",
 ]

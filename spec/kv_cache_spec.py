@@ -101,6 +101,8 @@ class FullAttentionSpec(AttentionSpec):
     """Full (global) attention: every token keeps its KV for the life of the request."""
 
     kind = "full"
+    event_kind = "full_attention"
+    """vLLM's ``KVCacheSpecKind`` value of the type (``BlockStored.kv_cache_spec_kind``)."""
     title = "full-attention"
     """The type in words, for messages."""
     sparse_retention = False
@@ -129,6 +131,8 @@ class SlidingWindowSpec(AttentionSpec):
 
     sliding_window: int
     kind = "sliding_window"
+    event_kind = "sliding_window"
+    """vLLM's ``KVCacheSpecKind`` value of the type (``BlockStored.kv_cache_spec_kind``)."""
     title = "sliding-window"
     """The type in words, for messages."""
     sparse_retention = True
@@ -160,6 +164,8 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
     attention_chunk_size: int
     kind = "chunked_local"
+    event_kind = "chunked_local_attention"
+    """vLLM's ``KVCacheSpecKind`` value of the type (``BlockStored.kv_cache_spec_kind``)."""
     title = "chunked local attention"
     """The type in words, for messages."""
     sparse_retention = False
@@ -218,6 +224,8 @@ class MambaSpec:
     num_prefill_checkpoint_blocks: int = 0
     prefill_checkpoint_alignment: int | None = None
     kind = "mamba"
+    event_kind = "mamba"
+    """vLLM's ``KVCacheSpecKind`` value of the type (``BlockStored.kv_cache_spec_kind``)."""
     title = "Mamba"
     """The type in words, for messages."""
     sparse_retention = True
@@ -321,3 +329,12 @@ KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | ChunkedLocalAttentionSpec 
 def spec_kind(spec: KVCacheSpec) -> str:
     """A short stable name of the attention type, used in reports and error messages."""
     return spec.kind
+
+
+def event_metadata(spec: KVCacheSpec) -> tuple[str, int | None]:
+    """``(kv_cache_spec_kind, kv_cache_spec_sliding_window)`` of a group of ``spec`` in KV cache
+    events: what vLLM 0.33's ``get_kv_cache_spec_kind`` (its ``KVCacheSpecKind`` value) and
+    ``get_kv_cache_spec_sliding_window`` give for the same spec in vLLM's classes. Only a
+    sliding window has a window."""
+    window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+    return spec.event_kind, window

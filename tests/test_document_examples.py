@@ -57,9 +57,9 @@ def cached_positions(events: Sequence[KVCacheEvent], request: Request, group_id:
     for event in events:
         if isinstance(event, AllBlocksCleared):
             held.clear()
-        elif isinstance(event, BlockStored) and event.group_id == group_id:
+        elif isinstance(event, BlockStored) and event.group_idx == group_id:
             held.update(event.block_hashes)
-        elif isinstance(event, BlockRemoved) and event.group_id == group_id:
+        elif isinstance(event, BlockRemoved) and event.group_idx == group_id:
             held.subtract(event.block_hashes)
     return [i for i, block_hash in enumerate(request.block_hashes) if held[block_hash] > 0]
 

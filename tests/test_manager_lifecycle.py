@@ -19,6 +19,7 @@ from hypothesis.stateful import (
 
 from hybridkv.reference import (
     AllBlocksCleared,
+    BlockHash,
     BlockRemoved,
     BlockStored,
     PrefixCacheStats,
@@ -45,6 +46,28 @@ def single_group(spec: KVCacheSpec, num_blocks: int) -> KVCacheConfig:
     return KVCacheConfig(num_blocks, (KVCacheGroup(("layer",), spec),))
 
 
+def stored(
+    block_hashes: tuple[BlockHash, ...],
+    parent: BlockHash | None,
+    token_ids: tuple[int, ...],
+    block_size: int,
+    group_idx: int,
+) -> BlockStored:
+    """A full-attention group's ``BlockStored`` of an unsalted request, as vLLM 0.33 builds it."""
+    return BlockStored(
+        block_hashes,
+        parent,
+        token_ids,
+        block_size,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        extra_keys=(None,) * len(block_hashes) or None,
+        group_idx=group_idx,
+        kv_cache_spec_kind="full_attention",
+    )
+
+
 def test_events_report_stored_removed_and_cleared_blocks(make_manager: ManagerFactory) -> None:
     spec = FullAttentionSpec(block_size=2, **SIZES)
     m = make_manager(single_group(spec, 4), max_model_len=16, enable_kv_cache_events=True)
@@ -52,14 +75,14 @@ def test_events_report_stored_removed_and_cleared_blocks(make_manager: ManagerFa
     assert m.allocate_slots(a, 5) is not None
     h0 = hash_block_tokens(None, [1, 2])
     h1 = hash_block_tokens(h0, [3, 4])
-    assert m.take_events() == [BlockStored((h0, h1), None, (1, 2, 3, 4), 2, 0)]
+    assert m.take_events() == [stored((h0, h1), None, (1, 2, 3, 4), 2, 0)]
     assert m.take_events() == []
     m.free(a)
     b = Request("b", [9, 9, 9], hash_block_size=2)
     assert m.allocate_slots(b, 3) is not None  # takes 3 (unhashed) then 2, evicting h1
     assert m.take_events() == [
-        BlockRemoved((h1,), 0),
-        BlockStored((hash_block_tokens(None, [9, 9]),), None, (9, 9), 2, 0),
+        BlockRemoved((h1,), "GPU", 0),
+        stored((hash_block_tokens(None, [9, 9]),), None, (9, 9), 2, 0),
     ]
     m.free(b)
     assert m.reset_prefix_cache()

@@ -278,7 +278,29 @@ def _as_ids(blocks: Any) -> BlockIds:
 
 
 def _plain_event(event: object) -> tuple[object, ...]:
-    """An event as (class name, fields...), so events of equal content compare equal."""
+    """A core event as the protocol's tuple (the README's "Events"), the shape every adapter
+    gives (the vLLM adapter's too): ``("BlockStored", block_hashes, parent_block_hash,
+    token_ids, block_size, group_idx)``, ``("BlockRemoved", block_hashes, group_idx)``,
+    ``("AllBlocksCleared",)``. The core's other fields (vLLM's schema: medium, extra keys, spec
+    kind, session, lookahead tokens) are left out, so adapters of managers without them compare
+    equal; the backends' tests compare them whole. Anything else: (class name, fields…).
+
+    Events are told apart by class name, so a patched copy of the reference (its own event
+    classes) projects the same way."""
+    kind = type(event).__name__
+    if kind == "BlockStored":
+        stored: Any = event
+        return (
+            kind,
+            stored.block_hashes,
+            stored.parent_block_hash,
+            stored.token_ids,
+            stored.block_size,
+            stored.group_idx,
+        )
+    if kind == "BlockRemoved":
+        removed: Any = event
+        return (kind, removed.block_hashes, removed.group_idx)
     if dataclasses.is_dataclass(event) and not isinstance(event, type):
         return (type(event).__name__, *dataclasses.astuple(event))
     return (type(event).__name__, repr(event))

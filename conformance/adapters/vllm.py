@@ -28,7 +28,7 @@ The translations between the suite's values and vLLM's:
 * **Events.** vLLM reports block hashes as 64-bit ints by default
   (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``); the adapter maps each back to the 32-byte hash
   of a block of one of its requests, so events compare with the reference's
-  ``(name, block_hashes, parent_block_hash, token_ids, block_size, group_id)`` tuples.
+  ``(name, block_hashes, parent_block_hash, token_ids, block_size, group_idx)`` tuples.
   vLLM's extra event fields (medium, LoRA, spec kind, ...) are not part of the protocol.
 * **Snapshot.** Read from vLLM's block pool: the free queue, reference counts above 0, the
   blocks under each group's cached keys, and the number of keys.

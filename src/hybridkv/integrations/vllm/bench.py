@@ -54,6 +54,7 @@ class ManagerClock:
 
     def __init__(self, manager: Any) -> None:
         self.seconds = 0.0
+        self.calls = 0
         self._inside = False
         for name in dir(type(manager)):
             if name.startswith("_"):
@@ -73,6 +74,7 @@ class ManagerClock:
                 return method(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - start
+                self.calls += 1
                 self._inside = False
 
         return timed

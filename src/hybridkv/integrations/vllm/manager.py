@@ -192,11 +192,6 @@ class KVCacheManager:
             f"num_prefill_lookahead={num_prefill_lookahead} (multi-module MTP)",
             "re-prefilled tokens are not modelled",
         )
-        refuse(
-            enable_kv_cache_events and num_hash_lookahead_tokens != 0,
-            "KV events with num_hash_lookahead_tokens (BlockStored.lookahead_token_ids)",
-            "the core's events do not carry the lookahead tokens yet",
-        )
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
         from vllm.v1.core.kv_cache_utils import partial_hash_hits_enabled
@@ -274,9 +269,6 @@ class KVCacheManager:
             if zeroing and not group.spec.holds_state
         )
         self._new_block_ids: list[int] = []
-        # The cache salt of each salted request's first block hash (events' extra_keys).
-        self._salt_of_first_hash: dict[bytes, str] = {}
-        self._request_of_chain: dict[bytes, Any] = {}
         # Requests whose settings were checked (until freed): a decode step does not check
         # them again (their LoRA, multimodal inputs and embeddings never change).
         self._checked: dict[str, Any] = {}
@@ -320,10 +312,7 @@ class KVCacheManager:
     # --- The scheduler's calls -----------------------------------------------------------
 
     def _check_request(self, request: Any) -> None:
-        salted = bool(request.cache_salt)
         if self._checked.get(request.request_id) is request:
-            if salted:
-                self._remember_salt(request)
             return
         refuse(
             getattr(request, "lora_request", None) is not None,
@@ -340,21 +329,7 @@ class KVCacheManager:
             "prompt embeddings (prompt_embeds)",
             "they are extra keys of vLLM's block hashes and events",
         )
-        refuse(
-            self.enable_kv_cache_events and getattr(request, "session_id", None) is not None,
-            "KV events for requests with a session_id (BlockStored.session_id)",
-            "the core's events do not carry the request's session yet",
-        )
         self._checked[request.request_id] = request
-        self._remember_salt(request)
-
-    def _remember_salt(self, request: Any) -> None:
-        """Note the salt of a salted request's first block hash once it exists, for the events'
-        ``extra_keys``: at every call that may cache its blocks, since a prompt shorter than a
-        block gets its first hash only later, from its output tokens."""
-        hashes = request.block_hashes
-        if hashes and request.cache_salt:
-            self._salt_of_first_hash[bytes(hashes[0])] = request.cache_salt
 
     def get_computed_blocks(
         self, request: Any, max_cache_hit_length: int | None = None
@@ -434,7 +409,6 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         if self.enable_caching:
-            self._remember_salt(request)
             self.core.cache_blocks(request, num_computed_tokens)
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
@@ -504,14 +478,11 @@ class KVCacheManager:
     # --- Events --------------------------------------------------------------------------
 
     def take_events(self) -> list[Any]:
-        """The core's events in vLLM's schema."""
+        """The core's events as vLLM's msgspec structs, field by field: the core builds them in
+        vLLM's schema, so only the hashes are converted (to ints under vLLM's
+        ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``) and tuples become lists."""
         from vllm import envs
-        from vllm.distributed.kv_events import (
-            MEDIUM_GPU,
-            AllBlocksCleared,
-            BlockRemoved,
-            BlockStored,
-        )
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
         from hybridkv.reference import events as core_events
 
@@ -519,45 +490,45 @@ class KVCacheManager:
         # reads the environment at every access).
         use_ints = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
 
-        def maybe_convert_block_hash(block_hash: bytes) -> Any:
+        def convert(block_hash: bytes) -> Any:
             return int.from_bytes(block_hash, "big") & _LOW_64 if use_ints else block_hash
 
         out: list[Any] = []
         for event in self.core.take_events():
             if isinstance(event, core_events.BlockStored):
-                kind, window = self.kv_cache_event_metadata[event.group_id]
-                extra: list[tuple[Any, ...] | None] = [None] * len(event.block_hashes)
-                if event.parent_block_hash is None and event.block_hashes:
-                    salt = self._salt_of_first_hash.get(bytes(event.block_hashes[0]))
-                    if salt is not None:
-                        extra[0] = (salt,)
+                parent = event.parent_block_hash
+                extra_keys = event.extra_keys
+                lookahead = event.lookahead_token_ids
                 out.append(
                     BlockStored(
-                        block_hashes=[maybe_convert_block_hash(h) for h in event.block_hashes],
-                        parent_block_hash=(
-                            None
-                            if event.parent_block_hash is None
-                            else maybe_convert_block_hash(event.parent_block_hash)
-                        ),
+                        block_hashes=[convert(h) for h in event.block_hashes],
+                        parent_block_hash=None if parent is None else convert(parent),
                         token_ids=list(event.token_ids),
                         block_size=event.block_size,
-                        lora_id=None,
-                        medium=MEDIUM_GPU,
-                        lora_name=None,
-                        extra_keys=extra or None,
-                        group_idx=event.group_id,
-                        kv_cache_spec_kind=kind,
-                        kv_cache_spec_sliding_window=window,
+                        lora_id=event.lora_id,
+                        medium=event.medium,
+                        lora_name=event.lora_name,
+                        extra_keys=None if extra_keys is None else list(extra_keys),
+                        group_idx=event.group_idx,
+                        kv_cache_spec_kind=event.kv_cache_spec_kind,
+                        kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window,
+                        locality=event.locality,
+                        ownership=event.ownership,
+                        session_id=event.session_id,
+                        lookahead_token_ids=(
+                            None if lookahead is None else [list(ids) for ids in lookahead]
+                        ),
                     )
                 )
             elif isinstance(event, core_events.BlockRemoved):
-                out.extend(
+                out.append(
                     BlockRemoved(
-                        block_hashes=[maybe_convert_block_hash(h)],
-                        medium=MEDIUM_GPU,
-                        group_idx=event.group_id,
+                        block_hashes=[convert(h) for h in event.block_hashes],
+                        medium=event.medium,
+                        group_idx=event.group_idx,
+                        locality=event.locality,
+                        ownership=event.ownership,
                     )
-                    for h in event.block_hashes
                 )
             else:
                 out.append(AllBlocksCleared())
