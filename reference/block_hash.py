@@ -49,8 +49,9 @@ the module is imported (an engine reads it once at start-up too)."""
 
 
 def extra_keys_for_block(block_index: int, cache_salt: str | None) -> ExtraKeys:
-    """The extra keys of block ``block_index``: the cache salt on the first block only."""
-    if block_index == 0 and cache_salt is not None:
+    """The extra keys of block ``block_index``: the cache salt on the first block only (an
+    empty salt is none, as vLLM's)."""
+    if block_index == 0 and cache_salt:
         return (("cache_salt", cache_salt),)
     return None
 

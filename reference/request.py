@@ -122,7 +122,8 @@ class Request:
             check_token_ids("prompt_token_ids", prompt_token_ids)
         )
         self.hash_block_size = hash_block_size
-        self.cache_salt = cache_salt
+        # An empty salt is no salt (vLLM salts the first block only when the salt is truthy).
+        self.cache_salt = cache_salt or None
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
         self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.block_hasher = block_hasher

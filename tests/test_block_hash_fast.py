@@ -41,7 +41,7 @@ def by_definition(
     """SHA-256 of canonical CBOR, one block at a time, written out without the library code."""
     out: list[bytes] = []
     for index in range(start, len(token_ids) // block_size):
-        extra = [["cache_salt", salt]] if index == 0 and salt is not None else None
+        extra = [["cache_salt", salt]] if index == 0 and salt else None  # "" is no salt
         tokens = token_ids[index * block_size : (index + 1) * block_size]
         value = [NONE_HASH if parent is None else parent, tokens, extra]
         parent = hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
@@ -166,3 +166,17 @@ def test_blocks_of_any_size_hash_as_the_definition(block_size: int) -> None:
     tokens = [i % 300 for i in range(2 * block_size + 1)]
     got = hash_full_blocks(tokens, block_size, start_block=0, parent_hash=None, cache_salt=None)
     assert got == by_definition(tokens, block_size, None, None, 0)
+
+
+def test_an_empty_cache_salt_is_no_salt() -> None:
+    """vLLM salts a request's first block only when its salt is truthy: ``cache_salt=""``
+    hashes (and shares cached blocks) as an unsalted request does."""
+    tokens = list(range(12))
+    empty = Request("e", tokens, hash_block_size=4, cache_salt="")
+    plain = Request("p", tokens, hash_block_size=4)
+    salted = Request("s", tokens, hash_block_size=4, cache_salt="x")
+    assert empty.cache_salt is None
+    assert list(empty.block_hashes) == list(plain.block_hashes)
+    assert empty.block_hashes[0] != salted.block_hashes[0]
+    assert block_hash.extra_keys_for_block(0, "") is None
+    assert block_hash.extra_keys_for_block(0, "x") == (("cache_salt", "x"),)
