@@ -269,6 +269,9 @@ class TorchKVCacheManager:
         empty: BlockIds = tuple(() for _ in range(self.num_groups))
         self._no_blocks = KVCacheBlocks(empty)
         self._no_hits = empty
+        # The last lookup's result: handed back to ``allocate_slots`` as it is, its ids need
+        # no checking (they are pool blocks by construction).
+        self._issued: KVCacheBlocks | None = None
 
     @staticmethod
     def _attention_types(config: KVCacheConfig) -> list[tuple[KVCacheSpec, list[int]]]:
@@ -382,7 +385,8 @@ class TorchKVCacheManager:
             hits, hit_length, longest = self._hybrid_hit(memos, max_length)
             boundary = longest if longest > hit_length else 0
         self._stats = self._stats.record(request.num_tokens, hit_length)
-        return KVCacheBlocks(tuple(tuple(h) for h in hits)), hit_length, boundary
+        self._issued = KVCacheBlocks(tuple(tuple(h) for h in hits))
+        return self._issued, hit_length, boundary
 
     def new_step_starts(self) -> None:
         """The scheduler begins a step: a Mamba state cached in the previous step may now be
@@ -496,6 +500,7 @@ class TorchKVCacheManager:
                 holds_blocks=self.rows.__contains__,
                 settings=self.settings,
                 allow_fewer_hashes=True,
+                issued=new_computed_blocks is not None and new_computed_blocks is self._issued,
             )
             check_non_negative("reserved_blocks", reserved_blocks)
             check_non_negative("watermark_blocks", watermark_blocks)
