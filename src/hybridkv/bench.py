@@ -28,7 +28,7 @@ Scenarios (full sizes; ``--quick`` shrinks them):
    request block hasher on a ``Request`` built without one; reference: ``hash_full_blocks``;
    optimized: ``hash_full_blocks_torch``); 5 repetitions.
 3. lookup: ``get_computed_blocks`` of that prompt once it is fully cached (allocated once and
-   freed); 5 repetitions.
+   freed); 5 repetitions. Requests are built as in admission (below).
 4. admission: 256 requests sharing a 4,096-token system prompt plus 256 own tokens, cached by
    one earlier request; per request, building it (which hashes it), ``get_computed_blocks`` and
    ``allocate_slots`` of the rest of the prompt; median per request. The optimized backend's
@@ -412,11 +412,11 @@ def lookup(
     managers, hashes, hits = [], [], []
     for backend in backends:
         manager = backend.make(config, length + 1, 8)
-        first = backend.request("a", prompt.tolist())
+        first = backend.request_of(manager, "a", prompt.tolist())
         if manager.allocate_slots(first, length) is None:
             raise RuntimeError(f"{backend.name}: the prompt does not fit in the pool")
         manager.free(first)
-        probe = backend.request("probe", prompt.tolist())
+        probe = backend.request_of(manager, "probe", prompt.tolist())
         blocks, hit, _ = manager.get_computed_blocks(probe)
         managers.append(manager)
         hashes.append((backend.name, [bytes(h) for h in first.block_hashes]))
@@ -434,7 +434,7 @@ def lookup(
                 out = job()
                 times[backend.name][0].append(time.perf_counter() - start)
             hashed.append((backend.name, [bytes(h) for h in out]))
-            r = backend.request(f"b{i}", copy)
+            r = backend.request_of(manager, f"b{i}", copy)
             with no_gc():
                 start = time.perf_counter()
                 manager.get_computed_blocks(r)
