@@ -48,6 +48,14 @@ are the request's: the block's whole prefix, so even a forced hash collision, or
 by ``src``, one per request that cached blocks (not per block), with a count of the blocks that
 name them; a source is dropped when its last block is evicted.
 
+The hash memo
+-------------
+With the manager's ``HashMemo`` attached (``memo``), the sources of requests hashed by it are
+listed in ``memo_srcs``; ``insert``/``insert_many`` remember the hash of every cached entry of
+such a source and ``evict`` forgets it (a count per key, so the memo holds no more keys than
+there are cached blocks), and ``reset_prefix_cache`` empties it
+(``hybridkv.optimized.hash_memo``).
+
 Per block this is 5 int32 values and one int64 (28 bytes) plus the bucket heads (4 to 8 bytes,
 as the table size rounds up to a power of two: 4.2 for a million blocks), and no Python object
 per block.
@@ -56,11 +64,13 @@ per block.
 from __future__ import annotations
 
 import struct
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 import torch
 
 from hybridkv.optimized._buffers import IntBuffer
+from hybridkv.optimized.hash_memo import HashMemo
 from hybridkv.optimized.thresholds import MIN_BUCKETS
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.events import AllBlocksCleared, EventBuilder, KVCacheEvent
@@ -150,6 +160,10 @@ class TorchBlockPool:
         self.sources: list[Source | None] = []
         self._free_sources: list[int] = []
         self.events: list[KVCacheEvent] = []
+        # The manager's hash memo (``hybridkv.optimized.hash_memo``) and the sources hashed by
+        # it: caching a block of such a source remembers its hash, evicting it forgets it.
+        self.memo: HashMemo | None = None
+        self.memo_srcs: set[int] = set()
 
     # --- Memory -----------------------------------------------------------------------------
 
@@ -308,7 +322,10 @@ class TorchBlockPool:
         heads[bucket] = block
         self.hk.a[block] = key << 32 | (pos * self.num_groups + group_id)
         self.src.a[block] = src
-        self.source(src).refs += 1
+        source = self.source(src)
+        source.refs += 1
+        if src in self.memo_srcs and self.memo is not None:
+            self.memo.remember(source.tokens, source.hashes, source.salt, pos)
 
     def insert_many(
         self,
@@ -339,6 +356,13 @@ class TorchBlockPool:
         self.heads.t[buckets[last]] = entries[last].to(torch.int32)
         self.hk.t[blocks] = keys << 32 | (positions * self.num_groups + groups)
         self.src.t[blocks] = srcs.to(torch.int32)
+        memo = self.memo
+        if self.memo_srcs and memo is not None:
+            named = Counter(zip(srcs.tolist(), positions.tolist(), strict=True))
+            for (src, index), times in named.items():
+                if src in self.memo_srcs:
+                    source = self.source(src)
+                    memo.remember(source.tokens, source.hashes, source.salt, index, times)
 
     def block_hash(self, block: int) -> BlockHash:
         """The hash a cached block is cached under."""
@@ -438,6 +462,8 @@ class TorchBlockPool:
         hnext[block] = self.end
         self.hk.a[block] = -1
         self.src.a[block] = -1
+        if src in self.memo_srcs and self.memo is not None:
+            self.memo.forget(source.tokens, source.hashes, source.salt, tag // self.num_groups)
         source.refs -= 1
         self.maybe_drop_source(src)
 
@@ -447,6 +473,7 @@ class TorchBlockPool:
         if source.refs == 0 and source.row_refs == 0:
             self.sources[index] = None
             self._free_sources.append(index)
+            self.memo_srcs.discard(index)
 
     def candidates(self, key: int, group_id: int, pos: int) -> list[int]:
         """Blocks cached under this key, group and position, first-inserted first."""
@@ -473,6 +500,9 @@ class TorchBlockPool:
         self.extra_index = {}
         self.sources = []
         self._free_sources = []
+        self.memo_srcs = set()
+        if self.memo is not None:
+            self.memo.clear()
         if self.enable_kv_cache_events:
             self.events.append(AllBlocksCleared())
         return True

@@ -24,10 +24,11 @@ salt, and the request's tokens up to the end of that block (with lookahead hashe
 ``num_hash_lookahead_tokens`` tokens after it, which its hash covers too). Positions are blocks
 of the type's block size, keyed by the hash at the block's last hash boundary. Token agreement
 is memoised per source as a prefix length, extended by galloping slice comparisons (after one
-whole-list comparison, without slicing, when the two token lists are as long), so a lookup
-compares each token at most about three times whatever the number of blocks. Hash lists are
-compared whole once per source in the same way before window slices. A candidate that fails is
-skipped and the next block cached under the same key (insertion order) is tried.
+whole-list comparison, without slicing, when the two token lists are as long and so are the
+hash lists, which are equal), so a lookup compares each token at most about three times
+whatever the number of blocks. Hash lists are compared whole once per source in the same way
+before window slices. A candidate that fails is skipped and the next block cached under the
+same key (insertion order) is tried.
 """
 
 from __future__ import annotations
@@ -117,9 +118,15 @@ class Lookup:
         b = self.block_size
         ours, theirs = self.tokens, source.tokens
         cap = min(len(theirs), len(ours)) // b
-        if agree == 0 and len(ours) == len(theirs) and same_items(ours, theirs):
-            # Equal token lists (a repeated prompt): one comparison without slicing, which
-            # stops at the first difference otherwise (then the search below finds it).
+        if (
+            agree == 0
+            and len(ours) == len(theirs)
+            and self.all_hashes_equal(src)
+            and same_items(ours, theirs)
+        ):
+            # Equal token lists (a repeated prompt, whose hash lists are equal too): one
+            # comparison without slicing, which stops at the first difference otherwise (then
+            # the search below finds it).
             self._agree[src] = cap
             return pos < cap
         target = min(max(pos + 1, 2 * agree, agree + AGREE_MIN_STEP), cap)
@@ -150,13 +157,18 @@ class Lookup:
 
     def hashes_agree(self, src: int, lo: int, hi: int) -> bool:
         """Whether source ``src`` has the request's block hashes at positions ``lo … hi − 1``."""
-        theirs, ours = self.their_hashes(src), self.hashes
-        if src not in self._hashes_equal:
-            # Equal hash lists (a repeated prompt): one comparison without slicing.
-            self._hashes_equal[src] = len(theirs) == len(ours) and same_items(theirs, ours)
-        if self._hashes_equal[src]:
+        if self.all_hashes_equal(src):
             return True
-        return same_items(theirs[lo:hi], ours[lo:hi])
+        return same_items(self.their_hashes(src)[lo:hi], self.hashes[lo:hi])
+
+    def all_hashes_equal(self, src: int) -> bool:
+        """Whether source ``src`` has exactly the request's hashes at this lookup's block size
+        (one comparison without slicing, remembered)."""
+        equal = self._hashes_equal.get(src)
+        if equal is None:
+            theirs, ours = self.their_hashes(src), self.hashes
+            equal = self._hashes_equal[src] = len(theirs) == len(ours) and same_items(theirs, ours)
+        return equal
 
     def lookahead_agrees(self, src: int, pos: int) -> bool:
         """With lookahead hashes, whether source ``src`` has the request's tokens after block

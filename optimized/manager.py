@@ -43,6 +43,7 @@ import torch
 from hybridkv.optimized import batch, mamba
 from hybridkv.optimized._buffers import IntBuffer, int32_from_bytes, tensor_from_ints
 from hybridkv.optimized.block_pool import TorchBlockPool, hash_key
+from hybridkv.optimized.hash_memo import HashMemo
 from hybridkv.optimized.lookup import Lookup, TypeProbe, WindowedFlags
 from hybridkv.optimized.rows import RowTables
 from hybridkv.optimized.thresholds import (
@@ -267,6 +268,13 @@ class TorchKVCacheManager:
             )
         ]
         self._stats = PrefixCacheStats()
+        self.block_hasher = HashMemo(self.hash_block_size)
+        """The block hasher for this manager's requests: ``Request(..., hash_block_size=
+        manager.hash_block_size, block_hasher=manager.block_hasher)``. It returns the hashes of
+        ``hash_full_blocks_torch``, adopting those of a prefix this manager has cached
+        (``hybridkv.optimized.hash_memo``) and hashing only the rest."""
+        if enable_caching:
+            self.pool.memo = self.block_hasher
         # The size thresholds a test may lower (``hybridkv.optimized.thresholds``).
         self.vector_min = VECTOR_MIN
         self.batch_min = BATCH_MIN
@@ -274,6 +282,9 @@ class TorchKVCacheManager:
         empty: BlockIds = tuple(() for _ in range(self.num_groups))
         self._no_blocks = KVCacheBlocks(empty)
         self._no_hits = empty
+        # The last lookup's result: handed back to ``allocate_slots`` as it is, its ids need
+        # no checking (they are pool blocks by construction).
+        self._issued: KVCacheBlocks | None = None
 
     @staticmethod
     def _attention_types(config: KVCacheConfig) -> list[tuple[KVCacheSpec, list[int]]]:
@@ -386,7 +397,8 @@ class TorchKVCacheManager:
         else:
             hits, hit_length, longest = self._hybrid_hit(memos, max_length)
             boundary = longest if longest > hit_length else 0
-        return KVCacheBlocks(tuple(tuple(h) for h in hits)), hit_length, boundary
+        self._issued = KVCacheBlocks(tuple(tuple(h) for h in hits))
+        return self._issued, hit_length, boundary
 
     def new_step_starts(self) -> None:
         """The scheduler begins a step: a Mamba state cached in the previous step may now be
@@ -500,6 +512,7 @@ class TorchKVCacheManager:
                 holds_blocks=self.rows.__contains__,
                 settings=self.settings,
                 allow_fewer_hashes=True,
+                issued=new_computed_blocks is not None and new_computed_blocks is self._issued,
             )
             check_non_negative("reserved_blocks", reserved_blocks)
             check_non_negative("watermark_blocks", watermark_blocks)
@@ -750,6 +763,8 @@ class TorchKVCacheManager:
             src = pool.new_source(tokens, hashes, getattr(request, "cache_salt", None))
             pool.source(src).row_refs += 1
             self._row_src[row] = src
+            if self._hashed_by_memo(request):
+                pool.memo_srcs.add(src)
             return src
         source = pool.source(src)
         if len(source.tokens) < num_tokens + self.lookahead:
@@ -757,6 +772,15 @@ class TorchKVCacheManager:
         if len(source.hashes) < num_hashes:
             source.hashes = hashes
         return src
+
+    def _hashed_by_memo(self, request: RequestLike) -> bool:
+        """Whether the request's hashes are ``block_hasher``'s (so the memo may keep them)."""
+        return (
+            getattr(request, "block_hasher", None) is self.block_hasher
+            and not self.lookahead
+            and not getattr(request, "num_hash_lookahead_tokens", 0)
+            and getattr(request, "hash_block_size", None) == self.hash_block_size
+        )
 
     def _cache(self, request: RequestLike, row: int, num_tokens: int) -> None:
         """Enter the row's full blocks covered by ``num_tokens`` into the prefix cache."""

@@ -11,7 +11,9 @@ vLLM's scheduler does.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Sequence
+from operator import countOf
 from typing import Protocol, cast
 
 from hybridkv.reference.block_hash import BlockHash, hash_full_blocks, hash_full_blocks_lookahead
@@ -54,14 +56,19 @@ class BlockHasher(Protocol):
 def check_token_ids(field: str, token_ids: Iterable[object]) -> list[int]:
     """Return the token ids as a list, or raise ``ValueError`` naming the first bad one.
 
-    Plain ints are checked at C speed (their types as a set, their minimum): a prompt of
-    thousands of tokens is validated in microseconds. Anything else (another type, an int
-    subclass, a negative id) takes the token-by-token loop, which accepts int subclasses but
-    ``bool`` and names the first bad token."""
+    Plain ints are checked at C speed (how many have type ``int``, then their conversion to
+    unsigned 64-bit ints, which refuses a negative one): a prompt of thousands of tokens is
+    validated in microseconds. Anything else (another type, an int subclass, a negative id, an
+    id from 2**64) takes the token-by-token loop, which accepts int subclasses but ``bool`` and
+    names the first bad token."""
     tokens = list(token_ids)
-    if not tokens or set(map(type, tokens)) == {int}:
+    if countOf(map(type, tokens), int) == len(tokens):
         ints = cast("list[int]", tokens)
-        if not ints or min(ints) >= 0:
+        try:
+            array("Q", ints)
+        except OverflowError:
+            pass
+        else:
             return ints
     checked: list[int] = []
     for index, token in enumerate(tokens):

@@ -176,11 +176,14 @@ def check_allocation(
     holds_blocks: Callable[[str], bool],
     settings: EngineSettings,
     allow_fewer_hashes: bool = False,
+    issued: bool = False,
 ) -> tuple[tuple[int, ...], ...]:
     """Check every argument of ``allocate_slots``; return the adopted hit's block ids per group.
 
     ``holds_blocks(request_id)`` says whether the request already holds blocks: only a request
-    being admitted adopts a cache hit (a running one would hold two tables).
+    being admitted adopts a cache hit (a running one would hold two tables). ``issued``: the
+    manager returned ``new_computed_blocks`` itself (a lookup result, whose ids are pool blocks
+    by construction), so only their counts are checked, not each id.
     """
     check_non_negative("num_new_tokens", num_new_tokens)
     check_non_negative("num_new_computed_tokens", num_new_computed_tokens)
@@ -209,7 +212,9 @@ def check_allocation(
         )
     for group_id, ids in enumerate(hits.block_ids):
         block_size = config.groups[group_id].spec.block_size
-        _check_hit_ids(group_id, ids, num_new_computed_tokens, block_size, config.num_blocks)
+        _check_hit_ids(
+            group_id, ids, num_new_computed_tokens, block_size, config.num_blocks, issued
+        )
     if any(hits.block_ids) and holds_blocks(request.request_id):
         raise ValueError(
             f"request {request.request_id!r} already holds blocks; only a request being "
@@ -224,8 +229,10 @@ def _check_hit_ids(
     num_new_computed_tokens: int,
     block_size: int,
     num_blocks: int,
+    issued: bool = False,
 ) -> None:
-    """One group's hit: exactly the blocks of ``num_new_computed_tokens``, each a pool block."""
+    """One group's hit: exactly the blocks of ``num_new_computed_tokens``, each a pool block
+    (known to be, when the manager ``issued`` them)."""
     expected = num_new_computed_tokens // block_size
     if num_new_computed_tokens % block_size or len(ids) != expected:
         raise ValueError(
@@ -233,6 +240,8 @@ def _check_hit_ids(
             f"{len(ids)} blocks of new_computed_blocks group {group_id} "
             f"× block_size {block_size}"
         )
+    if issued:
+        return
     if ids and set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < num_blocks:
         return  # plain ints in range, checked at C speed
     bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < num_blocks]
