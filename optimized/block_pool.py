@@ -73,7 +73,7 @@ from hybridkv.optimized._buffers import IntBuffer
 from hybridkv.optimized.hash_memo import HashMemo
 from hybridkv.optimized.thresholds import MIN_BUCKETS
 from hybridkv.reference.block_hash import BlockHash
-from hybridkv.reference.events import AllBlocksCleared, EventBuilder, KVCacheEvent
+from hybridkv.reference.events import EventBuilder, KVCacheEvent
 from hybridkv.spec.errors import require
 
 GROUP_MIX = 0x9E3779B1
@@ -423,8 +423,8 @@ class TorchBlockPool:
             if not holders:
                 del self.extra_index[key]
             source = self.source(src)
-            if self.enable_kv_cache_events:
-                removed = EventBuilder.removed(source.hashes[key[2]], key[1])
+            if self.event_builder is not None and self.enable_kv_cache_events:
+                removed = self.event_builder.removed(source.hashes[key[2]], key[1])
                 (self.events if events is None else events).append(removed)
             source.refs -= 1
             self.maybe_drop_source(src)
@@ -447,8 +447,8 @@ class TorchBlockPool:
         group_id = tag % self.num_groups
         src = self.src.a[block]
         source = self.source(src)
-        if self.enable_kv_cache_events:
-            removed = EventBuilder.removed(source.hashes[tag // self.num_groups], group_id)
+        if self.event_builder is not None and self.enable_kv_cache_events:
+            removed = self.event_builder.removed(source.hashes[tag // self.num_groups], group_id)
             (self.events if events is None else events).append(removed)
         heads, hnext = self.heads.a, self.hnext.a
         bucket = ((hk >> 32) + group_id * GROUP_MIX) & self.mask
@@ -503,8 +503,8 @@ class TorchBlockPool:
         self.memo_srcs = set()
         if self.memo is not None:
             self.memo.clear()
-        if self.enable_kv_cache_events:
-            self.events.append(AllBlocksCleared())
+        if self.event_builder is not None and self.enable_kv_cache_events:
+            self.events.append(self.event_builder.cleared())
         return True
 
     def take_events(self) -> list[KVCacheEvent]:

@@ -155,6 +155,7 @@ class TorchKVCacheManager:
         use_eagle: bool = False,
         num_hash_lookahead_tokens: int = 0,
         log_stats: bool = True,
+        event_builder_class: type[EventBuilder] = EventBuilder,
     ) -> None:
         self.settings = validate_manager_config(
             config,
@@ -202,7 +203,7 @@ class TorchKVCacheManager:
             enable_caching=enable_caching,
             enable_kv_cache_events=enable_kv_cache_events,
             event_builder=(
-                EventBuilder.of(config, self.settings.num_hash_lookahead_tokens)
+                event_builder_class.of(config, self.settings.num_hash_lookahead_tokens)
                 if enable_kv_cache_events
                 else None
             ),

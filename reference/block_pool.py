@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from hybridkv.reference.block_hash import BlockHash
-from hybridkv.reference.events import AllBlocksCleared, EventBuilder, KVCacheEvent
+from hybridkv.reference.events import EventBuilder, KVCacheEvent
 from hybridkv.reference.free_queue import FreeKVCacheBlockQueue
 from hybridkv.reference.kv_cache_block import BlockHashWithGroupId, KVCacheBlock
 from hybridkv.reference.request import RequestLike
@@ -256,8 +256,9 @@ class BlockPool:
             removed.append(key)
         block.block_hash = None
         block.block_hash_num_tokens = None
-        if self.enable_kv_cache_events:
-            self.events.extend(EventBuilder.removed(key[0], key[1]) for key in removed)
+        builder = self.event_builder
+        if self.enable_kv_cache_events and builder is not None:
+            self.events.extend(builder.removed(key[0], key[1]) for key in removed)
         return removed
 
     def maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
@@ -273,8 +274,8 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
             block.block_hash_num_tokens = None
-        if self.enable_kv_cache_events:
-            self.events.append(AllBlocksCleared())
+        if self.enable_kv_cache_events and self.event_builder is not None:
+            self.events.append(self.event_builder.cleared())
         return True
 
     def take_events(self) -> list[KVCacheEvent]:

@@ -49,6 +49,7 @@ class KVCacheCoordinator(ABC):
         *,
         enable_caching: bool,
         enable_kv_cache_events: bool,
+        event_builder_class: type[EventBuilder] = EventBuilder,
     ) -> None:
         self.config = config
         self.settings = settings
@@ -61,7 +62,7 @@ class KVCacheCoordinator(ABC):
             hash_block_size=settings.hash_block_size,
             num_hash_lookahead_tokens=settings.num_hash_lookahead_tokens,
             event_builder=(
-                EventBuilder.of(config, settings.num_hash_lookahead_tokens)
+                event_builder_class.of(config, settings.num_hash_lookahead_tokens)
                 if enable_kv_cache_events
                 else None
             ),
@@ -311,6 +312,7 @@ def make_coordinator(
     *,
     enable_caching: bool,
     enable_kv_cache_events: bool,
+    event_builder_class: type[EventBuilder] = EventBuilder,
 ) -> KVCacheCoordinator:
     """The coordinator the document prescribes for this configuration."""
     if not enable_caching:
@@ -324,4 +326,5 @@ def make_coordinator(
         settings,
         enable_caching=enable_caching,
         enable_kv_cache_events=enable_kv_cache_events,
+        event_builder_class=event_builder_class,
     )

@@ -11,7 +11,7 @@ Statistics count lookups and their hits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -96,9 +96,19 @@ class EventBuilder:
 
     ``BlockRemoved`` carries ``medium`` and ``group_idx``; its ``locality`` and ``ownership``
     are ``None``, as vLLM's.
+
+    An engine's integration may subclass it to build the engine's own event classes directly
+    (one construction per event instead of two): ``stored_type``, ``removed_type`` and
+    ``cleared_type`` are called with the fields in this order, ``sequence`` makes every list
+    field (``tuple`` here), and ``convert_hash``, when set, maps every hash (vLLM's
+    ``maybe_convert_block_hash``).
     """
 
-    __slots__ = ("groups", "num_hash_lookahead_tokens")
+    stored_type: Callable[..., Any] = BlockStored
+    removed_type: Callable[..., Any] = BlockRemoved
+    cleared_type: Callable[[], Any] = AllBlocksCleared
+    sequence: Callable[[Iterable[Any]], Sequence[Any]] = tuple
+    convert_hash: Callable[[BlockHash], Any] | None = None
 
     def __init__(
         self, groups: Sequence[tuple[str, int | None]], num_hash_lookahead_tokens: int = 0
@@ -123,42 +133,59 @@ class EventBuilder:
         end: int,
         block_size: int,
         group_idx: int,
-    ) -> BlockStored:
+    ) -> KVCacheEvent:
         """``BlockStored`` of ``block_hashes``, the blocks at ``positions`` (block indices at
         ``block_size``, one per hash, ascending) of the run of tokens ``start … end − 1``."""
+        seq, convert = self.sequence, self.convert_hash
         tokens = request.all_token_ids
-        extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
+        extra_keys: Sequence[tuple[Any, ...] | None] | None = None
         if positions:
             salt = getattr(request, "cache_salt", None)
             first = (salt,) if salt and positions[0] == 0 else None
-            extra_keys = (first,) + (None,) * (len(positions) - 1)
-        lookahead: tuple[tuple[int, ...], ...] | None = None
+            extra_keys = seq((first,) + (None,) * (len(positions) - 1))
+        lookahead: Sequence[Sequence[int]] | None = None
         if self.num_hash_lookahead_tokens:
             n = self.num_hash_lookahead_tokens
-            lookahead = tuple(
-                tuple(tokens[(p + 1) * block_size : (p + 1) * block_size + n]) for p in positions
+            lookahead = seq(
+                seq(tokens[(p + 1) * block_size : (p + 1) * block_size + n]) for p in positions
             )
         kind, window = self.groups[group_idx]
-        return BlockStored(
-            block_hashes=tuple(block_hashes),
-            parent_block_hash=parent_block_hash,
-            token_ids=tuple(tokens[start:end]),
-            block_size=block_size,
-            lora_id=None,
-            medium=MEDIUM_GPU,
-            lora_name=None,
-            extra_keys=extra_keys,
-            group_idx=group_idx,
-            kv_cache_spec_kind=kind,
-            kv_cache_spec_sliding_window=window,
-            session_id=getattr(request, "session_id", None),
-            lookahead_token_ids=lookahead,
+        parent: Any = parent_block_hash
+        if convert is not None:
+            hashes = seq(map(convert, block_hashes))
+            parent = None if parent is None else convert(parent)
+        else:
+            hashes = seq(block_hashes)
+        event: KVCacheEvent = self.stored_type(
+            hashes,
+            parent,
+            seq(tokens[start:end]),
+            block_size,
+            None,  # lora_id
+            MEDIUM_GPU,
+            None,  # lora_name
+            extra_keys,
+            group_idx,
+            kind,
+            window,
+            None,  # locality
+            None,  # ownership
+            getattr(request, "session_id", None),
+            lookahead,
         )
+        return event
 
-    @staticmethod
-    def removed(block_hash: BlockHash, group_idx: int) -> BlockRemoved:
+    def removed(self, block_hash: BlockHash, group_idx: int) -> KVCacheEvent:
         """``BlockRemoved`` of one key."""
-        return BlockRemoved((block_hash,), MEDIUM_GPU, group_idx)
+        convert = self.convert_hash
+        hashes = self.sequence((block_hash if convert is None else convert(block_hash),))
+        event: KVCacheEvent = self.removed_type(hashes, MEDIUM_GPU, group_idx)
+        return event
+
+    def cleared(self) -> KVCacheEvent:
+        """``AllBlocksCleared``."""
+        event: KVCacheEvent = self.cleared_type()
+        return event
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,12 @@ from __future__ import annotations
 from collections import Counter
 
 from hybridkv.reference.coordinator import make_coordinator
-from hybridkv.reference.events import KVCacheEvent, PrefixCacheStats, count_admission
+from hybridkv.reference.events import (
+    EventBuilder,
+    KVCacheEvent,
+    PrefixCacheStats,
+    count_admission,
+)
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import RequestLike
 from hybridkv.reference.single_type_managers import BlocksPerGroup, prompt_tokens
@@ -51,6 +56,8 @@ class KVCacheManager:
       must be built with the same value.
     - ``log_stats``: count admitted lookups for ``make_prefix_cache_stats`` (on by default, as
       an engine logs them unless told not to).
+    - ``event_builder_class``: builds the KV events (``EventBuilder``: the core's dataclasses);
+      an engine's integration passes a subclass that builds the engine's own event classes.
     """
 
     def __init__(
@@ -65,6 +72,7 @@ class KVCacheManager:
         use_eagle: bool = False,
         num_hash_lookahead_tokens: int = 0,
         log_stats: bool = True,
+        event_builder_class: type[EventBuilder] = EventBuilder,
     ) -> None:
         settings = validate_manager_config(
             config,
@@ -88,6 +96,7 @@ class KVCacheManager:
             settings,
             enable_caching=enable_caching,
             enable_kv_cache_events=enable_kv_cache_events,
+            event_builder_class=event_builder_class,
         )
         self.block_pool = self.coordinator.block_pool
         self.num_groups = len(config.groups)

@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from hybridkv.integrations.vllm.convert import from_vllm_config
 from hybridkv.integrations.vllm.errors import UnsupportedInternal, UnsupportedSetting, refuse
+from hybridkv.reference.events import EventBuilder
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.spec import KVCacheConfig
 
@@ -123,6 +124,7 @@ def make_core(
         "use_eagle": use_eagle,
         "num_hash_lookahead_tokens": num_hash_lookahead_tokens,
         "log_stats": log_stats,
+        "event_builder_class": vllm_event_builder_class(),
     }
     if backend == "reference":
         refuse(device is not None, "device= with backend='reference'", "it runs on the CPU")
@@ -478,61 +480,9 @@ class KVCacheManager:
     # --- Events --------------------------------------------------------------------------
 
     def take_events(self) -> list[Any]:
-        """The core's events as vLLM's msgspec structs, field by field: the core builds them in
-        vLLM's schema, so only the hashes are converted (to ints under vLLM's
-        ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``) and tuples become lists."""
-        from vllm import envs
-        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-
-        from hybridkv.reference import events as core_events
-
-        # vLLM's ``maybe_convert_block_hash``, its switch read once per call (vLLM's ``envs``
-        # reads the environment at every access).
-        use_ints = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
-
-        def convert(block_hash: bytes) -> Any:
-            return int.from_bytes(block_hash, "big") & _LOW_64 if use_ints else block_hash
-
-        out: list[Any] = []
-        for event in self.core.take_events():
-            if isinstance(event, core_events.BlockStored):
-                parent = event.parent_block_hash
-                extra_keys = event.extra_keys
-                lookahead = event.lookahead_token_ids
-                out.append(
-                    BlockStored(
-                        block_hashes=[convert(h) for h in event.block_hashes],
-                        parent_block_hash=None if parent is None else convert(parent),
-                        token_ids=list(event.token_ids),
-                        block_size=event.block_size,
-                        lora_id=event.lora_id,
-                        medium=event.medium,
-                        lora_name=event.lora_name,
-                        extra_keys=None if extra_keys is None else list(extra_keys),
-                        group_idx=event.group_idx,
-                        kv_cache_spec_kind=event.kv_cache_spec_kind,
-                        kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window,
-                        locality=event.locality,
-                        ownership=event.ownership,
-                        session_id=event.session_id,
-                        lookahead_token_ids=(
-                            None if lookahead is None else [list(ids) for ids in lookahead]
-                        ),
-                    )
-                )
-            elif isinstance(event, core_events.BlockRemoved):
-                out.append(
-                    BlockRemoved(
-                        block_hashes=[convert(h) for h in event.block_hashes],
-                        medium=event.medium,
-                        group_idx=event.group_idx,
-                        locality=event.locality,
-                        ownership=event.ownership,
-                    )
-                )
-            else:
-                out.append(AllBlocksCleared())
-        return out
+        """The core's events, built as vLLM's msgspec structs as they happen
+        (``vllm_event_builder_class``): nothing to convert per step."""
+        return list(self.core.take_events())
 
     # --- Helpers -------------------------------------------------------------------------
 
@@ -547,6 +497,30 @@ class KVCacheManager:
 
 
 _LOW_64 = (1 << 64) - 1
+
+
+def vllm_event_builder_class() -> type[EventBuilder]:
+    """An ``EventBuilder`` whose events are vLLM 0.33's own msgspec structs (``BlockStored``,
+    ``BlockRemoved``, ``AllBlocksCleared``): lists for list fields, and hashes as vLLM's
+    ``maybe_convert_block_hash`` gives them (their low 64 bits as an int under
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, a switch read here, once per manager; vLLM reads
+    it per event). The core builds each event once, in the engine's type, as vLLM's manager
+    does, instead of its own dataclass converted at every step."""
+    from vllm import envs
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    def to_int(block_hash: bytes) -> int:
+        return int.from_bytes(block_hash, "big") & _LOW_64
+
+    class VllmEventBuilder(EventBuilder):
+        stored_type = BlockStored
+        removed_type = BlockRemoved
+        cleared_type = AllBlocksCleared
+        sequence = list
+        convert_hash = staticmethod(to_int) if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES else None
+
+    return VllmEventBuilder
+
 
 _STATS_FIELDS = (
     "requests",
