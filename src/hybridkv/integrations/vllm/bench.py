@@ -5,7 +5,8 @@ sliding-window groups, window 512, block size 16; ~1,000-token prompts, staggere
 so that every step sees 1/16 of the requests enter a new block). After the prefill, each step
 is ``schedule()`` + ``update_from_output()`` with a fake model that samples one token per
 request; the median over the steps is reported, with vLLM's own manager, the reference and the
-optimized backend in one process, and the ratio vLLM ÷ backend (above 1: hybridkv is faster).
+optimized backend in one process, their schedulers stepped in turn, and the ratio vLLM ÷
+backend (above 1: hybridkv is faster).
 
 What bounds the ratio: after the timed steps, as many more run with every method of the
 scheduler's manager timed (``ManagerClock``), which splits a step into the manager's time and
@@ -17,6 +18,7 @@ manager that took no time at all).
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import statistics
 import sys
@@ -90,40 +92,52 @@ class StepTimes:
     scheduler: float
 
 
-def measure(manager: str, batch: int, steps: int) -> StepTimes:
-    """Median µs of ``schedule()`` + ``update_from_output()`` per decode step, then the split
-    of as many clocked steps into the manager's time and the scheduler's own."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request
+class DecodeRun:
+    """One vLLM scheduler on one manager: B requests admitted and prefilled, then decode steps
+    (``step``) with a fake model that samples one token per request."""
 
-    init_none_hash(sha256)
-    hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
-    per_request = (PROMPT + steps) // BLOCK_SIZE + 2 + 5 * (LAYOUT_WINDOW // BLOCK_SIZE + 3)
-    cfg = RunConfig(
-        max_num_seqs=batch,
-        max_num_batched_tokens=16384,
-        max_model_len=4096,
-        defaults="unit",
-    )
-    scheduler = build_scheduler(cfg, manager, _kv_cache_config(batch * per_request + 64))
-    for i in range(batch):
-        params = SamplingParams(max_tokens=10_000, ignore_eos=True)
-        params.update_from_generation_config({}, 50256)
-        prompt = [(i * 7919 + t * 31) % 50000 for t in range(PROMPT - i % BLOCK_SIZE)]
-        scheduler.add_request(
-            Request(
-                request_id=f"r{i}",
-                prompt_token_ids=prompt,
-                sampling_params=params,
-                pooling_params=None,
-                block_hasher=hasher,
-            )
+    def __init__(self, manager: str, batch: int, steps: int) -> None:
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.request import Request
+
+        self._output_class = ModelRunnerOutput
+        init_none_hash(sha256)
+        hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+        per_request = (PROMPT + 2 * steps) // BLOCK_SIZE + 2 + 5 * (LAYOUT_WINDOW // BLOCK_SIZE + 3)
+        cfg = RunConfig(
+            max_num_seqs=batch,
+            max_num_batched_tokens=16384,
+            max_model_len=4096,
+            defaults="unit",
         )
+        self.manager, self.batch = manager, batch
+        self.scheduler = build_scheduler(cfg, manager, _kv_cache_config(batch * per_request + 64))
+        for i in range(batch):
+            params = SamplingParams(max_tokens=10_000, ignore_eos=True)
+            params.update_from_generation_config({}, 50256)
+            prompt = [(i * 7919 + t * 31) % 50000 for t in range(PROMPT - i % BLOCK_SIZE)]
+            self.scheduler.add_request(
+                Request(
+                    request_id=f"r{i}",
+                    prompt_token_ids=prompt,
+                    sampling_params=params,
+                    pooling_params=None,
+                    block_hasher=hasher,
+                )
+            )
+        # Prefill until every request decodes.
+        while any(
+            r.is_prefill_chunk or r.num_computed_tokens == 0
+            for r in self.scheduler.requests.values()
+        ):
+            self.step(check=False)
 
-    def step() -> tuple[int, float]:
+    def step(self, check: bool = True) -> float:
+        """One ``schedule()`` + ``update_from_output()``; its seconds."""
+        scheduler = self.scheduler
         start = time.perf_counter()
         output = scheduler.schedule()
         req_ids = list(output.num_scheduled_tokens)
@@ -131,7 +145,7 @@ def measure(manager: str, batch: int, steps: int) -> StepTimes:
             [] if scheduler.requests[r].is_prefill_chunk else [(len(r) * 13) % 50000]
             for r in req_ids
         ]
-        runner = ModelRunnerOutput(
+        runner = self._output_class(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
@@ -140,31 +154,56 @@ def measure(manager: str, batch: int, steps: int) -> StepTimes:
             pooler_output=[],
         )
         scheduler.update_from_output(output, runner)
-        return len(req_ids), time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        if check and len(req_ids) != self.batch:
+            raise RuntimeError(f"{self.manager}: {len(req_ids)} of {self.batch} scheduled")
+        return seconds
 
-    # Prefill until every request decodes.
-    while any(
-        r.is_prefill_chunk or r.num_computed_tokens == 0 for r in scheduler.requests.values()
-    ):
-        step()
-    times = []
+
+def measure_all(managers: Sequence[str], batch: int, steps: int) -> dict[str, StepTimes]:
+    """Median µs of ``schedule()`` + ``update_from_output()`` per decode step for each manager,
+    the managers' schedulers stepped in turn (so that a change of load hits all alike); then
+    as many clocked steps, in turn again, split into the manager's time and the scheduler's."""
+    runs = [DecodeRun(manager, batch, steps) for manager in managers]
+    # The prefilled state is long-lived, as a serving engine's is after start-up (vLLM's engine
+    # freezes it too): the collector leaves it out of its scans, so that one run's garbage does
+    # not bill another's step for scanning the other runs' requests.
+    gc.collect()
+    gc.freeze()
+    try:
+        return _interleaved(runs, steps)
+    finally:
+        gc.unfreeze()
+
+
+def _interleaved(runs: Sequence[DecodeRun], steps: int) -> dict[str, StepTimes]:
+    times: dict[str, list[float]] = {run.manager: [] for run in runs}
     for _ in range(steps):
-        scheduled, seconds = step()
-        if scheduled != batch:
-            raise RuntimeError(f"{manager}: {scheduled} of {batch} requests scheduled")
-        times.append(seconds)
-    clock = ManagerClock(scheduler.kv_cache_manager)
-    own, spent = [], []
+        for run in runs:
+            times[run.manager].append(run.step())
+    clocks = {run.manager: ManagerClock(run.scheduler.kv_cache_manager) for run in runs}
+    own: dict[str, list[float]] = {run.manager: [] for run in runs}
+    spent: dict[str, list[float]] = {run.manager: [] for run in runs}
     for _ in range(steps):
-        before = clock.seconds
-        _, seconds = step()
-        spent.append(clock.seconds - before)
-        own.append(seconds - spent[-1])
-    return StepTimes(
-        statistics.median(times) * 1e6,
-        statistics.median(spent) * 1e6,
-        statistics.median(own) * 1e6,
-    )
+        for run in runs:
+            clock = clocks[run.manager]
+            before = clock.seconds
+            seconds = run.step()
+            spent[run.manager].append(clock.seconds - before)
+            own[run.manager].append(seconds - spent[run.manager][-1])
+    return {
+        m: StepTimes(
+            statistics.median(times[m]) * 1e6,
+            statistics.median(spent[m]) * 1e6,
+            statistics.median(own[m]) * 1e6,
+        )
+        for m in times
+    }
+
+
+def measure(manager: str, batch: int, steps: int) -> StepTimes:
+    """``measure_all`` of one manager."""
+    return measure_all([manager], batch, steps)[manager]
 
 
 def main(argv: Sequence[str] | None = None, *, quick: bool = False) -> int:
@@ -181,7 +220,7 @@ def main(argv: Sequence[str] | None = None, *, quick: bool = False) -> int:
     print(f"{'B':>6} " + " ".join(f"{m:>12}" for m in managers) + "   vLLM÷ref  vLLM÷opt")
     splits: list[str] = []
     for batch in batches:
-        timings = {m: measure(m, batch, steps) for m in managers}
+        timings = measure_all(managers, batch, steps)
         print(
             f"{batch:>6} "
             + " ".join(f"{timings[m].step:>12,.0f}" for m in managers)
