@@ -9,10 +9,11 @@ What the scheduler reads and where it comes from:
 
 - ``get_computed_blocks``, ``allocate_slots``, ``free``, ``cache_blocks``, ``get_blocks``,
   ``get_block_ids``, ``reset_prefix_cache``, ``usage``, ``new_step_starts``: the core manager.
-- ``take_events``: the core's events in vLLM's schema (``BlockStored`` with every field,
-  ``BlockRemoved``, ``AllBlocksCleared``).
-- ``record_prefix_cache_stats`` / ``make_prefix_cache_stats``: vLLM's ``PrefixCacheStats``,
-  counted at admission, preempted requests apart, ``None`` with ``log_stats`` off.
+- ``take_events``: the core's events, built by the core as vLLM's own structs
+  (``BlockStored`` with every field, ``BlockRemoved``, ``AllBlocksCleared``;
+  ``vllm_event_builder_class``).
+- ``record_prefix_cache_stats`` / ``make_prefix_cache_stats``: the core's counts (at admission,
+  preempted requests apart, ``None`` with ``log_stats`` off) in vLLM's ``PrefixCacheStats``.
 - ``take_new_block_ids``: new attention blocks of each step (zeroing, Mamba hybrids).
 - ``coordinator``: a read-only view (``single_type_managers`` with ``block_size`` and
   ``kv_cache_spec``, ``enable_partial_hash_hits``) for the scheduler's set-up arithmetic.
