@@ -16,7 +16,8 @@ The prefix cache, a chained hash table whose entries are the blocks themselves (
 *primary* key, so no separate entry storage is needed)::
 
     heads[M]                first block of each bucket's chain, N if empty; M is the smallest
-                            power of two >= N (at least ``MIN_BUCKETS``, 16)
+                            power of two >= N / 2 (at least ``MIN_BUCKETS``, 16): a full
+                            cache's chains average one or two blocks, for 2–4 bytes a block
     hnext[N + 1]            next block in the same chain; N ends a chain (and hnext[N] = N)
     hk[N + 1]               int64: (first 4 bytes of the cached hash, little endian, signed)
                             << 32 | (hash index × G + group id); hk[N] = -1 matches nothing
@@ -56,8 +57,8 @@ such a source and ``evict`` forgets it (a count per key, so the memo holds no mo
 there are cached blocks), and ``reset_prefix_cache`` empties it
 (``hybridkv.optimized.hash_memo``).
 
-Per block this is 5 int32 values and one int64 (28 bytes) plus the bucket heads (4 to 8 bytes,
-as the table size rounds up to a power of two: 4.2 for a million blocks), and no Python object
+Per block this is 5 int32 values and one int64 (28 bytes) plus the bucket heads (2 to 4 bytes,
+as the table size rounds up to a power of two: 2.1 for a million blocks), and no Python object
 per block.
 """
 
@@ -140,7 +141,7 @@ class TorchBlockPool:
         self.num_free_blocks = n - 1
         # Prefix cache.
         size = MIN_BUCKETS
-        while size < n:
+        while 2 * size < n:
             size *= 2
         self.mask = size - 1
         self.end = n  # ends every chain

@@ -70,5 +70,5 @@ path: setting up the CBOR tensors would cost more than it saves."""
 # --- The prefix-cache hash table (``hybridkv.optimized.block_pool``) --------------------------
 
 MIN_BUCKETS = 16
-"""The hash table has at least this many buckets (the smallest power of two at least the number
-of blocks, otherwise), so that a tiny pool still spreads its keys over a few chains."""
+"""The hash table has at least this many buckets (the smallest power of two at least half the
+number of blocks, otherwise), so that a tiny pool still spreads its keys over a few chains."""
