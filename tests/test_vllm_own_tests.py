@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import importlib.util
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -88,7 +87,9 @@ def test_a_test_lost_without_a_refusal_is_a_difference() -> None:
     assert comparison.passes_only_here == ("t::fails_on_vllm",)
 
 
-def test_vllms_scheduler_tests_pass_on_both_backends_but_for_named_refusals() -> None:
+def test_vllms_scheduler_tests_pass_on_both_backends_but_for_named_refusals(
+    tmp_path: Path,
+) -> None:
     """The run the README reports: every test that passes on vLLM's own manager passes on the
     reference and on the optimized backend, or stops on a setting refused by name."""
     if importlib.util.find_spec("vllm") is None:
@@ -97,12 +98,11 @@ def test_vllms_scheduler_tests_pass_on_both_backends_but_for_named_refusals() ->
         source = own_tests.fetch_source()
     except own_tests.SourceUnavailable as error:
         pytest.skip(f"vLLM's test tree is unavailable: {error}")
-    reports = Path(tempfile.mkdtemp(prefix="hybridkv-own-tests-"))
-    baseline = own_tests.run_tests(source, "vllm", reports / "vllm.xml")
+    baseline = own_tests.run_tests(source, "vllm", tmp_path / "vllm.xml")
     assert sum(o.status == "passed" for o in baseline.values()) == 234
     for backend in ("reference", "optimized"):
         comparison = compare(
-            baseline, backend, own_tests.run_tests(source, backend, reports / f"{backend}.xml")
+            baseline, backend, own_tests.run_tests(source, backend, tmp_path / f"{backend}.xml")
         )
         print(own_tests.summary(baseline, [comparison]))
         assert comparison.unexplained == ()

@@ -483,7 +483,8 @@ class KVCacheManager:
     def take_events(self) -> list[Any]:
         """The core's events, built as vLLM's msgspec structs as they happen
         (``vllm_event_builder_class``): nothing to convert per step."""
-        return list(self.core.take_events())
+        events: list[Any] = self.core.take_events()
+        return events
 
     # --- Helpers -------------------------------------------------------------------------
 
