@@ -63,6 +63,19 @@ class Layout:
 
 
 @st.composite
+def align_mamba_specs(draw: st.DrawFn, block_size: int) -> MambaSpec:
+    """A Mamba ``"align"`` group with speculative and prefill-checkpoint blocks."""
+    return MambaSpec(
+        block_size=block_size,
+        state_bytes=16,
+        mamba_cache_mode="align",
+        num_speculative_blocks=draw(st.integers(0, 2)),
+        num_prefill_checkpoint_blocks=draw(st.integers(0, 1)),
+        prefill_checkpoint_alignment=draw(st.sampled_from([None, 1])),
+    )
+
+
+@st.composite
 def unit_layouts(draw: st.DrawFn) -> Layout:
     specs, caching = draw(layouts())
     return Layout(specs, caching)
@@ -88,14 +101,7 @@ def engine_layouts(draw: st.DrawFn) -> Layout:
         if specs[0].block_size == specs[1].block_size:
             specs = (specs[0], choices[3 if specs[1] is choices[2] else 2])
     elif kind == "mamba":
-        mamba = MambaSpec(
-            block_size=b,
-            state_bytes=16,
-            mamba_cache_mode="align",
-            num_speculative_blocks=draw(st.integers(0, 2)),
-            num_prefill_checkpoint_blocks=draw(st.integers(0, 1)),
-            prefill_checkpoint_alignment=draw(st.sampled_from([None, 1])),
-        )
+        mamba = draw(align_mamba_specs(b))
         others: list[KVCacheSpec] = draw(
             st.lists(
                 st.sampled_from(
@@ -137,14 +143,7 @@ def estimate_layouts(draw: st.DrawFn) -> Layout:
     if kind == "engine":
         return draw(engine_layouts())
     b = draw(st.sampled_from([1, 2]))
-    mamba = MambaSpec(
-        block_size=b,
-        state_bytes=16,
-        mamba_cache_mode="align",
-        num_speculative_blocks=draw(st.integers(0, 2)),
-        num_prefill_checkpoint_blocks=draw(st.integers(0, 1)),
-        prefill_checkpoint_alignment=draw(st.sampled_from([None, 1])),
-    )
+    mamba = draw(align_mamba_specs(b))
     window = SlidingWindowSpec(block_size=b, sliding_window=draw(st.integers(2, 9)), **SIZES)
     specs: tuple[KVCacheSpec, ...]
     if kind == "local":
