@@ -21,8 +21,8 @@ The prefix cache, a chained hash table whose entries are the blocks themselves (
     hnext[N + 1]            next block in the same chain; N ends a chain (and hnext[N] = N)
     hk[N + 1]               int64: (first 4 bytes of the cached hash, little endian, signed)
                             << 32 | (hash index × G + group id); hk[N] = -1 matches nothing
-    src[N]                  the source the block was cached from (below); -1 if the block holds
-                            no hash
+    src[N + 1]              the source the block was cached from (below); -1 if the block holds
+                            no hash (src[N] = -1: the chain end holds none)
 
 The hash index is the key's position in its source's hash list: a block's table position when
 its group's block is the hash block, else the hash at the block's last hash boundary (``(pos +
@@ -65,6 +65,7 @@ per block.
 from __future__ import annotations
 
 import struct
+from array import array
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
@@ -72,7 +73,7 @@ import torch
 
 from hybridkv.optimized._buffers import IntBuffer
 from hybridkv.optimized.hash_memo import HashMemo
-from hybridkv.optimized.thresholds import MIN_BUCKETS
+from hybridkv.optimized.thresholds import MIN_BUCKETS, TAIL_MAX
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.events import EventBuilder, KVCacheEvent
 from hybridkv.spec.errors import require
@@ -92,16 +93,49 @@ def hash_key(block_hash: bytes) -> int:
 
 
 class Source:
-    """The token ids, block hashes and cache salt of a request that cached blocks."""
+    """The token ids, block hashes and cache salt of a request that cached blocks.
 
-    __slots__ = ("hashes", "refs", "row_refs", "salt", "tokens")
+    ``packed`` is the request's ``packed_token_ids`` when it keeps one (``Request`` does): the
+    same tokens as one array, so that verification compares memory instead of ints. ``blocks``
+    maps a tag (hash index × G + group id, the low half of ``hk``) to the block last cached
+    from this source under it (-1 where none): a lookup reads a whole run of a prompt's blocks
+    from it and checks them against ``hk`` and ``src`` at once, instead of walking a chain per
+    position (an entry is stale once its block is evicted or cached again, which those checks
+    see)."""
 
-    def __init__(self, tokens: Sequence[int], hashes: Sequence[BlockHash], salt: object) -> None:
+    __slots__ = ("blocks", "hashes", "packed", "refs", "row_refs", "salt", "tokens")
+
+    def __init__(
+        self,
+        tokens: Sequence[int],
+        hashes: Sequence[BlockHash],
+        salt: object,
+        packed: array[int] | None = None,
+    ) -> None:
         self.tokens = tokens
         self.hashes = hashes
         self.salt = salt
+        self.packed = packed
+        self.blocks = array("i")
         self.refs = 0  # cached blocks naming this source
         self.row_refs = 0  # live block-table rows naming it (the request may cache more)
+
+    def record(self, tag: int, block: int, end: int) -> None:
+        """Remember that ``block`` was cached from this source under ``tag`` (``end``, the
+        pool's chain end, which holds no key, stands for none)."""
+        blocks = self.blocks
+        if tag >= len(blocks):
+            blocks.extend(array("i", [end]) * (max(tag + 1, 2 * len(blocks)) - len(blocks)))
+        blocks[tag] = block
+
+    def record_many(self, tags: torch.Tensor, blocks: torch.Tensor, end: int) -> None:
+        """``record`` for int64 tensors of tags and blocks (distinct tags)."""
+        top = int(tags.max()) + 1
+        size = len(self.blocks)
+        if top > size:
+            self.blocks.extend(array("i", [end]) * (max(top, 2 * size) - size))
+        # A view for this call only: the array may be resized (and moved) by a later record.
+        torch.frombuffer(self.blocks, dtype=torch.int32)[tags] = blocks.to(torch.int32)
 
 
 class TorchBlockPool:
@@ -148,7 +182,7 @@ class TorchBlockPool:
         self.heads = IntBuffer(size, n)
         self.hnext = IntBuffer(n + 1, n)
         self.hk = IntBuffer(n + 1, -1, typecode="q")
-        self.src = IntBuffer(n, -1)
+        self.src = IntBuffer(n + 1, -1)
         # Extra keys: a block keeps one primary entry in the chains and, beside it, rare extra
         # keys (a prompt-tail partial entry next to a full-block key): per block its extras in
         # insertion order as (key, group, hash index) -> source, and per key the blocks holding
@@ -158,6 +192,12 @@ class TorchBlockPool:
         self.extras: dict[int, dict[tuple[int, int, int], int]] = {}
         self.extra_index: dict[tuple[int, int, int], dict[int, tuple[int, set[int]]]] = {}
         self._extra_count = 0
+        # Blocks cached while another entry with the same key, position and group was cached:
+        # the only ones that may not be the first-inserted block of their key (a lookup reads
+        # runs of blocks from a source only where none of them is here). A block leaves it when
+        # evicted; it stays while the entry before it goes, so the set may say too much, never
+        # too little.
+        self.dups: set[int] = set()
         self.sources: list[Source | None] = []
         self._free_sources: list[int] = []
         self.events: list[KVCacheEvent] = []
@@ -300,8 +340,14 @@ class TorchBlockPool:
     def bucket(self, key: int, group_id: int) -> int:
         return (key + group_id * GROUP_MIX) & self.mask
 
-    def new_source(self, tokens: Sequence[int], hashes: Sequence[BlockHash], salt: object) -> int:
-        source = Source(tokens, hashes, salt)
+    def new_source(
+        self,
+        tokens: Sequence[int],
+        hashes: Sequence[BlockHash],
+        salt: object,
+        packed: array[int] | None = None,
+    ) -> int:
+        source = Source(tokens, hashes, salt, packed)
         if self._free_sources:
             index = self._free_sources.pop()
             self.sources[index] = source
@@ -318,13 +364,22 @@ class TorchBlockPool:
         """Cache ``block`` under (hash, group) at table position ``pos``, from source ``src``."""
         key = hash_key(block_hash)
         bucket = (key + group_id * GROUP_MIX) & self.mask
-        heads = self.heads.a
-        self.hnext.a[block] = heads[bucket]
+        heads, hnext, hk = self.heads.a, self.hnext.a, self.hk.a
+        tag = pos * self.num_groups + group_id
+        target = key << 32 | tag
+        node = heads[bucket]
+        while node != self.end:
+            if hk[node] == target:
+                self.dups.add(block)
+                break
+            node = hnext[node]
+        hnext[block] = heads[bucket]
         heads[bucket] = block
-        self.hk.a[block] = key << 32 | (pos * self.num_groups + group_id)
+        hk[block] = target
         self.src.a[block] = src
         source = self.source(src)
         source.refs += 1
+        source.record(tag, block, self.end)
         if src in self.memo_srcs and self.memo is not None:
             self.memo.remember(source.tokens, source.hashes, source.salt, pos)
 
@@ -344,7 +399,9 @@ class TorchBlockPool:
         count = blocks.shape[0]
         if count == 0:
             return
+        tags = positions * self.num_groups + groups
         buckets = (keys + groups * GROUP_MIX) & self.mask
+        self._note_duplicates(blocks, keys << 32 | tags, buckets)
         buckets, order = torch.sort(buckets, stable=True)
         entries = blocks[order]
         first = torch.ones(count, dtype=torch.bool)
@@ -355,8 +412,15 @@ class TorchBlockPool:
         old_heads = self.heads.t[buckets].to(torch.int64)
         self.hnext.t[entries] = torch.where(first, old_heads, previous).to(torch.int32)
         self.heads.t[buckets[last]] = entries[last].to(torch.int32)
-        self.hk.t[blocks] = keys << 32 | (positions * self.num_groups + groups)
+        self.hk.t[blocks] = keys << 32 | tags
         self.src.t[blocks] = srcs.to(torch.int32)
+        first_src = int(srcs[0])
+        if bool((srcs == first_src).all()):
+            self.source(first_src).record_many(tags, blocks, self.end)
+        else:
+            for src in torch.unique(srcs).tolist():
+                mine = srcs == src
+                self.source(src).record_many(tags[mine], blocks[mine], self.end)
         memo = self.memo
         if self.memo_srcs and memo is not None:
             named = Counter(zip(srcs.tolist(), positions.tolist(), strict=True))
@@ -364,6 +428,50 @@ class TorchBlockPool:
                 if src in self.memo_srcs:
                     source = self.source(src)
                     memo.remember(source.tokens, source.hashes, source.salt, index, times)
+
+    def _note_duplicates(
+        self, blocks: torch.Tensor, targets: torch.Tensor, buckets: torch.Tensor
+    ) -> None:
+        """Before ``insert_many`` links them: add to ``dups`` the entries whose target is cached
+        already or repeats an earlier entry of the batch."""
+        flagged: list[int] = []
+        if blocks.shape[0] > 1:
+            ordered, order = torch.sort(targets, stable=True)
+            again = torch.nonzero(ordered[1:] == ordered[:-1]).view(-1)
+            if again.shape[0]:
+                flagged.extend(blocks.index_select(0, order[1:].index_select(0, again)).tolist())
+        hk, hnext, end = self.hk.t, self.hnext.t, self.end
+        current = self.heads.t.index_select(0, buckets)
+        lanes = torch.arange(blocks.shape[0])
+        while True:
+            walking = torch.nonzero(current != end).view(-1)
+            if walking.shape[0] == 0:
+                break
+            if walking.shape[0] <= TAIL_MAX:
+                # The few longest chains: walked on the array views.
+                hk_a, hnext_a = self.hk.a, self.hnext.a
+                for lane, node, target in zip(
+                    lanes.index_select(0, walking).tolist(),
+                    current.index_select(0, walking).tolist(),
+                    targets.index_select(0, walking).tolist(),
+                    strict=True,
+                ):
+                    while node != end:
+                        if hk_a[node] == target:
+                            flagged.append(int(blocks[lane]))
+                            break
+                        node = hnext_a[node]
+                break
+            current = current.index_select(0, walking)
+            targets = targets.index_select(0, walking)
+            lanes = lanes.index_select(0, walking)
+            found = hk.index_select(0, current) == targets
+            if bool(found.any()):
+                flagged.extend(blocks.index_select(0, lanes[found]).tolist())
+                current = torch.where(found, end, hnext.index_select(0, current))
+            else:
+                current = hnext.index_select(0, current)
+        self.dups.update(flagged)
 
     def block_hash(self, block: int) -> BlockHash:
         """The hash a cached block is cached under."""
@@ -463,6 +571,8 @@ class TorchBlockPool:
         hnext[block] = self.end
         self.hk.a[block] = -1
         self.src.a[block] = -1
+        if self.dups:
+            self.dups.discard(block)
         if src in self.memo_srcs and self.memo is not None:
             self.memo.forget(source.tokens, source.hashes, source.salt, tag // self.num_groups)
         source.refs -= 1
@@ -499,6 +609,7 @@ class TorchBlockPool:
         self.src.t.fill_(-1)
         self.extras = {}
         self.extra_index = {}
+        self.dups = set()
         self.sources = []
         self._free_sources = []
         self.memo_srcs = set()
@@ -586,6 +697,21 @@ class TorchBlockPool:
             sum(map(len, self.extra_index.values())) == sum(map(len, self.extras.values())),
             "extra index is stale",
         )
+        # A block cached after another of the same key, position and group is a duplicate.
+        for bucket in range(self.mask + 1):
+            later: set[int] = set()  # targets seen nearer the head (inserted later)
+            block = heads[bucket]
+            chain: list[int] = []
+            while block != end:
+                chain.append(block)
+                block = hnext[block]
+            seen_targets: set[int] = set()
+            for block in reversed(chain):  # first inserted first
+                if hk[block] in seen_targets:
+                    later.add(block)
+                seen_targets.add(hk[block])
+            require(later <= self.dups, f"duplicate entries {sorted(later - self.dups)} unmarked")
+        require(all(src[b] >= 0 for b in self.dups), "an uncached block is marked duplicate")
         cached = {b for b in range(n) if src[b] >= 0}
         require(seen == cached, f"{len(cached)} blocks hold a hash but {len(seen)} are cached")
         require(all((hk[b] == -1) == (src[b] < 0) for b in range(n)), "src and hk disagree")

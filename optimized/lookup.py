@@ -38,11 +38,12 @@ from collections.abc import Sequence
 import torch
 
 from hybridkv.optimized._buffers import IntBuffer, int32_from_bytes
-from hybridkv.optimized.block_pool import GROUP_MIX, TorchBlockPool, hash_key
+from hybridkv.optimized.block_pool import GROUP_MIX, Source, TorchBlockPool, hash_key
 from hybridkv.optimized.thresholds import (
     AGREE_MIN_STEP,
     FLAG_MAX_WINDOW,
     FLAG_MIN_WINDOW,
+    RUN_MIN,
     SCAN_FIRST_WINDOW,
     TAIL_MAX,
     VECTOR_MIN,
@@ -86,6 +87,7 @@ class Lookup:
         self.request_hashes: Sequence[BlockHash] = request.block_hashes
         self.hashes: Sequence[BlockHash] = _view(request.block_hashes, scale)
         self.tokens: Sequence[int] = request.all_token_ids
+        self.packed: Sequence[int] | None = getattr(request, "packed_token_ids", None)
         self.salt: object = getattr(request, "cache_salt", None)
         self.block_size = block_size
         # Extra keys are probed one by one (with their insertion order).
@@ -116,7 +118,7 @@ class Lookup:
         if limit is not None and pos >= limit:
             return False
         b = self.block_size
-        ours, theirs = self.tokens, source.tokens
+        ours, theirs = self._token_pair(source)
         cap = min(len(theirs), len(ours)) // b
         if (
             agree == 0
@@ -144,6 +146,13 @@ class Lookup:
                 hi = mid
         self._agree[src] = self._limit[src] = lo // b
         return pos < lo // b
+
+    def _token_pair(self, source: Source) -> tuple[Sequence[int], Sequence[int]]:
+        """The request's and the source's tokens, packed when both keep them packed (a slice
+        comparison is then one memory comparison)."""
+        if self.packed is not None and source.packed is not None:
+            return self.packed, source.packed
+        return self.tokens, source.tokens
 
     def their_hashes(self, src: int) -> Sequence[BlockHash]:
         """Source ``src``'s hashes at this lookup's block size."""
@@ -177,8 +186,8 @@ class Lookup:
             return True
         lo = (pos + 1) * self.block_size
         hi = lo + self.lookahead
-        theirs = self.pool.source(src).tokens
-        return len(theirs) >= hi and same_items(self.tokens[lo:hi], theirs[lo:hi])
+        ours, theirs = self._token_pair(self.pool.source(src))
+        return len(theirs) >= hi and same_items(ours[lo:hi], theirs[lo:hi])
 
     def accepts(self, block: int, pos: int, src: int = -1) -> bool:
         """Whether cached ``block`` (its primary entry, or the extra one from source ``src``)
@@ -236,6 +245,75 @@ class Lookup:
                 keys = torch.tensor([hash_key(h) for h in self.hashes], dtype=torch.int32)
             self._keys = keys.to(torch.int64)
         return self._keys
+
+    def probe_window(self, lo: int, hi: int, group_ids: Sequence[int]) -> torch.Tensor:
+        """``probe_tensor``'s result, read from sources' runs where it can: from ``lo``, the
+        source of the block found at the first position gives the blocks of the positions
+        after it (``source_run``), as long as it has them; the rest goes to ``probe_tensor``."""
+        parts: list[torch.Tensor] = []
+        start = lo
+        if not self.pool.extras:
+            while hi - start >= RUN_MIN:
+                run = self.source_run(start, hi, group_ids)
+                if run is None:
+                    break
+                parts.append(run)
+                start += run.shape[1]
+                if run.shape[1] < RUN_MIN:
+                    break
+        if start < hi:
+            parts.append(self.probe_tensor(start, hi, group_ids))
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([part.to(torch.int64) for part in parts], 1)
+
+    def source_run(self, lo: int, hi: int, group_ids: Sequence[int]) -> torch.Tensor | None:
+        """The blocks of positions ``lo … lo + k − 1`` in every group (``[groups, k]``, int32),
+        all from the source of the block at ``lo`` in the first group; ``None`` if there is
+        none there.
+
+        A source's ``blocks`` give, per tag, the block last cached from it. Those still cached
+        from that source (``src``) under that tag (the low half of ``hk``) hold the source's
+        hash there; where the source's hashes, salt and tokens are the request's (one
+        verification for the whole run), that is the request's key, and a block never cached
+        while an entry of its key was (``dups``) is the first-inserted block of its key: exactly
+        what ``probe`` finds."""
+        pool = self.pool
+        first = self.probe(lo, group_ids[0])
+        if first < 0:
+            return None
+        src = pool.src.a[first]
+        source = pool.source(src)
+        num_groups = pool.num_groups
+        recorded = len(source.blocks)
+        hi = min(hi, (recorded // num_groups + 1) // self.scale)
+        if hi - lo < 1:
+            return None
+        step = self.scale * num_groups
+        tags = torch.arange(((lo + 1) * self.scale - 1) * num_groups, hi * step, step)
+        if len(group_ids) > 1 or group_ids[0]:
+            tags = tags + torch.tensor(group_ids, dtype=torch.int64)[:, None]
+        tags = tags.view(-1)
+        # A tag beyond the recorded ones reads the last recorded block, which is not cached
+        # under it, so it fails the check below.
+        at = tags.clamp(max=recorded - 1)
+        blocks = torch.frombuffer(source.blocks, dtype=torch.int32).index_select(0, at)
+        good = (pool.hk.t.index_select(0, blocks) & 0xFFFFFFFF == tags) & (
+            pool.src.t.index_select(0, blocks) == src
+        )
+        if pool.dups:
+            good &= ~torch.isin(blocks, torch.tensor(sorted(pool.dups), dtype=torch.int32))
+        width = hi - lo
+        good_2d = good.view(len(group_ids), width)
+        count = width if bool(good.all()) else int(torch.nonzero(~good_2d.all(0))[0, 0])
+        # One verification of the source for the run (tokens agree up to a prefix, found once).
+        if count and not self.content_agrees(src, lo + count - 1):
+            count = max(0, self._agree.get(src, 0) - lo)
+        if count == 0 or not (
+            self.lookahead_agrees(src, lo + count - 1) and self.hashes_agree(src, lo, lo + count)
+        ):
+            return None
+        return blocks.view(len(group_ids), width)[:, :count]
 
     def probe_tensor(self, lo: int, hi: int, group_ids: Sequence[int]) -> torch.Tensor:
         """``probe`` for positions ``lo … hi − 1`` of several groups: ``[groups, positions]``
@@ -357,7 +435,7 @@ class TypeProbe:
             return
         lookup = self.lookup
         if (hi - lo) * len(self.group_ids) >= lookup.vector_min:
-            best = lookup.probe_tensor(lo, hi, self.group_ids)
+            best = lookup.probe_window(lo, hi, self.group_ids)
             self.found_2d[:, lo:hi] = best
             self.flags.t[lo:hi] = (best >= 0).all(0)
             return
@@ -382,10 +460,28 @@ class TypeProbe:
         self.found_2d[:, :width] = mine
         self.flags.t[:width] = (mine >= 0).all(0)
 
+    def run_ahead(self, lo: int, hi: int) -> int:
+        """Fill positions from ``lo`` (up to ``hi``) with sources' runs as far as they reach;
+        the first position not filled (a long prompt's scan then needs no windows)."""
+        lookup = self.lookup
+        if (hi - lo) * len(self.group_ids) < lookup.vector_min or lookup.pool.extras:
+            return lo
+        while hi - lo >= RUN_MIN:
+            run = lookup.source_run(lo, hi, self.group_ids)
+            if run is None:
+                break
+            count = run.shape[1]
+            self.found_2d[:, lo : lo + count] = run
+            self.flags.t[lo : lo + count] = 1
+            lo += count
+            if count < RUN_MIN:
+                break
+        return lo
+
     def leading_hits(self, length: int) -> int:
         """Leading positions cached in every group (the full-attention scan), window by window."""
         flags = self.flags.a
-        pos = 0
+        pos = self.run_ahead(0, length) if length and flags[0] == UNKNOWN else 0
         span = SCAN_FIRST_WINDOW
         while pos < length:
             end = min(length, pos + span)

@@ -386,7 +386,7 @@ class TorchKVCacheManager:
             and lookup.vector_min <= limit * self.num_groups <= PRELOAD_MAX
             and all(memo.length == limit for memo in memos)
         ):
-            best = lookup.probe_tensor(0, limit, range(self.num_groups))
+            best = lookup.probe_window(0, limit, range(self.num_groups))
             for (_, group_ids), memo in zip(self._types, memos, strict=True):
                 memo.preload(best, group_ids)
         hits: Sequence[list[int]]
@@ -761,7 +761,12 @@ class TorchKVCacheManager:
         src = self._row_src[row]
         tokens, hashes = request.all_token_ids, request.block_hashes
         if src < 0:
-            src = pool.new_source(tokens, hashes, getattr(request, "cache_salt", None))
+            src = pool.new_source(
+                tokens,
+                hashes,
+                getattr(request, "cache_salt", None),
+                getattr(request, "packed_token_ids", None),
+            )
             pool.source(src).row_refs += 1
             self._row_src[row] = src
             if self._hashed_by_memo(request):
@@ -770,6 +775,7 @@ class TorchKVCacheManager:
         source = pool.source(src)
         if len(source.tokens) < num_tokens + self.lookahead:
             source.tokens = tokens
+            source.packed = getattr(request, "packed_token_ids", None)
         if len(source.hashes) < num_hashes:
             source.hashes = hashes
         return src

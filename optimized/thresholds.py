@@ -37,6 +37,11 @@ VECTOR_MIN = 48
 """A window of at least this many (position, group) pairs is probed through the tensor hash
 table (one call per chain step for all of them); a smaller one walks the chains on the arrays."""
 
+RUN_MIN = 4
+"""A window of at least this many positions is read from sources' runs of cached blocks first
+(a few tensor calls for a whole run, however long); a run shorter than this ends that, and the
+rest of the window is probed."""
+
 TAIL_MAX = 32
 """A tensor probe walks its last chains on the array views once at most this many remain: a
 tensor call per chain step would cost more than the walk."""

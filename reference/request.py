@@ -54,28 +54,37 @@ class BlockHasher(Protocol):
 
 
 def check_token_ids(field: str, token_ids: Iterable[object]) -> list[int]:
-    """Return the token ids as a list, or raise ``ValueError`` naming the first bad one.
+    """Return the token ids as a list, or raise ``ValueError`` naming the first bad one
+    (``pack_token_ids`` without the packed copy)."""
+    return pack_token_ids(field, token_ids)[0]
+
+
+def pack_token_ids(field: str, token_ids: Iterable[object]) -> tuple[list[int], array[int] | None]:
+    """Return the token ids as a list and packed (unsigned 64-bit; ``None`` when one is 2**64 or
+    more), or raise ``ValueError`` naming the first bad one.
 
     Plain ints are checked at C speed (how many have type ``int``, then their conversion to
     unsigned 64-bit ints, which refuses a negative one): a prompt of thousands of tokens is
-    validated in microseconds. Anything else (another type, an int subclass, a negative id, an
-    id from 2**64) takes the token-by-token loop, which accepts int subclasses but ``bool`` and
-    names the first bad token."""
+    validated in microseconds, and the conversion is the packed copy. Anything else (another
+    type, an int subclass, a negative id, an id from 2**64) takes the token-by-token loop, which
+    accepts int subclasses but ``bool`` and names the first bad token."""
     tokens = list(token_ids)
     if countOf(map(type, tokens), int) == len(tokens):
         ints = cast("list[int]", tokens)
         try:
-            array("Q", ints)
+            packed = array("Q", ints)
         except OverflowError:
             pass
         else:
-            return ints
+            return ints, packed
     checked: list[int] = []
     for index, token in enumerate(tokens):
         if not isinstance(token, int) or isinstance(token, bool) or token < 0:
             raise ValueError(f"{field}[{index}] must be a non-negative int, got {token!r}")
         checked.append(token)
-    return checked
+    if any(token >= 1 << 64 for token in checked):
+        return checked, None
+    return checked, array("Q", [int(token) for token in checked])
 
 
 class Request:
@@ -125,9 +134,8 @@ class Request:
             raise ValueError(f"session_id must be a str or None, got {session_id!r}")
         self.request_id = request_id
         self.session_id = session_id
-        self.prompt_token_ids: tuple[int, ...] = tuple(
-            check_token_ids("prompt_token_ids", prompt_token_ids)
-        )
+        prompt, packed = pack_token_ids("prompt_token_ids", prompt_token_ids)
+        self.prompt_token_ids: tuple[int, ...] = tuple(prompt)
         self.hash_block_size = hash_block_size
         # An empty salt is no salt (vLLM salts the first block only when the salt is truthy).
         self.cache_salt = cache_salt or None
@@ -137,7 +145,8 @@ class Request:
         self.num_computed_tokens = 0
         self.shared_prefix_boundary = 0
         self.num_preemptions = 0
-        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self._all_token_ids: list[int] = prompt
+        self._packed_token_ids: array[int] | None = packed
         self._block_hashes: list[BlockHash] = []
         self._hash_new_full_blocks()
 
@@ -145,6 +154,13 @@ class Request:
     def all_token_ids(self) -> Sequence[int]:
         """The prompt followed by every output token appended so far."""
         return self._all_token_ids
+
+    @property
+    def packed_token_ids(self) -> array[int] | None:
+        """``all_token_ids`` packed as unsigned 64-bit ints, kept in step with it (``None`` once
+        an id does not fit): a manager may compare two requests' tokens in one memory
+        comparison instead of int by int."""
+        return self._packed_token_ids
 
     @property
     def num_tokens(self) -> int:
@@ -162,7 +178,12 @@ class Request:
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """Append output tokens; every block they fill gets its hash at once."""
         new_tokens = [token_ids] if isinstance(token_ids, int) else token_ids
-        self._all_token_ids.extend(check_token_ids("token_ids", new_tokens))
+        tokens, packed = pack_token_ids("token_ids", new_tokens)
+        self._all_token_ids.extend(tokens)
+        if packed is None or self._packed_token_ids is None:
+            self._packed_token_ids = None
+        else:
+            self._packed_token_ids.extend(packed)
         self._hash_new_full_blocks()
 
     def _hash_new_full_blocks(self) -> None:

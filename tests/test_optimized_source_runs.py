@@ -1,0 +1,187 @@
+"""A long cache hit is read from its sources' runs of blocks, and equals the reference's.
+
+The optimized lookup reads the blocks a source (the request that cached them) recorded per
+position, checks them against the hash table's keys and sources in a few tensor calls, and
+verifies the source once for the whole run (``Lookup.source_run``). It must find exactly the
+blocks the reference finds: the first-inserted block of each key, also when a prompt was
+computed twice at once (duplicate entries), when a hit spans several sources, and when blocks
+in the middle of a run were evicted.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from hybridkv.optimized import TorchKVCacheManager
+from hybridkv.optimized.block_pool import TorchBlockPool, hash_key
+from hybridkv.optimized.lookup import Lookup
+from hybridkv.reference import KVCacheManager
+from hybridkv.reference.block_hash import BlockHash
+from hybridkv.reference.request import Request
+from hybridkv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, SlidingWindowSpec
+
+SIZES = {"block_size": 4, "num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
+HYBRID = (
+    KVCacheGroup(("full",), FullAttentionSpec(**SIZES)),
+    KVCacheGroup(("sw.0",), SlidingWindowSpec(sliding_window=8, **SIZES)),
+    KVCacheGroup(("sw.1",), SlidingWindowSpec(sliding_window=8, **SIZES)),
+)
+
+
+def managers(num_blocks: int) -> tuple[TorchKVCacheManager, KVCacheManager]:
+    config = KVCacheConfig(num_blocks, HYBRID)
+    return TorchKVCacheManager(config, 4096), KVCacheManager(config, 4096)
+
+
+def request(request_id: str, tokens: list[int]) -> Request:
+    return Request(request_id, tokens, hash_block_size=4)
+
+
+@contextmanager
+def runs_read(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The widths of the runs ``source_run`` returns while the block is active."""
+    widths: list[int] = []
+    original = Lookup.source_run
+
+    def spy(self: Lookup, lo: int, hi: int, group_ids: list[int]) -> torch.Tensor | None:
+        run = original(self, lo, hi, group_ids)
+        if run is not None:
+            widths.append(run.shape[1])
+        return run
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Lookup, "source_run", spy)
+        yield widths
+
+
+def same_hit(opt: TorchKVCacheManager, ref: KVCacheManager, tokens: list[int], rid: str) -> int:
+    """Look the prompt up on both; assert equal results; return the hit length."""
+    got = opt.get_computed_blocks(request(rid, tokens))
+    want = ref.get_computed_blocks(request(rid, tokens))
+    assert got == want
+    opt.check_invariants()
+    return got[1]
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(length)]
+
+
+def test_a_long_cached_prompt_is_read_as_one_run_with_the_references_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    opt, ref = managers(400)
+    tokens = prompt(1, 401)
+    for manager in (opt, ref):
+        first = request("a", tokens)
+        assert manager.allocate_slots(first, 401) is not None
+        manager.free(first)
+    with runs_read(monkeypatch) as widths:
+        assert same_hit(opt, ref, tokens, "b") == 400
+    assert widths[0] == 100  # the full-attention group: every block in one run
+
+
+def test_a_prompt_computed_twice_at_once_hits_the_first_inserted_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two requests with one prompt computed in the same step cache the same keys twice; the
+    later entries are marked, and a run never returns them."""
+    opt, ref = managers(600)
+    tokens = prompt(2, 201)
+    for manager in (opt, ref):
+        for rid in ("a", "b"):  # neither looks up: both compute every block
+            assert manager.allocate_slots(request(rid, tokens), 201) is not None
+    later = set(opt.get_block_ids("b")[0]) | set(opt.get_block_ids("b")[1])
+    assert later & opt.pool.dups  # b's entries repeat a's keys
+    with runs_read(monkeypatch):
+        assert same_hit(opt, ref, tokens, "c") == 200
+    for manager in (opt, ref):
+        manager.free(request("a", tokens))  # a's blocks go to the free queue, b's stay held
+        manager.free(request("b", tokens))
+    assert same_hit(opt, ref, tokens, "d") == 200
+    # Evict some of a's blocks (the first-inserted entries): b's may be found from then on.
+    for manager in (opt, ref):
+        assert manager.allocate_slots(request("e", prompt(3, 420)), 420) is not None
+    same_hit(opt, ref, tokens, "f")
+
+
+def test_a_hit_that_spans_two_sources_is_read_as_two_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """b hits a's first 200 tokens and caches its own after them: a lookup of b's prompt reads
+    a run from a's source, then one from b's."""
+    opt, ref = managers(600)
+    head, tail = prompt(4, 200), prompt(5, 201)
+    for manager in (opt, ref):
+        a = request("a", [*head, 7])
+        assert manager.allocate_slots(a, 201) is not None
+        manager.free(a)
+        b = request("b", head + tail)
+        blocks, hit, _ = manager.get_computed_blocks(b)
+        assert hit == 200
+        assert manager.allocate_slots(b, 201, hit, blocks) is not None
+        manager.free(b)
+    with runs_read(monkeypatch) as widths:
+        assert same_hit(opt, ref, head + tail, "c") == 400
+    assert widths[:2] == [50, 50]
+
+
+def test_blocks_evicted_from_a_run_end_the_hit_where_the_references_does() -> None:
+    opt, ref = managers(330)
+    tokens = prompt(6, 401)
+    for manager in (opt, ref):
+        a = request("a", tokens)
+        assert manager.allocate_slots(a, 401) is not None
+        manager.free(a)
+    hits = []
+    for size in (8, 40, 120):  # each takes blocks from the free queue's head
+        for manager in (opt, ref):
+            assert manager.allocate_slots(request(f"x{size}", prompt(size, size)), size)
+        hits.append(same_hit(opt, ref, tokens, f"p{size}"))
+    assert hits == sorted(hits, reverse=True)
+    assert hits[-1] < 400
+
+
+def test_a_repeated_key_in_one_batch_insert_is_marked_duplicate() -> None:
+    pool = TorchBlockPool(16, 1, enable_caching=True)
+    src = pool.new_source([1, 2, 3, 4], [BlockHash(b"\x01" * 32)], None)
+    blocks = torch.tensor([3, 5], dtype=torch.int64)
+    keys = torch.full((2,), hash_key(b"\x01" * 32), dtype=torch.int64)
+    zeros = torch.zeros(2, dtype=torch.int64)
+    pool.insert_many(blocks, keys, zeros, zeros, torch.full((2,), src, dtype=torch.int64))
+    pool.source(src).refs += 2
+    assert pool.dups == {5}
+    pool.check_invariants()
+    pool.evict(5)
+    assert pool.dups == set()
+    pool.check_invariants()
+
+
+def test_packed_token_ids_follow_the_tokens_and_a_huge_id_drops_them() -> None:
+    r = Request("r", [1, 2, 3], hash_block_size=2)
+    r.append_output_token_ids([4, 5])
+    assert r.packed_token_ids is not None
+    assert r.packed_token_ids.tolist() == list(r.all_token_ids) == [1, 2, 3, 4, 5]
+    r.append_output_token_ids(1 << 64)
+    packed: object = r.packed_token_ids
+    assert packed is None
+    assert list(r.all_token_ids) == [1, 2, 3, 4, 5, 1 << 64]
+
+
+def test_lookups_of_requests_without_packed_tokens_match_the_reference() -> None:
+    """A request holding an id of 2**64 or more keeps no packed tokens: verification compares
+    its token lists, with the same result."""
+    opt, ref = managers(300)
+    tokens = [*prompt(7, 160), 1 << 64, *prompt(8, 40)]
+    for manager in (opt, ref):
+        a = request("a", tokens)
+        assert manager.allocate_slots(a, len(tokens)) is not None
+        manager.free(a)
+    assert same_hit(opt, ref, tokens, "b") == 200
+    assert same_hit(opt, ref, [*tokens[:-41], 5, *tokens[-40:]], "c") == 160
