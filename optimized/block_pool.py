@@ -192,12 +192,15 @@ class TorchBlockPool:
         self.extras: dict[int, dict[tuple[int, int, int], int]] = {}
         self.extra_index: dict[tuple[int, int, int], dict[int, tuple[int, set[int]]]] = {}
         self._extra_count = 0
-        # Blocks cached while another entry with the same key, position and group was cached:
-        # the only ones that may not be the first-inserted block of their key (a lookup reads
-        # runs of blocks from a source only where none of them is here). A block leaves it when
-        # evicted; it stays while the entry before it goes, so the set may say too much, never
-        # too little.
+        # Blocks cached while another entry with the same key, position and group was cached
+        # (found by ``settle_duplicates`` before a lookup reads runs): the only ones that may
+        # not be the first-inserted block of their key (a lookup reads runs of blocks from a
+        # source only where none of them is here). A block leaves it when evicted; it stays
+        # while the entry before it goes, so the set may say too much, never too little.
         self.dups: set[int] = set()
+        # Blocks cached since ``settle_duplicates`` last ran (one by one, and in tensors).
+        self.unsettled: list[int] = []
+        self.unsettled_many: list[torch.Tensor] = []
         self.sources: list[Source | None] = []
         self._free_sources: list[int] = []
         self.events: list[KVCacheEvent] = []
@@ -364,22 +367,22 @@ class TorchBlockPool:
         """Cache ``block`` under (hash, group) at table position ``pos``, from source ``src``."""
         key = hash_key(block_hash)
         bucket = (key + group_id * GROUP_MIX) & self.mask
-        heads, hnext, hk = self.heads.a, self.hnext.a, self.hk.a
+        heads, hnext, hk, end = self.heads.a, self.hnext.a, self.hk.a, self.end
         tag = pos * self.num_groups + group_id
         target = key << 32 | tag
-        node = heads[bucket]
-        while node != self.end:
-            if hk[node] == target:
-                self.dups.add(block)
-                break
-            node = hnext[node]
         hnext[block] = heads[bucket]
+        self.unsettled.append(block)
         heads[bucket] = block
         hk[block] = target
         self.src.a[block] = src
-        source = self.source(src)
+        source = self.sources[src]
+        assert source is not None
         source.refs += 1
-        source.record(tag, block, self.end)
+        recorded = source.blocks
+        if tag < len(recorded):
+            recorded[tag] = block
+        else:
+            source.record(tag, block, end)
         if src in self.memo_srcs and self.memo is not None:
             self.memo.remember(source.tokens, source.hashes, source.salt, pos)
 
@@ -401,7 +404,7 @@ class TorchBlockPool:
             return
         tags = positions * self.num_groups + groups
         buckets = (keys + groups * GROUP_MIX) & self.mask
-        self._note_duplicates(blocks, keys << 32 | tags, buckets)
+        self.unsettled_many.append(blocks)
         buckets, order = torch.sort(buckets, stable=True)
         entries = blocks[order]
         first = torch.ones(count, dtype=torch.bool)
@@ -418,9 +421,12 @@ class TorchBlockPool:
         if bool((srcs == first_src).all()):
             self.source(first_src).record_many(tags, blocks, self.end)
         else:
-            for src in torch.unique(srcs).tolist():
-                mine = srcs == src
-                self.source(src).record_many(tags[mine], blocks[mine], self.end)
+            # Many sources with a few blocks each (a decode step's): one by one.
+            sources, end = self.sources, self.end
+            for src, tag, block in zip(srcs.tolist(), tags.tolist(), blocks.tolist(), strict=True):
+                source = sources[src]
+                assert source is not None
+                source.record(tag, block, end)
         memo = self.memo
         if self.memo_srcs and memo is not None:
             named = Counter(zip(srcs.tolist(), positions.tolist(), strict=True))
@@ -429,22 +435,24 @@ class TorchBlockPool:
                     source = self.source(src)
                     memo.remember(source.tokens, source.hashes, source.salt, index, times)
 
-    def _note_duplicates(
-        self, blocks: torch.Tensor, targets: torch.Tensor, buckets: torch.Tensor
-    ) -> None:
-        """Before ``insert_many`` links them: add to ``dups`` the entries whose target is cached
-        already or repeats an earlier entry of the batch."""
-        flagged: list[int] = []
-        if blocks.shape[0] > 1:
-            ordered, order = torch.sort(targets, stable=True)
-            again = torch.nonzero(ordered[1:] == ordered[:-1]).view(-1)
-            if again.shape[0]:
-                flagged.extend(blocks.index_select(0, order[1:].index_select(0, again)).tolist())
+    def settle_duplicates(self) -> None:
+        """Mark the blocks cached since the last call that have an older entry of the same
+        key, position and group on their chain (``dups``): one walk of their chains, in tensor
+        calls, when a lookup needs it, instead of one walk per cached block."""
+        if not self.unsettled and not self.unsettled_many:
+            return
+        parts = self.unsettled_many
+        if self.unsettled:
+            parts.append(torch.tensor(self.unsettled, dtype=torch.int64))
+        blocks = parts[0] if len(parts) == 1 else torch.cat(parts)
+        self.unsettled, self.unsettled_many = [], []
         hk, hnext, end = self.hk.t, self.hnext.t, self.end
-        current = self.heads.t.index_select(0, buckets)
+        targets = hk.index_select(0, blocks)
+        current = hnext.index_select(0, blocks)  # older entries follow on the chain
         lanes = torch.arange(blocks.shape[0])
+        flagged: list[int] = []
         while True:
-            walking = torch.nonzero(current != end).view(-1)
+            walking = torch.nonzero((current != end) & (targets != -1)).view(-1)
             if walking.shape[0] == 0:
                 break
             if walking.shape[0] <= TAIL_MAX:
@@ -468,9 +476,8 @@ class TorchBlockPool:
             found = hk.index_select(0, current) == targets
             if bool(found.any()):
                 flagged.extend(blocks.index_select(0, lanes[found]).tolist())
-                current = torch.where(found, end, hnext.index_select(0, current))
-            else:
-                current = hnext.index_select(0, current)
+                targets = torch.where(found, -1, targets)
+            current = hnext.index_select(0, current)
         self.dups.update(flagged)
 
     def block_hash(self, block: int) -> BlockHash:
@@ -610,6 +617,7 @@ class TorchBlockPool:
         self.extras = {}
         self.extra_index = {}
         self.dups = set()
+        self.unsettled, self.unsettled_many = [], []
         self.sources = []
         self._free_sources = []
         self.memo_srcs = set()
@@ -644,6 +652,7 @@ class TorchBlockPool:
 
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` if the pool's own bookkeeping is inconsistent."""
+        self.settle_duplicates()
         n = self.num_blocks
         ref, prv, nxt = self.ref.a, self.prev.a, self.next.a
         free = self.free_queue()

@@ -282,6 +282,7 @@ class Lookup:
         first = self.probe(lo, group_ids[0])
         if first < 0:
             return None
+        pool.settle_duplicates()
         src = pool.src.a[first]
         source = pool.source(src)
         num_groups = pool.num_groups
