@@ -10,15 +10,23 @@ Data layout
 One ``Lookup`` lives for one ``get_computed_blocks`` call. Per attention type it keeps one memo
 (``TypeProbe``): an int32 buffer ``found[groups, positions]`` (block id, ``MISS`` or
 ``UNKNOWN``) and an int8 buffer of per-position flags (1 when every group of the type has the
-block). Positions are probed in windows: a window of ``vector_min`` (position, group) pairs or
-more goes through the tensor hash table for all groups of the type at once (``probe_tensor``:
-one ``index_select`` per chain step, lanes dropped as their chains end, the last ``TAIL_MAX``
-chains walked on the array views), a smaller one through the array views (the sizes are in
-``hybridkv.optimized.thresholds``). The rule functions
-of ``hybridkv.spec.rules`` then read the memo; the full-attention scan of a long prompt reads
-it window by window (``array.index``).
+block). Positions are filled in windows. A window of ``vector_min`` (position, group) pairs or more is
+first read from *runs* (``source_run``): the block found at its first position names a source
+(the request that cached it), whose ``blocks`` array gives, per position and group, the block
+it cached there; all of them are checked at once against the table (still cached under that
+position and group, from that source, never a duplicate entry) and the source is verified once
+for the whole run, so a hit of thousands of blocks costs a few tensor calls (a short run is
+checked on the array views). Where runs stop, the rest of the window goes through the tensor
+hash table for all groups of the type at once (``probe_tensor``: one ``index_select`` per
+chain step, lanes dropped as their chains end, the last ``TAIL_MAX`` chains walked on the
+array views); a smaller window goes through the array views (the sizes are in
+``hybridkv.optimized.thresholds``). The rule functions of ``hybridkv.spec.rules`` then read
+the memo; the full-attention scan of a long prompt reads runs as far as they reach, then
+window by window (``array.index``).
 
-Verification (collision safety): a candidate block is accepted only if its source (see
+Verification (collision safety): token comparisons use the packed token arrays when both the
+request and the source keep one (``Request.packed_token_ids``: one memory comparison), else
+the token lists. A candidate block is accepted only if its source (see
 ``hybridkv.optimized.block_pool``) has the request's hash at that position, the request's cache
 salt, and the request's tokens up to the end of that block (with lookahead hashes, also the
 ``num_hash_lookahead_tokens`` tokens after it, which its hash covers too). Positions are blocks
@@ -33,6 +41,7 @@ same key (insertion order) is tried.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 import torch
@@ -44,6 +53,7 @@ from hybridkv.optimized.thresholds import (
     FLAG_MAX_WINDOW,
     FLAG_MIN_WINDOW,
     RUN_MIN,
+    RUN_SCALAR_MAX,
     SCAN_FIRST_WINDOW,
     TAIL_MAX,
     VECTOR_MIN,
@@ -290,23 +300,11 @@ class Lookup:
         hi = min(hi, (recorded // num_groups + 1) // self.scale)
         if hi - lo < 1:
             return None
-        step = self.scale * num_groups
-        tags = torch.arange(((lo + 1) * self.scale - 1) * num_groups, hi * step, step)
-        if len(group_ids) > 1 or group_ids[0]:
-            tags = tags + torch.tensor(group_ids, dtype=torch.int64)[:, None]
-        tags = tags.view(-1)
-        # A tag beyond the recorded ones reads the last recorded block, which is not cached
-        # under it, so it fails the check below.
-        at = tags.clamp(max=recorded - 1)
-        blocks = torch.frombuffer(source.blocks, dtype=torch.int32).index_select(0, at)
-        good = (pool.hk.t.index_select(0, blocks) & 0xFFFFFFFF == tags) & (
-            pool.src.t.index_select(0, blocks) == src
-        )
-        if pool.dups:
-            good &= ~torch.isin(blocks, torch.tensor(sorted(pool.dups), dtype=torch.int32))
         width = hi - lo
-        good_2d = good.view(len(group_ids), width)
-        count = width if bool(good.all()) else int(torch.nonzero(~good_2d.all(0))[0, 0])
+        if width * len(group_ids) <= RUN_SCALAR_MAX:
+            blocks, count = self._run_on_arrays(src, source.blocks, lo, width, group_ids)
+        else:
+            blocks, count = self._run_in_tensors(src, source.blocks, lo, width, group_ids)
         # One verification of the source for the run (tokens agree up to a prefix, found once).
         if count and not self.content_agrees(src, lo + count - 1):
             count = max(0, self._agree.get(src, 0) - lo)
@@ -314,7 +312,58 @@ class Lookup:
             self.lookahead_agrees(src, lo + count - 1) and self.hashes_agree(src, lo, lo + count)
         ):
             return None
-        return blocks.view(len(group_ids), width)[:, :count]
+        return blocks[:, :count]
+
+    def _run_in_tensors(
+        self, src: int, recorded: array[int], lo: int, width: int, group_ids: Sequence[int]
+    ) -> tuple[torch.Tensor, int]:
+        """``source_run``'s candidate blocks ``[groups, width]`` and how many leading
+        positions pass the checks, in a few tensor calls."""
+        pool = self.pool
+        num_groups = pool.num_groups
+        step = self.scale * num_groups
+        first_tag = ((lo + 1) * self.scale - 1) * num_groups
+        tags = torch.arange(first_tag, first_tag + width * step, step)
+        if len(group_ids) > 1 or group_ids[0]:
+            tags = tags + torch.tensor(group_ids, dtype=torch.int64)[:, None]
+        tags = tags.view(-1)
+        # A tag beyond the recorded ones reads the last recorded block, which is not cached
+        # under it, so it fails the check below.
+        at = tags.clamp(max=len(recorded) - 1)
+        blocks = torch.frombuffer(recorded, dtype=torch.int32).index_select(0, at)
+        good = (pool.hk.t.index_select(0, blocks) & 0xFFFFFFFF == tags) & (
+            pool.src.t.index_select(0, blocks) == src
+        )
+        if pool.dups:
+            good &= ~torch.isin(blocks, torch.tensor(sorted(pool.dups), dtype=torch.int32))
+        good_2d = good.view(len(group_ids), width)
+        count = width if bool(good.all()) else int(torch.nonzero(~good_2d.all(0))[0, 0])
+        return blocks.view(len(group_ids), width), count
+
+    def _run_on_arrays(
+        self, src: int, recorded: array[int], lo: int, width: int, group_ids: Sequence[int]
+    ) -> tuple[torch.Tensor, int]:
+        """``_run_in_tensors`` for a short run, position by position on the array views (a
+        tensor call costs more than a few dozen of these checks)."""
+        pool = self.pool
+        hk, srcs, dups, end = pool.hk.a, pool.src.a, pool.dups, pool.end
+        num_groups, scale, size = pool.num_groups, self.scale, len(recorded)
+        found: list[list[int]] = [[] for _ in group_ids]
+        count = 0
+        for pos in range(lo, lo + width):
+            base = ((pos + 1) * scale - 1) * num_groups
+            for column, group_id in zip(found, group_ids, strict=True):
+                tag = base + group_id
+                block = recorded[tag] if tag < size else end
+                if hk[block] & 0xFFFFFFFF != tag or srcs[block] != src or block in dups:
+                    break
+                column.append(block)
+            else:
+                count += 1
+                continue
+            break
+        blocks = torch.tensor([column[:count] for column in found], dtype=torch.int32)
+        return blocks.view(len(group_ids), count), count
 
     def probe_tensor(self, lo: int, hi: int, group_ids: Sequence[int]) -> torch.Tensor:
         """``probe`` for positions ``lo … hi − 1`` of several groups: ``[groups, positions]``
@@ -452,14 +501,6 @@ class TypeProbe:
                     flag = 0
                     break
             flags[pos] = flag
-
-    def preload(self, best: torch.Tensor, rows: Sequence[int]) -> None:
-        """Take ``probe_tensor`` results for positions ``0 … width − 1`` (rows: this type's
-        groups in a probe of several types)."""
-        width = best.shape[1]
-        mine = best.index_select(0, torch.tensor(rows, dtype=torch.int64))
-        self.found_2d[:, :width] = mine
-        self.flags.t[:width] = (mine >= 0).all(0)
 
     def run_ahead(self, lo: int, hi: int) -> int:
         """Fill positions from ``lo`` (up to ``hi``) with sources' runs as far as they reach;

@@ -50,7 +50,6 @@ from hybridkv.optimized.thresholds import (
     BATCH_MIN,
     BUSY_BATCH_MIN,
     INSERT_MIN,
-    PRELOAD_MAX,
     VECTOR_MIN,
 )
 from hybridkv.reference.events import (
@@ -378,17 +377,6 @@ class TorchKVCacheManager:
             extra = b if eagle and self.num_groups > 1 and not spec.holds_state else 0
             limit = min((max_length + extra) // b, len(lookup.hashes))
             memos.append(TypeProbe(lookup, group_ids, limit))
-        limit = memos[0].length
-        lookup = memos[0].lookup
-        if (
-            self._uniform
-            and len(memos) > 1
-            and lookup.vector_min <= limit * self.num_groups <= PRELOAD_MAX
-            and all(memo.length == limit for memo in memos)
-        ):
-            best = lookup.probe_window(0, limit, range(self.num_groups))
-            for (_, group_ids), memo in zip(self._types, memos, strict=True):
-                memo.preload(best, group_ids)
         hits: Sequence[list[int]]
         boundary = 0
         if self.num_groups == 1:

@@ -42,14 +42,13 @@ RUN_MIN = 4
 (a few tensor calls for a whole run, however long); a run shorter than this ends that, and the
 rest of the window is probed."""
 
+RUN_SCALAR_MAX = 128
+"""A run of at most this many (position, group) pairs is checked on the array views, one pair
+at a time; a longer one in tensor calls."""
+
 TAIL_MAX = 32
 """A tensor probe walks its last chains on the array views once at most this many remain: a
 tensor call per chain step would cost more than the walk."""
-
-PRELOAD_MAX = 4096
-"""With several attention types, a prompt of at most this many (position, group) pairs is
-probed for every group in one tensor call before the rules run (cheaper than a call per type);
-a longer one is probed window by window, as far as the rules' scans go."""
 
 SCAN_FIRST_WINDOW = 512
 """The full-attention scan of a long prompt probes this many positions first, then windows four

@@ -25,6 +25,14 @@ from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.request import Request
 from hybridkv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, SlidingWindowSpec
 
+
+@pytest.fixture(autouse=True, params=["tensors", "arrays"])
+def run_checks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test twice: runs checked in tensor calls, and on the array views."""
+    limit = 0 if request.param == "tensors" else 1 << 30
+    monkeypatch.setattr("hybridkv.optimized.lookup.RUN_SCALAR_MAX", limit)
+
+
 SIZES = {"block_size": 4, "num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
 HYBRID = (
     KVCacheGroup(("full",), FullAttentionSpec(**SIZES)),
