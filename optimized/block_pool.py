@@ -301,6 +301,30 @@ class TorchBlockPool:
         if keep:
             self.link_after(self.prev.a[self.tail], keep)
 
+    def free_walks(self, walks: Sequence[Sequence[int]]) -> None:
+        """``free_blocks`` of each walk in turn, in one pass: the blocks that become free
+        uncached go after the head, the later walks' first (as each call puts its own there),
+        the cached ones before the tail in walk order."""
+        ref, src = self.ref.a, self.src.a
+        keep: list[int] = []
+        reuses: list[list[int]] = []
+        for walk in walks:
+            reuse: list[int] = []
+            for block in walk:
+                if block == 0:
+                    continue
+                count = ref[block] - 1
+                ref[block] = count
+                if count == 0:
+                    (keep if src[block] >= 0 else reuse).append(block)
+            if reuse:
+                reuses.append(reuse)
+        if reuses:
+            reuses.reverse()
+            self.link_after(self.head, [block for reuse in reuses for block in reuse])
+        if keep:
+            self.link_after(self.prev.a[self.tail], keep)
+
     def link_after(self, node: int, blocks: Sequence[int]) -> None:
         """Insert ``blocks``, in order, right after ``node`` (a sentinel or a queued block)."""
         nxt, prv = self.next.a, self.prev.a

@@ -10,10 +10,10 @@ Data layout
 One ``Lookup`` lives for one ``get_computed_blocks`` call. Per attention type it keeps one memo
 (``TypeProbe``): an int32 buffer ``found[groups, positions]`` (block id, ``MISS`` or
 ``UNKNOWN``) and an int8 buffer of per-position flags (1 when every group of the type has the
-block). Positions are filled in windows. A window of ``vector_min`` (position, group) pairs or more is
-first read from *runs* (``source_run``): the block found at its first position names a source
-(the request that cached it), whose ``blocks`` array gives, per position and group, the block
-it cached there; all of them are checked at once against the table (still cached under that
+block). Positions are filled in windows. A window of ``vector_min`` (position, group) pairs or
+more is first read from *runs* (``source_run``): the block found at its first position names a
+source (the request that cached it), whose ``blocks`` array gives, per position and group, the
+block it cached there; all of them are checked at once against the table (still cached under that
 position and group, from that source, never a duplicate entry) and the source is verified once
 for the whole run, so a hit of thousands of blocks costs a few tensor calls (a short run is
 checked on the array views). Where runs stop, the rest of the window goes through the tensor

@@ -175,6 +175,8 @@ class TorchKVCacheManager:
         self.block_size = self.settings.scheduler_block_size
         self.num_groups = len(config.groups)
         self.rules = [GroupRule.of(group.spec) for group in config.groups]
+        # The groups whose windows or chunks release blocks, in group order.
+        self._releasing = [(g, rule) for g, rule in enumerate(self.rules) if rule.releases]
         # One block size (the hash block size too): the vectorised paths and the one-key-per-
         # block caching apply. Otherwise (groups with different block sizes) tables differ in
         # width, each group sees the hashes at its block size, and requests go one by one.
@@ -719,28 +721,48 @@ class TorchKVCacheManager:
             self._touched(g, row, 0, size)
 
     def _release_skipped(self, row: int, computed: int) -> None:
-        """Release the blocks that left each window or chunk (``remove_skipped_blocks``)."""
-        for g in range(self.num_groups):
-            self._release_skipped_group(row, g, computed)
+        """Release the blocks that left each window or chunk (``remove_skipped_blocks``), every
+        group's in one ``free_walks`` (as ``free_blocks`` group by group)."""
+        walks: list[list[int]] = []
+        targets: dict[GroupRule, int] = {}  # equal specs skip as many positions
+        for g, rule in self._releasing:
+            target = targets.get(rule)
+            if target is None:
+                target = targets[rule] = rule.skipped_positions(computed)
+            released = self._skip_positions(row, g, target)
+            if released:
+                walks.append(released)
+        if walks:
+            self.pool.free_walks(walks)
 
     def _release_skipped_group(self, row: int, g: int, computed: int) -> None:
         """``_release_skipped`` of one group (nothing unless a window or chunk)."""
         rule = self.rules[g]
-        if not rule.releases:
-            return
+        if rule.releases:
+            released = self._skip_positions(row, g, rule.skipped_positions(computed))
+            if released:
+                self.pool.free_blocks(released)
+
+    def _skip_positions(self, row: int, g: int, target: int) -> list[int]:
+        """Null the row's positions of group ``g`` before ``target``; the blocks they held, in
+        the order they are freed (last first)."""
         rows, tab = self.rows, self._tab.a
         i = rows.index(row, g)
-        skipped = min(rule.skipped_positions(computed), rows.length[i])
+        skipped = min(target, rows.length[i])
         nulls = rows.nulls[i]
         if skipped <= nulls:
-            return
-        base = self._base(g, row)
-        released = tab[base + nulls : base + skipped].tolist()
-        released.reverse()
-        tab[base + nulls : base + skipped] = _int_array([0] * (skipped - nulls))
+            return []
+        at = self._base(g, row) + nulls
+        if skipped - nulls == 1:  # a decode step's one block leaving the window
+            released = [tab[at]]
+            tab[at] = 0
+        else:
+            released = tab[at : at + skipped - nulls].tolist()
+            released.reverse()
+            tab[at : at + skipped - nulls] = _int_array([0] * (skipped - nulls))
         rows.nulls[i] = skipped
         self._touched(g, row, nulls, skipped)
-        self.pool.free_blocks(released)
+        return released
 
     def _source_of(self, request: RequestLike, row: int, num_hashes: int, num_tokens: int) -> int:
         """The row's source, created on its first cached block and kept current (it must have
