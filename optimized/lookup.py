@@ -535,11 +535,13 @@ class TypeProbe:
             span *= 4
         return length
 
-    def blocks(self, first: int, num: int) -> tuple[list[int], ...]:
-        """Per group: null blocks before ``first``, then the cached blocks up to ``num``."""
+    def blocks(self, first: int, num: int) -> tuple[tuple[int, ...], ...]:
+        """Per group: null blocks before ``first``, then the cached blocks up to ``num`` (tuples,
+        as ``KVCacheBlocks`` holds them: no copy on the way out)."""
         found, length = self.found.a, self.length
+        nulls = (0,) * first
         return tuple(
-            [0] * first + found[i * length + first : i * length + num].tolist()
+            nulls + tuple(found[i * length + first : i * length + num])
             for i in range(len(self.group_ids))
         )
 

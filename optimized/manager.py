@@ -379,7 +379,7 @@ class TorchKVCacheManager:
             extra = b if eagle and self.num_groups > 1 and not spec.holds_state else 0
             limit = min((max_length + extra) // b, len(lookup.hashes))
             memos.append(TypeProbe(lookup, group_ids, limit))
-        hits: Sequence[list[int]]
+        hits: Sequence[tuple[int, ...]]
         boundary = 0
         if self.num_groups == 1:
             spec = self._types[0][0]
@@ -404,7 +404,7 @@ class TorchKVCacheManager:
         max_length: int,
         drop: bool = False,
         alignment: int = 0,
-    ) -> tuple[list[int], ...]:
+    ) -> BlockIds:
         """One type's longest hit of at most ``max_length`` tokens (the ``longest_hit`` hook,
         from ``TYPE_HITS``); with ``drop`` (EAGLE) one block shorter; its length a multiple of
         ``alignment`` (the scheduler block)."""
@@ -420,11 +420,11 @@ class TorchKVCacheManager:
 
     def _hybrid_hit(
         self, memos: list[TypeProbe], max_length: int
-    ) -> tuple[list[list[int]], int, int]:
+    ) -> tuple[list[tuple[int, ...]], int, int]:
         """``rules.hybrid_hit_length`` over the attention types (as the reference coordinator
         calls it), each type probed through its memo; also the longest length one type found
         on its own."""
-        hits: list[list[int]] = [[] for _ in range(self.num_groups)]
+        hits: list[tuple[int, ...]] = [() for _ in range(self.num_groups)]
         num_hashed = len(memos[0].lookup.request_hashes) * self.hash_block_size
 
         def lookup(index: int, length: int, drop: bool) -> int:
@@ -445,7 +445,7 @@ class TorchKVCacheManager:
         for spec, group_ids in self._types:
             if spec.hit_is_prefix:
                 for group_id in group_ids:
-                    del hits[group_id][hit_length // spec.block_size :]
+                    hits[group_id] = hits[group_id][: hit_length // spec.block_size]
         return hits, hit_length, longest
 
     # --- Allocation -------------------------------------------------------------------------
@@ -639,7 +639,7 @@ class TorchKVCacheManager:
             total += sum(1 for b in hits[g][skipped:] if b != 0 and ref[b] == 0)
         return total + watermark_blocks <= self.pool.num_free_blocks
 
-    def _extend(self, row: int, required: list[int]) -> tuple[tuple[int, ...], ...]:
+    def _extend(self, row: int, required: list[int]) -> BlockIds:
         """Take new blocks, group 0 first, until each group holds ``required`` positions."""
         new_blocks: list[tuple[int, ...]] = []
         tab, length, at = self._tab.a, self.rows.length, row * self.num_groups
@@ -1287,7 +1287,7 @@ class _HitProbe:
     vector_min: int
 
 
-def _full_attention_hit(spec: FullAttentionSpec, p: _HitProbe) -> tuple[list[int], ...]:
+def _full_attention_hit(spec: FullAttentionSpec, p: _HitProbe) -> BlockIds:
     """The leading run of cached blocks, less the EAGLE drop, cut to the alignment."""
     b = spec.block_size
     if p.length >= p.vector_min:
@@ -1302,7 +1302,7 @@ def _full_attention_hit(spec: FullAttentionSpec, p: _HitProbe) -> tuple[list[int
     return p.memo.blocks(0, rules.cdiv(hit_length, b))
 
 
-def _sliding_window_hit(spec: SlidingWindowSpec, p: _HitProbe) -> tuple[list[int], ...]:
+def _sliding_window_hit(spec: SlidingWindowSpec, p: _HitProbe) -> BlockIds:
     """The rightmost run of cached blocks that covers the window (Prefix caching, Case 2)."""
     b = spec.block_size
     needed = rules.sliding_window_contiguous_blocks(spec.sliding_window, b, p.drop)
@@ -1316,7 +1316,7 @@ def _sliding_window_hit(spec: SlidingWindowSpec, p: _HitProbe) -> tuple[list[int
     return p.memo.blocks(first, num)
 
 
-def _chunked_local_hit(spec: ChunkedLocalAttentionSpec, p: _HitProbe) -> tuple[list[int], ...]:
+def _chunked_local_hit(spec: ChunkedLocalAttentionSpec, p: _HitProbe) -> BlockIds:
     """The current chunk's cached blocks; the chunks before it are not needed."""
     b = spec.block_size
     chunk = spec.attention_chunk_size
@@ -1333,7 +1333,7 @@ def _chunked_local_hit(spec: ChunkedLocalAttentionSpec, p: _HitProbe) -> tuple[l
     return p.memo.blocks(first, num)
 
 
-def _mamba_hit(spec: MambaSpec, p: _HitProbe) -> tuple[list[int], ...]:
+def _mamba_hit(spec: MambaSpec, p: _HitProbe) -> BlockIds:
     """The largest aligned block boundary whose state is cached (Case 3)."""
     b = spec.block_size
     flags = WindowedFlags(p.memo, p.length, leftwards=True, span=1)
@@ -1346,7 +1346,7 @@ def _mamba_hit(spec: MambaSpec, p: _HitProbe) -> tuple[list[int], ...]:
     return p.memo.blocks(0, 0)
 
 
-TYPE_HITS: dict[str, Callable[[Any, _HitProbe], tuple[list[int], ...]]] = {
+TYPE_HITS: dict[str, Callable[[Any, _HitProbe], BlockIds]] = {
     "full": _full_attention_hit,
     "sliding_window": _sliding_window_hit,
     "chunked_local": _chunked_local_hit,

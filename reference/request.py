@@ -177,6 +177,13 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """Append output tokens; every block they fill gets its hash at once."""
+        if type(token_ids) is int and 0 <= token_ids < 1 << 64:
+            # One plain token (a decode step's): no list to check or pack.
+            self._all_token_ids.append(token_ids)
+            if self._packed_token_ids is not None:
+                self._packed_token_ids.append(token_ids)
+            self._hash_new_full_blocks()
+            return
         new_tokens = [token_ids] if isinstance(token_ids, int) else token_ids
         tokens, packed = pack_token_ids("token_ids", new_tokens)
         self._all_token_ids.extend(tokens)
@@ -187,6 +194,11 @@ class Request:
         self._hash_new_full_blocks()
 
     def _hash_new_full_blocks(self) -> None:
+        hashable = (len(self._all_token_ids) - self.num_hash_lookahead_tokens) // (
+            self.hash_block_size
+        )
+        if hashable <= len(self._block_hashes):
+            return  # no block filled (most decode steps): the hasher is not called
         parent = self._block_hashes[-1] if self._block_hashes else None
         if self.num_hash_lookahead_tokens:
             self._block_hashes.extend(
