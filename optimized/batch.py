@@ -97,7 +97,11 @@ def allocate_slots_batch(
     # table changes to one flush at the end: one host→device copy per step.
     outer, m._defer_flush = m._defer_flush, True
     try:
-        if n >= m.batch_min and m._vector_ok and _kept_free(reserved_blocks, watermark_blocks):
+        if (
+            n >= m.batch_min
+            and m.columns.vectorisable
+            and _kept_free(reserved_blocks, watermark_blocks)
+        ):
             done = _allocate_vectorised(
                 m,
                 requests,
@@ -215,7 +219,7 @@ def _allocate_vectorised(
     if not busy_only:
         thresholds = m.rows.thresholds[:, rows]
         busy = need > thresholds[0]
-        if m._releases:
+        if m.columns.releases:
             busy |= comp >= thresholds[1]
         if caching:
             busy |= cache_tokens >= thresholds[2]
@@ -249,10 +253,14 @@ def _allocate_vectorised(
     length, nulls, cached = m.rows.gather(pair_index)
     required = (need + (b - 1)) // b
     new = (required[:, None] - length).clamp_(min=0)
-    if m._releases:
-        tokens = (comp[:, None] - m._wm1).clamp_(min=0)
-        if m._chunk is not None:
-            tokens = torch.where(m._chunk > 0, comp[:, None] // m._chunk_or_1 * m._chunk, tokens)
+    if m.columns.releases:
+        tokens = (comp[:, None] - m.columns.window_less_one).clamp_(min=0)
+        if m.columns.chunk is not None:
+            tokens = torch.where(
+                m.columns.chunk > 0,
+                comp[:, None] // m.columns.chunk_or_one * m.columns.chunk,
+                tokens,
+            )
         skipped = torch.minimum(tokens.floor_divide_(b), length)
         released = (skipped - nulls).clamp_(min=0)
     else:
@@ -264,14 +272,16 @@ def _allocate_vectorised(
         to_cache = (num_full[:, None] - cached).clamp_(min=0)
     else:
         to_cache = torch.zeros_like(new)
-    if caching and m._sparse_groups and bool(to_cache[:, m._sparse_groups].any()):
+    if caching and m.columns.sparse_groups and bool(to_cache[:, m.columns.sparse_groups].any()):
         return None  # sparse retention masks what a group caches: one by one
     total_new, num_released, num_to_cache = (
         torch.stack((new, released, to_cache)).sum((1, 2)).tolist()
     )
     if total_new + kept_free > pool.num_free_blocks:
         return None
-    table_base = ((rows[:, None] + m._gtab) * w).view(-1)  # [n·G] flat index of position 0
+    table_base = ((rows[:, None] + m.columns.table_rows) * w).view(
+        -1
+    )  # [n·G] flat index of position 0
     release_flat = freed = final = blocks = None
     if num_released:
         # Released positions in sequential order: request, group, position high to low.
@@ -481,7 +491,7 @@ def free_batch(m: TorchKVCacheManager, requests: Sequence[RequestLike]) -> None:
     total = int(real.sum())
     if total:
         pair, starts = _expand(real)
-        table_base = (rows[:, None] + m._gtab) * w
+        table_base = (rows[:, None] + m.columns.table_rows) * w
         top = (table_base.view(-1) + length.view(-1) - 1 + starts)[pair]
         blocks = m._tab.t.index_select(0, top - torch.arange(total))  # last position first
         unique, inverse, repeats = torch.unique(blocks, return_inverse=True, return_counts=True)

@@ -43,6 +43,7 @@ import torch
 from hybridkv.optimized import batch, mamba
 from hybridkv.optimized._buffers import IntBuffer, int32_from_bytes, tensor_from_ints
 from hybridkv.optimized.block_pool import TorchBlockPool, hash_key
+from hybridkv.optimized.group_columns import GroupColumns
 from hybridkv.optimized.hash_memo import HashMemo
 from hybridkv.optimized.lookup import Lookup, TypeProbe, WindowedFlags
 from hybridkv.optimized.rows import RowTables
@@ -187,7 +188,6 @@ class TorchKVCacheManager:
         self._has_align = any(rule.kind == MAMBA for rule in self.rules)
         self._mamba = mamba.MambaState()
         self._general = not self._uniform or self._has_align
-        self._vector_ok = not self._general and not any(rule.spec_blocks for rule in self.rules)
         needed = max(rule.blocks_for_tokens(max_model_len) for rule in self.rules)
         if max_blocks_per_req is None:
             max_blocks_per_req = needed
@@ -221,14 +221,6 @@ class TorchKVCacheManager:
         self._dirty_index: list[torch.Tensor] = []
         self._defer_flush = False  # inside ``allocate_slots_batch``: it flushes once at its end
         self.rows = RowTables(r, g)
-        # Per-group constants of the vectorised paths, as [G] int64 tensors.
-        self._gtab = torch.arange(g) * r  # row 0 of each group's table, in rows
-        spans = [rule.span if rule.kind == SLIDING else _HUGE for rule in self.rules]
-        self._wm1 = torch.tensor(spans) - 1
-        self._releases = any(rule.releases for rule in self.rules)
-        chunks = [rule.span if rule.kind == CHUNKED else 0 for rule in self.rules]
-        self._chunk = torch.tensor(chunks) if any(chunks) else None
-        self._chunk_or_1 = torch.tensor(chunks).clamp(min=1)
         self.retention_interval = config.prefix_cache_retention_interval
         self._admission_caps = [
             group.spec.admission_cap(
@@ -256,7 +248,7 @@ class TorchKVCacheManager:
         # Sliding-window groups that cache only the blocks a later hit can reach
         # (``reachable_block_mask``): under sparse retention, or when a hit needs fewer of
         # their blocks than a scheduler block holds.
-        self._sparse_groups = [
+        sparse_groups = [
             g
             for g, group in enumerate(config.groups)
             if isinstance(group.spec, SlidingWindowSpec)
@@ -269,6 +261,15 @@ class TorchKVCacheManager:
                 )
             )
         ]
+        # Per-group constants of the vectorised paths.
+        self.columns = GroupColumns.build(
+            r,
+            [rule.span if rule.kind == SLIDING else _HUGE for rule in self.rules],
+            [rule.span if rule.kind == CHUNKED else 0 for rule in self.rules],
+            releases=any(rule.releases for rule in self.rules),
+            sparse_groups=sparse_groups,
+            vectorisable=not self._general and not any(rule.spec_blocks for rule in self.rules),
+        )
         self._stats = PrefixCacheStats()
         self.block_hasher = HashMemo(self.hash_block_size)
         """The block hasher for this manager's requests: ``Request(..., hash_block_size=
@@ -685,11 +686,13 @@ class TorchKVCacheManager:
         capacity = length * b
         nxt = self.rows.thresholds
         nxt[0, rows] = capacity.amin(1)
-        if self._releases:
-            release = (nulls + 1) * b + self._wm1
-            if self._chunk is not None:
-                starts = -((nulls + 1) * b // -self._chunk_or_1) * self._chunk_or_1
-                release = torch.where(self._chunk > 0, starts, release)
+        if self.columns.releases:
+            release = (nulls + 1) * b + self.columns.window_less_one
+            if self.columns.chunk is not None:
+                starts = (
+                    -((nulls + 1) * b // -self.columns.chunk_or_one) * self.columns.chunk_or_one
+                )
+                release = torch.where(self.columns.chunk > 0, starts, release)
             nxt[1, rows] = release.amin(1)
         nxt[2, rows] = (cached + 1).amin(1) * b
 
@@ -821,7 +824,7 @@ class TorchKVCacheManager:
             base = self._base(g, row)
             stored = []
             mask: Sequence[bool] | None = None
-            if g in self._sparse_groups:
+            if g in self.columns.sparse_groups:
                 if boundaries is None:
                     boundaries = self._reachable_boundaries(request)
                 mask = self._retention_mask(request, g, start, num_full, boundaries)
@@ -893,7 +896,7 @@ class TorchKVCacheManager:
             if start < num_full:
                 src = self._source_of(request, row, num_full * scale, num_full * b)
                 mask: Sequence[bool] | None = None
-                if g in self._sparse_groups:
+                if g in self.columns.sparse_groups:
                     if boundaries is None:
                         boundaries = self._reachable_boundaries(request)
                     mask = self._retention_mask(request, g, start, num_full, boundaries)

@@ -1,0 +1,68 @@
+"""``GroupColumns``: the per-group constants the vectorised paths compute with.
+
+A whole step (``hybridkv.optimized.batch``) and the row refresh of many rows work on ``[n, G]``
+tensors of counters (``hybridkv.optimized.rows``); what they need to know about the groups
+themselves is fixed when the manager is built and lives here, named, instead of in the
+manager's private attributes.
+
+Data layout (G groups, R = ``max_num_reqs`` rows)
+----------------------------------------------
+::
+
+    table_rows[G]        int64, g × R: row 0 of group g's table in the flat host tables
+                         (``tables[G, R, W]`` viewed as rows of W positions)
+    window_less_one[G]   int64, a sliding window's length less one (a huge number for other
+                         groups: a window never releases there)
+    chunk[G]             int64, a chunked-local group's chunk size, 0 for other groups;
+                         ``None`` when no group is chunked
+    chunk_or_one[G]      int64, ``chunk`` with 0 as 1 (a divisor that is never 0)
+
+and three facts: whether any group releases blocks (a window or a chunk), the sliding-window
+groups that cache only reachable blocks (``sparse_groups``, which a batch leaves to the single
+calls), and whether the vectorised step applies at all (``vectorisable``: one block size, no
+Mamba ``"align"`` group, no speculative blocks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class GroupColumns:
+    """The per-group constants of the vectorised paths (see the module docstring)."""
+
+    table_rows: torch.Tensor
+    window_less_one: torch.Tensor
+    chunk: torch.Tensor | None
+    chunk_or_one: torch.Tensor
+    releases: bool
+    sparse_groups: list[int]
+    vectorisable: bool
+
+    @classmethod
+    def build(
+        cls,
+        num_rows: int,
+        windows: Sequence[int],
+        chunks: Sequence[int],
+        *,
+        releases: bool,
+        sparse_groups: Sequence[int],
+        vectorisable: bool,
+    ) -> GroupColumns:
+        """From each group's window (a huge number where none) and chunk (0 where none)."""
+        if len(windows) != len(chunks):
+            raise ValueError(f"windows and chunks differ in length: {len(windows)}, {len(chunks)}")
+        return cls(
+            table_rows=torch.arange(len(windows)) * num_rows,
+            window_less_one=torch.tensor(list(windows)) - 1,
+            chunk=torch.tensor(list(chunks)) if any(chunks) else None,
+            chunk_or_one=torch.tensor(list(chunks)).clamp(min=1),
+            releases=releases,
+            sparse_groups=list(sparse_groups),
+            vectorisable=vectorisable,
+        )
