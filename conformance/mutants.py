@@ -328,8 +328,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "the vectorised step keeps one token too many in a sliding window",
         "batch",
         (
-            "tokens = (comp[:, None] - m._wm1).clamp_(min=0)",
-            "tokens = (comp[:, None] - m._wm1 - 1).clamp_(min=0)",
+            "tokens = (comp[:, None] - m.columns.window_less_one).clamp_(min=0)",
+            "tokens = (comp[:, None] - m.columns.window_less_one - 1).clamp_(min=0)",
         ),
     ),
     _o(
@@ -337,8 +337,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "the vectorised step releases a chunk's blocks one chunk late",
         "batch",
         (
-            "comp[:, None] // m._chunk_or_1 * m._chunk",
-            "(comp[:, None] // m._chunk_or_1 - 1).clamp(min=0) * m._chunk",
+            "comp[:, None] // m.columns.chunk_or_one * m.columns.chunk",
+            "(comp[:, None] // m.columns.chunk_or_one - 1).clamp(min=0) * m.columns.chunk",
         ),
     ),
     _o(
@@ -409,7 +409,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "opt_release_walk_order",
         "the single-request path releases a window's blocks first to last",
         "manager",
-        ("        released.reverse()\n", ""),
+        ("            released.reverse()\n", ""),
     ),
     _o(
         "opt_evict_keeps_hash",

@@ -27,7 +27,7 @@ BUSY_BATCH_MIN = 64
 """Fewer requests than this with work to do in a step (in a decode step most have none) are
 served one by one; from it, by the vectorised step, whose tensor calls then pay off."""
 
-INSERT_MIN = 128
+INSERT_MIN = 32
 """Fewer blocks than this are cached, touched or linked into the free queue one by one on the
 array views; from it, in tensor calls (``insert_many``, ``touch_many``, ``link_after_tensor``)."""
 
