@@ -412,6 +412,37 @@ MUTANTS: tuple[Mutant, ...] = (
         ("            released.reverse()\n", ""),
     ),
     _o(
+        "opt_run_returns_duplicates",
+        "a lookup's run of a source's blocks may return a block cached after another of its key",
+        "lookup",
+        (
+            "if hk[block] & 0xFFFFFFFF != tag or srcs[block] != src or block in dups:",
+            "if hk[block] & 0xFFFFFFFF != tag or srcs[block] != src:",
+        ),
+        ("        if pool.dups:\n            good &=", "        if False:\n            good &="),
+    ),
+    _o(
+        "opt_run_trusts_stale_blocks",
+        "a lookup's run takes a source's recorded blocks without checking they are still its",
+        "lookup",
+        (
+            "if hk[block] & 0xFFFFFFFF != tag or srcs[block] != src or block in dups:",
+            "if block in dups:",
+        ),
+        (
+            "        good = (pool.hk.t.index_select(0, blocks) & 0xFFFFFFFF == tags) & (\n"
+            "            pool.src.t.index_select(0, blocks) == src\n"
+            "        )\n",
+            "        good = blocks >= 0\n",
+        ),
+    ),
+    _o(
+        "opt_free_walks_keeps_walk_order",
+        "one pass of several windows' releases puts uncached blocks after the head first to last",
+        "block_pool",
+        ("            reuses.reverse()\n", ""),
+    ),
+    _o(
         "opt_evict_keeps_hash",
         "a block taken from the free queue keeps its cached hash in the map",
         "block_pool",
