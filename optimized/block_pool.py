@@ -73,7 +73,7 @@ import torch
 
 from hybridkv.optimized._buffers import IntBuffer
 from hybridkv.optimized.hash_memo import HashMemo
-from hybridkv.optimized.thresholds import MIN_BUCKETS, TAIL_MAX
+from hybridkv.optimized.thresholds import INSERT_MIN, MIN_BUCKETS, SETTLE_MAX, TAIL_MAX
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.events import EventBuilder, KVCacheEvent
 from hybridkv.spec.errors import require
@@ -409,6 +409,8 @@ class TorchBlockPool:
             source.record(tag, block, end)
         if src in self.memo_srcs and self.memo is not None:
             self.memo.remember(source.tokens, source.hashes, source.salt, pos)
+        if len(self.unsettled) >= SETTLE_MAX:
+            self.settle_duplicates()  # long without a lookup: bounded memory
 
     def insert_many(
         self,
@@ -451,6 +453,8 @@ class TorchBlockPool:
                 source = sources[src]
                 assert source is not None
                 source.record(tag, block, end)
+        if len(self.unsettled_many) >= SETTLE_MAX // INSERT_MIN:
+            self.settle_duplicates()  # long without a lookup: bounded memory
         memo = self.memo
         if self.memo_srcs and memo is not None:
             named = Counter(zip(srcs.tolist(), positions.tolist(), strict=True))

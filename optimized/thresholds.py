@@ -73,6 +73,11 @@ path: setting up the CBOR tensors would cost more than it saves."""
 
 # --- The prefix-cache hash table (``hybridkv.optimized.block_pool``) --------------------------
 
+SETTLE_MAX = 1 << 14
+"""Blocks cached since the last lookup are checked for duplicate entries by the next lookup
+(``settle_duplicates``), or once this many wait (a long run of steps without lookups), so that
+the list stays bounded."""
+
 MIN_BUCKETS = 16
 """The hash table has at least this many buckets (the smallest power of two at least half the
 number of blocks, otherwise), so that a tiny pool still spreads its keys over a few chains."""

@@ -1,12 +1,20 @@
-"""Floors of the scheduler API's per-call work in CPython, measured (README, "What bounds them").
+"""What bounds the benchmark's missed targets, measured (README, "What bounds them").
 
-``python scripts/bench_bounds.py`` prints three figures, each the least work an implementation
-of the API does in pure Python on this interpreter:
+``python scripts/bench_bounds.py`` prints, on this interpreter, one torch thread:
 
-1. a decode ``allocate_slots`` call that validates its arguments, reads the request's counters
-   and its row's thresholds, and finds that nothing is to be done;
-2. the SHA-256 chain of 8,192 block hashes (the hash function is fixed: vLLM's);
-3. the block ids of a fully cached 131,072-token prompt as Python ints (7 groups × 8,192).
+1. floors: the least work an implementation of the scheduler API does in pure Python —
+   a decode ``allocate_slots`` call that validates its arguments, reads the request's counters
+   and its row's thresholds and finds nothing to do; the SHA-256 chain of 8,192 block hashes
+   (the hash function is vLLM's, fixed); the benchmark's 131,072-token hit as the tuples of
+   Python ints ``KVCacheBlocks`` holds (one full-attention group of 8,191 ids, six window
+   groups of nulls and 64 ids); comparing two 131,072-token prompts packed (the collision
+   check); and building the admission scenario's request (validating and packing 4,352 ids);
+2. the optimized backend's decode step at B = 1,024 (the benchmark's scenario) split by what
+   each ``allocate_slots`` call does: nothing, take new blocks, or release and cache blocks;
+3. its admission of a request sharing a 4,096-token prefix split into building the request
+   (with the manager's block hasher), ``get_computed_blocks`` and ``allocate_slots``.
+
+Each figure is a median; the machine's noise moves them by up to 2×.
 """
 
 from __future__ import annotations
@@ -20,7 +28,10 @@ from collections.abc import Callable
 
 import torch  # noqa: TID251 (the optimized backend's int32 buffers, as it holds them)
 
+from hybridkv.bench import BLOCK, decode_blocks, gemma_like, tokens
+from hybridkv.optimized import TorchKVCacheManager
 from hybridkv.reference import Request
+from hybridkv.reference.request import pack_token_ids
 
 
 def median_seconds(job: Callable[[], object], repeat: int = 7) -> float:
@@ -57,8 +68,7 @@ class FloorManager:
         return True
 
 
-def main() -> None:
-    torch.set_num_threads(1)
+def floors() -> None:
     requests = [Request(f"r{i}", list(range(100)), hash_block_size=16) for i in range(1024)]
     manager = FloorManager(requests)
     seconds = median_seconds(lambda: [manager.allocate_slots(r, 1) for r in requests])
@@ -80,9 +90,114 @@ def main() -> None:
         f"({seconds / 8192 * 1e6:.2f} µs per block)"
     )
 
-    ids = torch.arange(8192 * 7, dtype=torch.int32).view(7, 8192)
-    seconds = median_seconds(lambda: tuple(tuple(row) for row in ids.tolist()))
-    print(f"a 131,072-token hit's block ids as Python ints (7 × 8,192): {seconds * 1e3:.2f} ms")
+    found = array("i", range(1000, 1000 + 8191))
+    window = array("i", range(5000, 5064))
+
+    def hit() -> object:
+        full = tuple(found)
+        nulls = (0,) * 8127
+        return (full, *(nulls + tuple(window) for _ in range(6)))
+
+    seconds = median_seconds(hit)
+    print(
+        "a 131,072-token hit as KVCacheBlocks' tuples (8,191 ids + 6 × (8,127 nulls + 64 ids)): "
+        f"{seconds * 1e6:.0f} µs"
+    )
+    prompt = tokens(rng, 131_072)
+    one, two = array("Q", prompt), array("Q", list(prompt))
+    seconds = median_seconds(lambda: one == two)
+    print(f"comparing two 131,072-token prompts packed: {seconds * 1e6:.0f} µs")
+    shared = tokens(rng, 4352)
+    seconds = median_seconds(lambda: pack_token_ids("prompt_token_ids", list(shared)), 31)
+    print(f"validating and packing a 4,352-token prompt: {seconds * 1e6:.0f} µs")
+
+
+def decode_split(batch: int = 1024, steps: int = 33, prompt: int = 2000) -> None:
+    """The benchmark's decode scenario on the optimized backend, each call timed and sorted by
+    what it did (the first step, which releases what left each window after the prefill, is
+    not counted)."""
+    rng = random.Random(batch)
+    config = gemma_like(decode_blocks(batch, steps, prompt))
+    manager = TorchKVCacheManager(config, prompt + steps + 64, max_num_reqs=batch + 8)
+    requests = []
+    for i in range(batch):
+        r = Request(f"r{i}", tokens(rng, prompt - i % BLOCK), hash_block_size=BLOCK)
+        if manager.allocate_slots(r, r.num_tokens) is None:
+            raise RuntimeError("the prompts do not fit in the pool")
+        r.num_computed_tokens = r.num_tokens
+        requests.append(r)
+    kinds: dict[str, list[int]] = {"nothing to do": [], "new blocks": [], "release/cache": []}
+    for step in range(steps):
+        for r, token in zip(requests, tokens(rng, batch), strict=True):
+            r.append_output_token_ids(token)
+            free = manager.pool.num_free_blocks
+            cached = manager.pool.unsettled, len(manager.pool.unsettled)  # grows as it caches
+            start = time.perf_counter_ns()
+            out = manager.allocate_slots(r, 1)
+            took = time.perf_counter_ns() - start
+            r.num_computed_tokens += 1
+            if out is None:
+                raise RuntimeError("the pool ran out")
+            if not step:
+                continue
+            if any(out.get_block_ids()):
+                kinds["new blocks"].append(took)
+            elif manager.pool.num_free_blocks != free or (
+                manager.pool.unsettled is not cached[0] or len(cached[0]) != cached[1]
+            ):
+                kinds["release/cache"].append(took)
+            else:
+                kinds["nothing to do"].append(took)
+    total = sum(sum(times) for times in kinds.values()) / (steps - 1) / 1e3
+    print(f"optimized decode step, B = {batch:,}, allocate_slots calls: {total:,.0f} µs per step")
+    for kind, times in kinds.items():
+        per_step = len(times) / (steps - 1)
+        median = statistics.median(times) / 1e3
+        print(
+            f"  {kind}: {per_step:,.0f} calls per step × {median:.1f} µs (median) = "
+            f"{per_step * median:,.0f} µs"
+        )
+
+
+def admission_split(count: int = 128, shared: int = 4096, own: int = 256) -> None:
+    """The benchmark's admission scenario on the optimized backend, each part timed."""
+    rng = random.Random(11)
+    system = tokens(rng, shared)
+    per_request = 7 * ((shared + own) // BLOCK + 1)
+    manager = TorchKVCacheManager(
+        gemma_like((count + 2) * per_request), shared + own + 1, max_num_reqs=count + 8
+    )
+    hasher = manager.block_hasher
+    warm = Request("warm", system + tokens(rng, own), hash_block_size=BLOCK, block_hasher=hasher)
+    manager.allocate_slots(warm, warm.num_tokens)
+    parts: dict[str, list[float]] = {"build the request": [], "lookup": [], "allocate": []}
+    for i in range(count):
+        prompt = system + tokens(rng, own)
+        start = time.perf_counter()
+        r = Request(f"r{i}", prompt, hash_block_size=BLOCK, block_hasher=hasher)
+        built = time.perf_counter()
+        blocks, hit, _ = manager.get_computed_blocks(r)
+        looked = time.perf_counter()
+        if manager.allocate_slots(r, r.num_tokens - hit, hit, blocks) is None:
+            raise RuntimeError("the pool ran out")
+        done = time.perf_counter()
+        parts["build the request"].append(built - start)
+        parts["lookup"].append(looked - built)
+        parts["allocate"].append(done - looked)
+    medians = {part: statistics.median(times) * 1e6 for part, times in parts.items()}
+    print(
+        f"optimized admission, {shared:,}-token shared prefix + {own} own tokens: "
+        f"{sum(medians.values()):,.0f} µs per request"
+    )
+    for part, median in medians.items():
+        print(f"  {part}: {median:,.0f} µs (median)")
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    floors()
+    decode_split()
+    admission_split()
 
 
 if __name__ == "__main__":

@@ -195,3 +195,26 @@ def test_lookups_of_requests_without_packed_tokens_match_the_reference() -> None
         manager.free(a)
     assert same_hit(opt, ref, tokens, "b") == 200
     assert same_hit(opt, ref, [*tokens[:-41], 5, *tokens[-40:]], "c") == 160
+
+
+def test_blocks_cached_without_lookups_are_settled_in_bounded_batches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A long run of steps without a lookup checks its cached blocks for duplicates every
+    ``SETTLE_MAX`` of them, so the waiting list stays short and the marks are still made."""
+    monkeypatch.setattr("hybridkv.optimized.block_pool.SETTLE_MAX", 8)
+    opt, ref = managers(600)
+    tokens = prompt(9, 41)
+    for manager in (opt, ref):
+        for rid in ("a", "b"):  # the same prompt computed twice: b's entries are duplicates
+            r = request(rid, tokens)
+            assert manager.allocate_slots(r, 41) is not None
+            r.num_computed_tokens = 41
+            for step in range(24):  # decode steps cache a block now and then, one by one
+                r.append_output_token_ids(step)
+                assert manager.allocate_slots(r, 1) is not None
+                r.num_computed_tokens += 1
+    assert len(opt.pool.unsettled) < 8
+    assert set(opt.get_block_ids("b")[0][:10]) <= opt.pool.dups | set(opt.pool.unsettled)
+    opt.check_invariants()
+    assert same_hit(opt, ref, tokens, "c") == 40
