@@ -479,10 +479,13 @@ class TorchBlockPool:
         current = hnext.index_select(0, blocks)  # older entries follow on the chain
         lanes = torch.arange(blocks.shape[0])
         flagged: list[int] = []
+        steps = 0
         while True:
             walking = torch.nonzero((current != end) & (targets != -1)).view(-1)
             if walking.shape[0] == 0:
                 break
+            steps += 1
+            require(steps <= self.num_blocks, "a prefix-cache chain loops")
             if walking.shape[0] <= TAIL_MAX:
                 # The few longest chains: walked on the array views.
                 hk_a, hnext_a = self.hk.a, self.hnext.a
@@ -492,11 +495,14 @@ class TorchBlockPool:
                     targets.index_select(0, walking).tolist(),
                     strict=True,
                 ):
+                    length = 0
                     while node != end:
                         if hk_a[node] == target:
                             flagged.append(int(blocks[lane]))
                             break
                         node = hnext_a[node]
+                        length += 1
+                        require(length <= self.num_blocks, "a prefix-cache chain loops")
                 break
             current = current.index_select(0, walking)
             targets = targets.index_select(0, walking)
@@ -680,7 +686,6 @@ class TorchBlockPool:
 
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` if the pool's own bookkeeping is inconsistent."""
-        self.settle_duplicates()
         n = self.num_blocks
         ref, prv, nxt = self.ref.a, self.prev.a, self.next.a
         free = self.free_queue()
@@ -734,7 +739,10 @@ class TorchBlockPool:
             sum(map(len, self.extra_index.values())) == sum(map(len, self.extras.values())),
             "extra index is stale",
         )
-        # A block cached after another of the same key, position and group is a duplicate.
+        # A block cached after another of the same key, position and group is a duplicate
+        # (marked once the chains, checked above, are walked for the blocks cached since the
+        # last lookup).
+        self.settle_duplicates()
         for bucket in range(self.mask + 1):
             later: set[int] = set()  # targets seen nearer the head (inserted later)
             block = heads[bucket]
