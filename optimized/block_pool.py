@@ -49,6 +49,17 @@ are the request's: the block's whole prefix, so even a forced hash collision, or
 by ``src``, one per request that cached blocks (not per block), with a count of the blocks that
 name them; a source is dropped when its last block is evicted.
 
+Runs: a source also records, per tag (hash index × G + group), the block it cached there
+(``Source.blocks``, an int32 array grown as it caches: 4 bytes per position and group of the
+sources alive, nothing per block of the pool), so that a lookup reads a long hit as runs of a
+source's blocks and checks them against ``hk`` and ``src`` at once. Such a block is the one a
+probe would find only if it is the first-inserted entry of its key: the blocks cached while an
+entry with the same key, position and group was cached are marked in ``dups`` (a set, rarely
+non-empty: a prompt computed twice at once). Finding them takes a walk of the chain behind each
+new entry; it is done for all the blocks cached since the last time (``unsettled``) in one
+tensor walk when a lookup first needs it (``settle_duplicates``), or every ``SETTLE_MAX``
+blocks, instead of one walk per cached block.
+
 The hash memo
 -------------
 With the manager's ``HashMemo`` attached (``memo``), the sources of requests hashed by it are
@@ -59,7 +70,8 @@ there are cached blocks), and ``reset_prefix_cache`` empties it
 
 Per block this is 5 int32 values and one int64 (28 bytes) plus the bucket heads (2 to 4 bytes,
 as the table size rounds up to a power of two: 2.1 for a million blocks), and no Python object
-per block.
+per block (the sources' run arrays add 4 bytes per cached position and group of the requests
+that cached them).
 """
 
 from __future__ import annotations
