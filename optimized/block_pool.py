@@ -298,20 +298,7 @@ class TorchBlockPool:
 
     def free_blocks(self, walk: Sequence[int]) -> None:
         """Drop one holder of each block (walk order); see ``BlockPool.free_blocks``."""
-        ref, src = self.ref.a, self.src.a
-        keep: list[int] = []
-        reuse_first: list[int] = []
-        for block in walk:
-            if block == 0:
-                continue
-            count = ref[block] - 1
-            ref[block] = count
-            if count == 0:
-                (keep if src[block] >= 0 else reuse_first).append(block)
-        if reuse_first:
-            self.link_after(self.head, reuse_first)
-        if keep:
-            self.link_after(self.prev.a[self.tail], keep)
+        self.free_walks((walk,))
 
     def free_walks(self, walks: Sequence[Sequence[int]]) -> None:
         """``free_blocks`` of each walk in turn, in one pass: the blocks that become free

@@ -76,6 +76,14 @@ def same_hit(opt: TorchKVCacheManager, ref: KVCacheManager, tokens: list[int], r
     return got[1]
 
 
+def cache_and_free(opt: TorchKVCacheManager, ref: KVCacheManager, tokens: list[int]) -> None:
+    """Compute the prompt once on both managers and free it: its blocks stay cached."""
+    for manager in (opt, ref):
+        first = request("a", tokens)
+        assert manager.allocate_slots(first, len(tokens)) is not None
+        manager.free(first)
+
+
 def prompt(seed: int, length: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1000) for _ in range(length)]
@@ -86,10 +94,7 @@ def test_a_long_cached_prompt_is_read_as_one_run_with_the_references_blocks(
 ) -> None:
     opt, ref = managers(400)
     tokens = prompt(1, 401)
-    for manager in (opt, ref):
-        first = request("a", tokens)
-        assert manager.allocate_slots(first, 401) is not None
-        manager.free(first)
+    cache_and_free(opt, ref, tokens)
     with runs_read(monkeypatch) as widths:
         assert same_hit(opt, ref, tokens, "b") == 400
     assert widths[0] == 100  # the full-attention group: every block in one run
@@ -144,10 +149,7 @@ def test_a_hit_that_spans_two_sources_is_read_as_two_runs(
 def test_blocks_evicted_from_a_run_end_the_hit_where_the_references_does() -> None:
     opt, ref = managers(330)
     tokens = prompt(6, 401)
-    for manager in (opt, ref):
-        a = request("a", tokens)
-        assert manager.allocate_slots(a, 401) is not None
-        manager.free(a)
+    cache_and_free(opt, ref, tokens)
     hits = []
     for size in (8, 40, 120):  # each takes blocks from the free queue's head
         for manager in (opt, ref):
@@ -189,10 +191,7 @@ def test_lookups_of_requests_without_packed_tokens_match_the_reference() -> None
     its token lists, with the same result."""
     opt, ref = managers(300)
     tokens = [*prompt(7, 160), 1 << 64, *prompt(8, 40)]
-    for manager in (opt, ref):
-        a = request("a", tokens)
-        assert manager.allocate_slots(a, len(tokens)) is not None
-        manager.free(a)
+    cache_and_free(opt, ref, tokens)
     assert same_hit(opt, ref, tokens, "b") == 200
     assert same_hit(opt, ref, [*tokens[:-41], 5, *tokens[-40:]], "c") == 160
 
