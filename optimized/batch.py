@@ -279,9 +279,8 @@ def _allocate_vectorised(
     )
     if total_new + kept_free > pool.num_free_blocks:
         return None
-    table_base = ((rows[:, None] + m.columns.table_rows) * w).view(
-        -1
-    )  # [n·G] flat index of position 0
+    # [n·G] flat index of position 0
+    table_base = ((rows[:, None] + m.columns.table_rows) * w).view(-1)
     release_flat = freed = final = blocks = None
     if num_released:
         # Released positions in sequential order: request, group, position high to low.

@@ -709,9 +709,14 @@ class TorchBlockPool:
         seen: set[int] = set()
         refs: dict[int, int] = {}
         heads = self.heads.a
+        # Entries with an older entry of the same key, position and group further down their
+        # chain: each must be marked a duplicate (checked below, once the chains are sound).
+        later: set[int] = set()
         for bucket in range(self.mask + 1):
             block = heads[bucket]
+            chain: list[int] = []
             while block != end:
+                chain.append(block)
                 require(block not in seen, f"block {block} is on two cache chains")
                 require(0 < block < n and src[block] >= 0, f"chain holds uncached block {block}")
                 seen.add(block)
@@ -729,6 +734,11 @@ class TorchBlockPool:
                 )
                 refs[src[block]] = refs.get(src[block], 0) + 1
                 block = hnext[block]
+            older: set[int] = set()
+            for block in reversed(chain):  # first inserted first
+                if hk[block] in older:
+                    later.add(block)
+                older.add(hk[block])
         for block, extras in self.extras.items():
             require(bool(extras) and src[block] >= 0, f"block {block} has extras but no key")
             for key, s in extras.items():
@@ -738,23 +748,10 @@ class TorchBlockPool:
             sum(map(len, self.extra_index.values())) == sum(map(len, self.extras.values())),
             "extra index is stale",
         )
-        # A block cached after another of the same key, position and group is a duplicate
-        # (marked once the chains, checked above, are walked for the blocks cached since the
-        # last lookup).
+        # The blocks cached since the last lookup are marked once the chains, checked above,
+        # are walked for them.
         self.settle_duplicates()
-        for bucket in range(self.mask + 1):
-            later: set[int] = set()  # targets seen nearer the head (inserted later)
-            block = heads[bucket]
-            chain: list[int] = []
-            while block != end:
-                chain.append(block)
-                block = hnext[block]
-            seen_targets: set[int] = set()
-            for block in reversed(chain):  # first inserted first
-                if hk[block] in seen_targets:
-                    later.add(block)
-                seen_targets.add(hk[block])
-            require(later <= self.dups, f"duplicate entries {sorted(later - self.dups)} unmarked")
+        require(later <= self.dups, f"duplicate entries {sorted(later - self.dups)} unmarked")
         require(all(src[b] >= 0 for b in self.dups), "an uncached block is marked duplicate")
         cached = {b for b in range(n) if src[b] >= 0}
         require(seen == cached, f"{len(cached)} blocks hold a hash but {len(seen)} are cached")
