@@ -326,6 +326,8 @@ def _record_adopted(
 
 
 def _write(m: TorchKVCacheManager, g: int, row: int, lo: int, blocks: Sequence[int]) -> None:
+    if not blocks:
+        return  # an empty slice assignment would resize the array, which its views forbid
     base = m._base(g, row)
     m._tab.a[base + lo : base + lo + len(blocks)] = _int_array(blocks)
     m._touched(g, row, lo, lo + len(blocks))

@@ -714,7 +714,8 @@ class TorchKVCacheManager:
             adopted = hits[g][skipped:]
             size = skipped + len(adopted)
             base = self._base(g, row)
-            tab[base : base + size] = _int_array([0] * skipped + list(adopted))
+            if size:  # an empty slice assignment would resize the array, which its views forbid
+                tab[base : base + size] = _int_array([0] * skipped + list(adopted))
             nulls = skipped
             while nulls < size and tab[base + nulls] == 0:
                 nulls += 1
