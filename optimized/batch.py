@@ -87,6 +87,7 @@ def allocate_slots_batch(
 ) -> list[KVCacheBlocks | None]:
     """``[m.allocate_slots(r, n, num_lookahead_tokens=…, delay_cache_blocks=…,
     reserved_blocks=…, watermark_blocks=…) for r, n]``."""
+    m._settle()
     n = len(requests)
     counts: Sequence[int] = (
         [num_new_tokens] * n if isinstance(num_new_tokens, int) else num_new_tokens

@@ -81,10 +81,13 @@ from array import array
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from hybridkv.optimized._buffers import IntBuffer
 from hybridkv.optimized.hash_memo import HashMemo
+from hybridkv.optimized.pending import PendingWork
 from hybridkv.optimized.thresholds import INSERT_MIN, MIN_BUCKETS, SETTLE_MAX, TAIL_MAX
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.events import EventBuilder, KVCacheEvent
@@ -220,6 +223,9 @@ class TorchBlockPool:
         # it: caching a block of such a source remembers its hash, evicting it forgets it.
         self.memo: HashMemo | None = None
         self.memo_srcs: set[int] = set()
+        # Running requests' releases and inserts not made yet (``PendingWork``): the manager
+        # applies them before anything reads what they change.
+        self.pending = PendingWork()
 
     # --- Memory -----------------------------------------------------------------------------
 
@@ -324,6 +330,29 @@ class TorchBlockPool:
         if keep:
             self.link_after(self.prev.a[self.tail], keep)
 
+    def free_each(self, blocks: Sequence[int]) -> None:
+        """``free_walks`` of one-block walks, one per block in turn (a decode step's windows
+        each release one block): uncached blocks that become free go after the head, the last
+        first; cached ones before the tail, in order."""
+        ref, src = self.ref.a, self.src.a
+        keep: list[int] = []
+        reuse: list[int] = []
+        for block in blocks:
+            if block == 0:
+                continue
+            count = ref[block] - 1
+            ref[block] = count
+            if count == 0:
+                if src[block] >= 0:
+                    keep.append(block)
+                else:
+                    reuse.append(block)
+        if reuse:
+            reuse.reverse()
+            self.link_after(self.head, reuse)
+        if keep:
+            self.link_after(self.prev.a[self.tail], keep)
+
     def link_after(self, node: int, blocks: Sequence[int]) -> None:
         """Insert ``blocks``, in order, right after ``node`` (a sentinel or a queued block)."""
         nxt, prv = self.next.a, self.prev.a
@@ -336,6 +365,57 @@ class TorchBlockPool:
         nxt[before] = after
         prv[after] = before
         self.num_free_blocks += len(blocks)
+
+    def release_cached(self, blocks: npt.NDArray[np.int64]) -> None:
+        """``free_walks`` of blocks that all hold a cached hash, in walk order: each drops a
+        holder, and those left with none go before the tail in the order of their last release
+        (the deferred releases of ``PendingWork``)."""
+        count = blocks.shape[0]
+        if count < INSERT_MIN:
+            counts = self.ref.a
+            keep: list[int] = []
+            for block in blocks.tolist():
+                left = counts[block] - 1
+                counts[block] = left
+                if left == 0:
+                    keep.append(block)
+            if keep:
+                self.link_after(self.prev.a[self.tail], keep)
+            return
+        ref = self.ref.n
+        held = ref[blocks]
+        if (held == 1).all():
+            # Each block's last holder lets it go (a block listed twice would hold two): all
+            # become free, in walk order.
+            ref[blocks] = 0
+            self.link_after_array(self.prev.a[self.tail], blocks)
+            return
+        unique, inverse, repeats = np.unique(blocks, return_inverse=True, return_counts=True)
+        final = ref[unique] - repeats
+        ref[unique] = final
+        zero = final == 0
+        if not zero.any():
+            return
+        if unique.shape[0] == count:
+            freed = blocks[ref[blocks] == 0]  # each released once: walk order
+        else:
+            last = np.zeros(unique.shape[0], dtype=np.int64)
+            np.maximum.at(last, inverse, np.arange(count))
+            freed = unique[zero][np.argsort(last[zero])]
+        self.link_after_array(self.prev.a[self.tail], freed)
+
+    def link_after_array(self, node: int, blocks: npt.NDArray[np.int64]) -> None:
+        """``link_after`` for a numpy array of distinct blocks, in a few numpy calls."""
+        count = blocks.shape[0]
+        if count == 0:
+            return
+        chain = np.empty(count + 2, dtype=np.int64)
+        chain[0] = node
+        chain[1:-1] = blocks
+        chain[-1] = self.next.a[node]
+        self.next.n[chain[:-1]] = chain[1:]
+        self.prev.n[chain[1:]] = chain[:-1]
+        self.num_free_blocks += count
 
     def link_after_tensor(self, node: int, blocks: torch.Tensor) -> None:
         """``link_after`` for a long int64 tensor of distinct blocks, in a few tensor calls."""
@@ -410,6 +490,124 @@ class TorchBlockPool:
             self.memo.remember(source.tokens, source.hashes, source.salt, pos)
         if len(self.unsettled) >= SETTLE_MAX:
             self.settle_duplicates()  # long without a lookup: bounded memory
+
+    def insert_entries(
+        self, entries: Sequence[tuple[int, int, int]], hashes: Sequence[BlockHash], src: int
+    ) -> None:
+        """``insert`` of each ``(block, group id, position)`` in turn, every block from source
+        ``src`` keyed by ``hashes[position]``: a position's key is computed once for all the
+        groups that cache it (a decode step caches one position in every group)."""
+        heads, hnext, hk, srcs = self.heads.a, self.hnext.a, self.hk.a, self.src.a
+        mask, num_groups, end = self.mask, self.num_groups, self.end
+        source = self.sources[src]
+        assert source is not None
+        recorded = source.blocks
+        size = len(recorded)
+        last = key = high = -1
+        for block, group_id, pos in entries:
+            if pos != last:
+                key, last = hash_key(hashes[pos]), pos
+                high = key << 32
+            bucket = (key + group_id * GROUP_MIX) & mask
+            hnext[block] = heads[bucket]
+            heads[bucket] = block
+            tag = pos * num_groups + group_id
+            hk[block] = high | tag
+            srcs[block] = src
+            if tag < size:
+                recorded[tag] = block
+            else:
+                source.record(tag, block, end)
+                recorded = source.blocks
+                size = len(recorded)
+        source.refs += len(entries)
+        self.unsettled.extend([block for block, _, _ in entries])
+        if src in self.memo_srcs and self.memo is not None:
+            for pos, times in Counter(pos for _, _, pos in entries).items():
+                self.memo.remember(source.tokens, source.hashes, source.salt, pos, times)
+        if len(self.unsettled) >= SETTLE_MAX:
+            self.settle_duplicates()  # long without a lookup: bounded memory
+
+    def defer_row(
+        self,
+        blocks: Sequence[int],
+        group_ids: array[int],
+        pos: int,
+        block_hash: BlockHash,
+        src: int,
+    ) -> None:
+        """``insert`` of ``blocks[i]`` in group ``group_ids[i]`` at position ``pos``, all under
+        ``block_hash`` from source ``src``, with the hash table's part left pending
+        (``PendingWork``): the source records the blocks and counts them, and the memo learns
+        the hash, at once."""
+        self.pending.insert_row(blocks, group_ids, pos, block_hash, src)
+        source = self.sources[src]
+        assert source is not None
+        recorded, num_groups = source.blocks, self.num_groups
+        first = pos * num_groups
+        if len(group_ids) == num_groups and first + num_groups <= len(recorded):
+            recorded[first : first + num_groups] = array("i", blocks)
+        else:
+            for block, group_id in zip(blocks, group_ids, strict=True):
+                source.record(first + group_id, block, self.end)
+        source.refs += len(blocks)
+        if src in self.memo_srcs and self.memo is not None:
+            self.memo.remember(source.tokens, source.hashes, source.salt, pos, len(blocks))
+
+    def defer_entries(
+        self, entries: Sequence[tuple[int, int, int]], hashes: Sequence[BlockHash], src: int
+    ) -> None:
+        """``defer_row`` for any ``(block, group id, position)`` entries, each keyed by
+        ``hashes[position]``."""
+        self.pending.insert(entries, hashes, src)
+        source = self.sources[src]
+        assert source is not None
+        end, num_groups = self.end, self.num_groups
+        for block, group_id, pos in entries:
+            source.record(pos * num_groups + group_id, block, end)
+        source.refs += len(entries)
+        if src in self.memo_srcs and self.memo is not None:
+            for pos, times in Counter(pos for _, _, pos in entries).items():
+                self.memo.remember(source.tokens, source.hashes, source.salt, pos, times)
+
+    def chain_entries(
+        self,
+        blocks: npt.NDArray[np.int64],
+        groups: npt.NDArray[np.int64],
+        positions: npt.NDArray[np.int64],
+        srcs: npt.NDArray[np.int64],
+        hashes: Sequence[BlockHash],
+    ) -> None:
+        """The hash table's part of ``insert`` for entries whose sources already record and
+        count them (``defer_row``), in order, in a few numpy calls."""
+        count = blocks.shape[0]
+        joined = b"".join(hashes)
+        if len(joined) == 32 * count:
+            keys = np.frombuffer(joined, dtype="<i4")[::8].astype(np.int64)
+        else:
+            keys = np.fromiter((hash_key(h) for h in hashes), dtype=np.int64, count=count)
+        buckets = (keys + groups * GROUP_MIX) & self.mask
+        order = np.argsort(buckets, kind="stable")
+        sorted_buckets = buckets[order]
+        chained = blocks[order]
+        first = np.ones(count, dtype=bool)
+        first[1:] = sorted_buckets[1:] != sorted_buckets[:-1]
+        last = np.ones(count, dtype=bool)
+        last[:-1] = first[1:]
+        heads = self.heads.n
+        # Within a bucket each entry links to the one inserted before it, the first to the old
+        # head, and the last becomes the head (as one insert after another).
+        self.hnext.n[chained] = np.where(first, heads[sorted_buckets], np.roll(chained, 1))
+        heads[sorted_buckets[last]] = chained[last]
+        self.hk.n[blocks] = keys << 32 | (positions * self.num_groups + groups)
+        self.src.n[blocks] = srcs
+        self.unsettled_many.append(torch.from_numpy(blocks))
+        if len(self.unsettled_many) >= SETTLE_MAX // INSERT_MIN:
+            self.settle_duplicates()  # long without a lookup: bounded memory
+
+    def apply_pending(self) -> None:
+        """Make the running requests' deferred releases and inserts (``PendingWork``)."""
+        self.pending.apply(self)
 
     def insert_many(
         self,

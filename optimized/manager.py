@@ -51,6 +51,7 @@ from hybridkv.optimized.thresholds import (
     BATCH_MIN,
     BUSY_BATCH_MIN,
     INSERT_MIN,
+    PENDING_MAX,
     VECTOR_MIN,
 )
 from hybridkv.reference.events import (
@@ -221,6 +222,7 @@ class TorchKVCacheManager:
         self._dirty_index: list[torch.Tensor] = []
         self._defer_flush = False  # inside ``allocate_slots_batch``: it flushes once at its end
         self.rows = RowTables(r, g)
+        self._row_of = self.rows.row_of
         self.retention_interval = config.prefix_cache_retention_interval
         self._admission_caps = [
             group.spec.admission_cap(
@@ -261,6 +263,20 @@ class TorchKVCacheManager:
                 )
             )
         ]
+        # Per-group constants of the single-request paths: where each group's table starts in
+        # the flat tables, the distinct rules of the groups that release blocks (and which
+        # one each such group follows), and what a row refresh reads of them.
+        self._group_bases = [group * r * w for group in range(g)]
+        self._group_ids = array("q", range(g))
+        self._release_rules = list(dict.fromkeys(rule for _, rule in self._releasing))
+        self._release_plan = [
+            (group, self._release_rules.index(rule)) for group, rule in self._releasing
+        ]
+        self._release_columns = [
+            (group, rule.block_size, rule.span, rule.kind == CHUNKED)
+            for group, rule in self._releasing
+        ]
+        self._uniform_columns = self._uniform and not any(rule.spec_blocks for rule in self.rules)
         # Per-group constants of the vectorised paths.
         self.columns = GroupColumns.build(
             r,
@@ -269,6 +285,17 @@ class TorchKVCacheManager:
             releases=any(rule.releases for rule in self.rules),
             sparse_groups=sparse_groups,
             vectorisable=not self._general and not any(rule.spec_blocks for rule in self.rules),
+        )
+        # A running request's step leaves its releases and inserts to the pool's pending work
+        # (``hybridkv.optimized.pending``) where they are plain: one block size, no Mamba
+        # ``"align"`` group, no speculative blocks, caching on without events or sparse
+        # retention (each of these needs the pool current at the step itself).
+        self._defers = (
+            self._uniform_columns
+            and not self._general
+            and enable_caching
+            and not enable_kv_cache_events
+            and not sparse_groups
         )
         self._stats = PrefixCacheStats()
         self.block_hasher = HashMemo(self.hash_block_size)
@@ -350,6 +377,12 @@ class TorchKVCacheManager:
             self.pool.source(src).row_refs -= 1
             self.pool.maybe_drop_source(src)
 
+    def _settle(self) -> None:
+        """Make the running steps' pending releases and inserts (``PendingWork``): every call
+        that reads the pool, but a running request's step, calls this first."""
+        if self.pool.pending:
+            self.pool.apply_pending()
+
     # --- Lookup -----------------------------------------------------------------------------
 
     def get_computed_blocks(
@@ -361,6 +394,7 @@ class TorchKVCacheManager:
         blocks is looked up over its hashed blocks only."""
         if not self.prefix_cache_lookup_enabled(request):
             return self._no_blocks, 0, 0
+        self._settle()
         hbs = self.hash_block_size
         check_block_hashes(request, hbs, self.lookahead, allow_fewer=True)
         max_length = request.num_tokens - 1
@@ -394,7 +428,9 @@ class TorchKVCacheManager:
 
     def new_step_starts(self) -> None:
         """The scheduler begins a step: a Mamba state cached in the previous step may now be
-        adopted (no per-step state without a Mamba ``"align"`` group)."""
+        adopted (no per-step state without a Mamba ``"align"`` group). The previous step's
+        pending releases and inserts are made now."""
+        self._settle()
         if self._has_align:
             mamba.new_step_starts(self)
 
@@ -485,12 +521,43 @@ class TorchKVCacheManager:
             # A step of a running request (no hit to adopt, plain counts): what
             # ``check_allocation`` checks reduces to the request's hash count (more hashes
             # than full blocks: another hash block size; the checker says so).
+            num_tokens = request.num_tokens
             if (
                 self.enable_caching
                 and len(request.block_hashes)
-                > max(request.num_tokens - self.lookahead, 0) // self.hash_block_size
+                > max(num_tokens - self.lookahead, 0) // self.hash_block_size
             ):
                 check_block_hashes(request, self.hash_block_size, self.lookahead, allow_fewer=True)
+            row = self._row_of(request.request_id)
+            if row is not None and not full_sequence_must_fit and not self._has_align:
+                # The row's thresholds say whether this step takes, releases or caches a block;
+                # most decode steps do none of these and change nothing.
+                rows = self.rows
+                computed = request.num_computed_tokens
+                if computed > self.max_model_len:
+                    computed = self.max_model_len
+                need = computed + num_new_tokens + num_lookahead_tokens
+                if need > self.max_model_len:
+                    need = self.max_model_len
+                cache_up_to = -1
+                if self.enable_caching and not delay_cache_blocks:
+                    cache_up_to = computed + num_new_tokens
+                    if cache_up_to > num_tokens:
+                        cache_up_to = num_tokens
+                kept_free = reserved_blocks + watermark_blocks
+                if (
+                    need <= rows.capacity[row]
+                    and computed - getattr(request, "num_in_flight_tokens", 0)
+                    < rows.release_at[row]
+                    and cache_up_to < rows.cache_at[row]
+                    and kept_free <= self.pool.num_free_blocks
+                ):
+                    return self._no_blocks
+                try:
+                    return self._step(request, row, computed, need, cache_up_to, kept_free)
+                finally:
+                    if not self._defer_flush:
+                        self._flush()
             hits = self._no_hits
         else:
             hits = check_allocation(
@@ -508,6 +575,7 @@ class TorchKVCacheManager:
             )
             check_non_negative("reserved_blocks", reserved_blocks)
             check_non_negative("watermark_blocks", watermark_blocks)
+        self._settle()
         if self._has_align:
             try:
                 return mamba.allocate(
@@ -564,34 +632,7 @@ class TorchKVCacheManager:
         if self.enable_caching and not delay_cache_blocks:
             cache_up_to = min(computed + num_new_tokens, request.num_tokens)
         if row is not None:
-            # A running request: the row's thresholds say which steps can do anything.
-            rows = self.rows
-            changed = False
-            # A step still in flight reads the window's blocks: only processed tokens count.
-            processed = max(0, computed - int(getattr(request, "num_in_flight_tokens", 0)))
-            if processed >= rows.release_at[row]:
-                self._release_skipped(row, processed)
-                changed = True
-            new_blocks: tuple[tuple[int, ...], ...] | None = None
-            total = 0
-            grows = need > rows.capacity[row]
-            if grows:
-                required = [rule.blocks_for_tokens(need) for rule in self.rules]
-                at, length = row * self.num_groups, rows.length
-                total = sum(max(c - length[at + g], 0) for g, c in enumerate(required))
-            if total + kept_free > pool.num_free_blocks:
-                if changed:
-                    self._refresh(row)
-                return None
-            if grows:
-                new_blocks = self._extend(row, required)
-                changed = True
-            if cache_up_to >= rows.cache_at[row]:
-                self._cache(request, row, cache_up_to)
-                changed = True
-            if changed:
-                self._refresh(row)
-            return self._no_blocks if new_blocks is None else KVCacheBlocks(new_blocks)
+            return self._step(request, row, computed, need, cache_up_to, kept_free)
         # Admission: skipped positions, then the adopted hits, then new blocks.
         required = [rule.blocks_for_tokens(need) for rule in self.rules]
         total = 0
@@ -610,6 +651,58 @@ class TorchKVCacheManager:
             self._cache(request, row, cache_up_to)
         self._refresh(row)
         return KVCacheBlocks(admitted)
+
+    def _step(
+        self,
+        request: RequestLike,
+        row: int,
+        computed: int,
+        need: int,
+        cache_up_to: int,
+        kept_free: int,
+    ) -> KVCacheBlocks | None:
+        """A running request's step (``allocate_slots`` of a request holding ``row``): release
+        what left each window or chunk, take the blocks ``need`` tokens lack, cache the blocks
+        full up to ``cache_up_to`` tokens (-1: none); the row's thresholds say which of these
+        can do anything."""
+        pool = self.pool
+        rows = self.rows
+        changed = False
+        # A step still in flight reads the window's blocks: only processed tokens count.
+        processed = max(0, computed - int(getattr(request, "num_in_flight_tokens", 0)))
+        if processed >= rows.release_at[row]:
+            self._release_skipped(row, processed)
+            changed = True
+        new_blocks: tuple[tuple[int, ...], ...] | None = None
+        total = 0
+        grows = need > rows.capacity[row]
+        if grows:
+            if self._uniform_columns:
+                required = [-(-need // self.block_size)] * self.num_groups
+            else:
+                required = [rule.blocks_for_tokens(need) for rule in self.rules]
+            at, length = row * self.num_groups, rows.length
+            for g, count in enumerate(required):
+                count -= length[at + g]
+                if count > 0:
+                    total += count
+        if total + kept_free > pool.num_free_blocks and pool.pending:
+            self._settle()  # the pending releases may free enough blocks
+        if total + kept_free > pool.num_free_blocks:
+            if changed:
+                self._refresh(row)
+            return None
+        if grows:
+            new_blocks = self._extend(row, required)
+            changed = True
+        if cache_up_to >= rows.cache_at[row]:
+            self._cache(request, row, cache_up_to, defer=self._defers)
+            changed = True
+        if changed:
+            self._refresh(row)
+        if len(pool.pending) >= PENDING_MAX:
+            self._settle()  # long without another call: bounded memory
+        return self._no_blocks if new_blocks is None else KVCacheBlocks(new_blocks)
 
     def _whole_sequence_fits(
         self,
@@ -641,38 +734,62 @@ class TorchKVCacheManager:
         return total + watermark_blocks <= self.pool.num_free_blocks
 
     def _extend(self, row: int, required: list[int]) -> BlockIds:
-        """Take new blocks, group 0 first, until each group holds ``required`` positions."""
+        """Take new blocks, group 0 first, until each group holds ``required`` positions: one
+        take from the free queue for all groups, split in group order (the blocks, evictions
+        and events of one take per group)."""
+        length, at = self.rows.length, row * self.num_groups
+        counts = [c - length[at + g] for g, c in enumerate(required)]
+        total = sum(c for c in counts if c > 0)
+        if not total:
+            return self._no_hits
+        popped = self.pool.pop_n(total)
+        tab, row_base, bases = self._tab.a, row * self.max_blocks_per_req, self._group_bases
+        tracking = self._device_tables is not self._tables
         new_blocks: list[tuple[int, ...]] = []
-        tab, length, at = self._tab.a, self.rows.length, row * self.num_groups
-        for g, count in enumerate(required):
-            have = length[at + g]
-            count -= have
+        taken = 0
+        for g, count in enumerate(counts):
             if count <= 0:
                 new_blocks.append(())
                 continue
-            blocks = self.pool.pop_n(count)
-            base = self._base(g, row) + have
-            tab[base : base + count] = _int_array(blocks)
+            have = length[at + g]
+            base = bases[g] + row_base + have
+            if count == 1:  # a decode step's new block
+                block = popped[taken]
+                tab[base] = block
+                new_blocks.append((block,))
+            else:
+                part = popped[taken : taken + count]
+                tab[base : base + count] = _int_array(part)
+                new_blocks.append(tuple(part))
+            taken += count
             length[at + g] = have + count
-            self._touched(g, row, have, have + count)
-            new_blocks.append(tuple(blocks))
+            if tracking:
+                self._touched(g, row, have, have + count)
         return tuple(new_blocks)
 
     def _refresh(self, row: int) -> None:
         """Recompute the row's thresholds from its counters (``RowTables``)."""
         rows = self.rows
-        huge = _HUGE
-        capacity = release = cache = huge
         at = row * self.num_groups
-        for g, rule in enumerate(self.rules):
-            b = rule.block_size
-            length, nulls, cached = rows.length[at + g], rows.nulls[at + g], rows.cached[at + g]
-            capacity = min(capacity, (length - rule.spec_blocks) * b)
-            if rule.kind == SLIDING:
-                release = min(release, (nulls + 1) * b + rule.span - 1)
-            elif rule.kind == CHUNKED:
-                release = min(release, rules.cdiv((nulls + 1) * b, rule.span) * rule.span)
-            cache = min(cache, (cached + 1) * b)
+        length, nulls, cached = rows.length, rows.nulls, rows.cached
+        if self._uniform_columns:
+            # One block size, no speculative blocks: the least table length and cached count.
+            b, end = self.block_size, at + self.num_groups
+            capacity = min(length[at:end]) * b
+            cache = (min(cached[at:end]) + 1) * b
+        else:
+            capacity = cache = _HUGE
+            for g, rule in enumerate(self.rules):
+                b = rule.block_size
+                capacity = min(capacity, (length[at + g] - rule.spec_blocks) * b)
+                cache = min(cache, (cached[at + g] + 1) * b)
+        release = _HUGE
+        for g, b, span, chunked in self._release_columns:
+            if chunked:
+                start = -(-(nulls[at + g] + 1) * b // span) * span  # the next chunk's start
+                release = min(release, start)
+            else:
+                release = min(release, (nulls[at + g] + 1) * b + span - 1)
         if self._general:
             cache = 0  # scheduler-block rounding, prompt tails, Mamba: every call looks
         rows.capacity[row] = capacity
@@ -726,18 +843,44 @@ class TorchKVCacheManager:
 
     def _release_skipped(self, row: int, computed: int) -> None:
         """Release the blocks that left each window or chunk (``remove_skipped_blocks``), every
-        group's in one ``free_walks`` (as ``free_blocks`` group by group)."""
-        walks: list[list[int]] = []
-        targets: dict[GroupRule, int] = {}  # equal specs skip as many positions
-        for g, rule in self._releasing:
-            target = targets.get(rule)
-            if target is None:
-                target = targets[rule] = rule.skipped_positions(computed)
-            released = self._skip_positions(row, g, target)
-            if released:
-                walks.append(released)
-        if walks:
-            self.pool.free_walks(walks)
+        group's in one pass of the pool (as ``free_blocks`` group by group)."""
+        walks: list[list[int]] = []  # per group that releases, its blocks in walk order
+        singles = True  # every walk one block (a decode step's): the pool's cheaper pass
+        # Equal rules skip as many positions: one target per distinct rule.
+        targets = [rule.skipped_positions(computed) for rule in self._release_rules]
+        rows, tab = self.rows, self._tab.a
+        length, nulls = rows.length, rows.nulls
+        at, row_base = row * self.num_groups, row * self.max_blocks_per_req
+        bases = self._group_bases
+        tracking = self._device_tables is not self._tables
+        for g, which in self._release_plan:
+            i = at + g
+            target, held = targets[which], nulls[i]
+            if target == held + 1 and target <= length[i]:
+                pos = bases[g] + row_base + held
+                walks.append([tab[pos]])
+                tab[pos] = 0
+                nulls[i] = target
+                if tracking:
+                    self._touched(g, row, held, target)
+            elif target > held:
+                released = self._skip_positions(row, g, target)
+                if released:
+                    walks.append(released)
+                    singles = singles and len(released) == 1
+        if not walks:
+            return
+        pool = self.pool
+        if self._defers:
+            released = [block for walk in walks for block in walk]
+            if min(map(pool.src.a.__getitem__, released)) >= 0:
+                pool.pending.release(released)  # cached blocks: to the tail, made later
+                return
+            self._settle()  # an uncached block goes to the head: the pool must be current
+        if singles:
+            pool.free_each([walk[0] for walk in walks])
+        else:
+            pool.free_walks(walks)
 
     def _release_skipped_group(self, row: int, g: int, computed: int) -> None:
         """``_release_skipped`` of one group (nothing unless a window or chunk)."""
@@ -803,18 +946,35 @@ class TorchKVCacheManager:
             and getattr(request, "hash_block_size", None) == self.hash_block_size
         )
 
-    def _cache(self, request: RequestLike, row: int, num_tokens: int) -> None:
-        """Enter the row's full blocks covered by ``num_tokens`` into the prefix cache."""
+    def _cache(self, request: RequestLike, row: int, num_tokens: int, defer: bool = False) -> None:
+        """Enter the row's full blocks covered by ``num_tokens`` into the prefix cache (with
+        ``defer``, a running step's: into the pool's pending work)."""
         if self._general:
             self._cache_general(request, row, num_tokens)
             return
         pool = self.pool
         b, g_count = self.block_size, self.num_groups
-        num_full = min(num_tokens // b, len(request.block_hashes))
-        tab, cached, at = self._tab.a, self.rows.cached, row * g_count
-        entries: list[tuple[int, int, int, int]] = []  # (block, group, position, hash index)
         hashes = request.block_hashes
+        num_full = min(num_tokens // b, len(hashes))
+        tab, cached, at = self._tab.a, self.rows.cached, row * g_count
+        row_base, bases = row * self.max_blocks_per_req, self._group_bases
+        entries: list[tuple[int, int, int]] = []  # (block, group, position)
         src = -1
+        # Sparse retention and events need each group's stored positions; otherwise a group's
+        # new full blocks are its table's slice.
+        plain = not self.columns.sparse_groups and pool.event_builder is None
+        if defer and plain and num_full > 0:
+            last = num_full - 1
+            row_blocks = [tab[base + row_base + last] for base in bases]
+            if min(cached[at : at + g_count]) == last == max(cached[at : at + g_count]) and min(
+                row_blocks
+            ):
+                # A decode step: one newly full block in every group.
+                src = self._source_of(request, row, num_full, num_full * b)
+                pool.defer_row(row_blocks, self._group_ids, last, hashes[last], src)
+                for i in range(at, at + g_count):
+                    cached[i] = num_full
+                return
         boundaries: list[int] | None = None
         for g in range(g_count):
             start = cached[at + g]
@@ -822,7 +982,18 @@ class TorchKVCacheManager:
                 continue
             if src < 0:
                 src = self._source_of(request, row, num_full, num_full * b)
-            base = self._base(g, row)
+            base = bases[g] + row_base
+            cached[at + g] = num_full
+            if plain:
+                if num_full - start == 1:  # a decode step's newly full block
+                    block = tab[base + start]
+                    if block:
+                        entries.append((block, g, start))
+                else:
+                    for pos, block in enumerate(tab[base + start : base + num_full], start):
+                        if block:
+                            entries.append((block, g, pos))
+                continue
             stored = []
             mask: Sequence[bool] | None = None
             if g in self.columns.sparse_groups:
@@ -831,11 +1002,10 @@ class TorchKVCacheManager:
                 mask = self._retention_mask(request, g, start, num_full, boundaries)
             for pos, block in enumerate(tab[base + start : base + num_full], start):
                 if block and (mask is None or mask[pos - start]):
-                    entries.append((block, g, pos, pos))
+                    entries.append((block, g, pos))
                     stored.append(pos)
-            cached[at + g] = num_full
             if mask is not None and stored:
-                self.rows.kept[at + g] = entries[-1][2] + 1
+                self.rows.kept[at + g] = stored[-1] + 1
             if pool.event_builder is not None:
                 parent = hashes[start - 1] if start else None
                 pool.events.append(
@@ -850,18 +1020,20 @@ class TorchKVCacheManager:
                         g,
                     )
                 )
-        if len(entries) < INSERT_MIN:
-            for block, g, pos, _ in entries:
-                pool.insert(block, hashes[pos], g, pos, src)
+        if not entries:
             return
-        blocks, groups, positions, _ = (
-            tensor_from_ints(list(c)) for c in zip(*entries, strict=True)
-        )
-        joined = b"".join([hashes[p] for _, _, p, _ in entries])
+        if defer:
+            pool.defer_entries(entries, hashes, src)
+            return
+        if len(entries) < INSERT_MIN:
+            pool.insert_entries(entries, hashes, src)
+            return
+        blocks, groups, positions = (tensor_from_ints(list(c)) for c in zip(*entries, strict=True))
+        joined = b"".join([hashes[p] for _, _, p in entries])
         if len(joined) == 32 * len(entries):
             keys = int32_from_bytes(joined)[::8].to(torch.int64)
         else:
-            keys = tensor_from_ints([hash_key(hashes[p]) for _, _, p, _ in entries])
+            keys = tensor_from_ints([hash_key(hashes[p]) for _, _, p in entries])
         pool.insert_many(blocks, keys, groups, positions, torch.full_like(blocks, src))
         pool.source(src).refs += len(entries)
 
@@ -1045,10 +1217,12 @@ class TorchKVCacheManager:
 
     def free_batch(self, requests: Sequence[RequestLike]) -> None:
         """Exactly ``for r in requests: free(r)``, vectorised across the requests."""
+        self._settle()
         batch.free_batch(self, requests)
 
     def free(self, request: RequestLike) -> None:
         """Release every block of the request, each group as one batch (a no-op if none)."""
+        self._settle()
         if self._has_align:
             mamba.free(self, request.request_id)
         row = self.rows.row_of(request.request_id)
@@ -1065,6 +1239,7 @@ class TorchKVCacheManager:
         check_cache_blocks(request, num_computed_tokens)
         if not self.enable_caching:
             return
+        self._settle()
         hbs = self.hash_block_size
         check_block_hashes(request, hbs, self.lookahead, allow_fewer=True)
         row = self.rows.row_of(request.request_id)
@@ -1095,6 +1270,7 @@ class TorchKVCacheManager:
         row = self.rows.row_of(request_id)
         if row is None:
             return 0
+        self._settle()
         cached: int | None = None
         for g in range(self.num_groups):
             longest = self._cached_prefix_tokens(request_id, row, g)
@@ -1148,6 +1324,7 @@ class TorchKVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (``False``) while any request holds a block."""
+        self._settle()
         if not self.pool.reset_prefix_cache():
             return False
         self._row_src = [-1] * self.max_num_reqs
@@ -1159,13 +1336,16 @@ class TorchKVCacheManager:
 
     @property
     def usage(self) -> float:
+        self._settle()
         return self.pool.usage
 
     @property
     def num_free_blocks(self) -> int:
+        self._settle()
         return self.pool.num_free_blocks
 
     def take_events(self) -> list[KVCacheEvent]:
+        self._settle()
         return self.pool.take_events()
 
     @property
@@ -1188,6 +1368,7 @@ class TorchKVCacheManager:
         return stats
 
     def snapshot(self) -> PoolSnapshot:
+        self._settle()
         pool = self.pool
         ref = pool.ref.t
         held = torch.nonzero(ref[1:] > 0).flatten() + 1
@@ -1206,6 +1387,7 @@ class TorchKVCacheManager:
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` if the pool, the rows and the tables disagree, or a request's
         estimate of its cached tokens differs from the scan of its tables."""
+        self._settle()
         pool = self.pool
         pool.check_invariants()
         rows = self.rows

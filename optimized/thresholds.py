@@ -31,6 +31,10 @@ INSERT_MIN = 32
 """Fewer blocks than this are cached, touched or linked into the free queue one by one on the
 array views; from it, in tensor calls (``insert_many``, ``touch_many``, ``link_after_tensor``)."""
 
+PENDING_MAX = 8192
+"""Running steps' deferred releases and inserts (``hybridkv.optimized.pending``) are made once
+this many wait, when no other call has made them earlier: a bound on their memory."""
+
 # --- Cache-hit lookups (``hybridkv.optimized.lookup``) ----------------------------------------
 
 VECTOR_MIN = 48

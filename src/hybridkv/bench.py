@@ -17,13 +17,14 @@ Scenarios (full sizes; ``--quick`` shrinks them):
 
 1. decode: B = 64, 256, 1,024 running requests with ~2,000-token prompts (2,000 − i mod 16,
    so that every step 1/16 of the requests enters a new block). One step appends one token to
-   every request and allocates one slot for each: as B separate ``allocate_slots`` calls (what
-   vLLM's scheduler does) on every backend, and as one ``allocate_slots_batch`` call on the
+   every request, then, as vLLM's scheduler does, calls the manager's ``new_step_starts`` and
+   allocates one slot for each request: as B separate ``allocate_slots`` calls (what vLLM's
+   scheduler does) on every backend, and as one ``allocate_slots_batch`` call on the
    optimized backend. Each way has its own manager (the optimized backend's block tables have
    B + 8 rows), filled by one prefill call per request and one untimed step (which releases
    what left each window); then 32 timed steps, the median per step reported with the
-   allocation calls' share ("of which") beside it. vLLM has no
-   batched call: the batched row's ratio is vLLM's B calls ÷ the optimized batch.
+   manager's share ("of which": ``new_step_starts`` and the allocation calls) beside it. vLLM
+   has no batched call: the batched row's ratio is vLLM's B calls ÷ the optimized batch.
 2. hash: the block hashes of a 131,072-token prompt, on the hash function alone (vLLM: its
    request block hasher on a ``Request`` built without one; reference: ``hash_full_blocks``;
    optimized: ``hash_full_blocks_torch``); 5 repetitions.
@@ -120,6 +121,8 @@ class Blocks(Protocol):
 
 
 class Manager(Protocol):
+    def new_step_starts(self) -> None: ...
+
     def get_computed_blocks(self, request: Any) -> tuple[Blocks, int, int]: ...
 
     def allocate_slots(
@@ -344,6 +347,7 @@ def _decode_step(state: _Decoding, new_tokens: list[int]) -> list[Blocks]:
         for r, t in zip(requests, new_tokens, strict=True):
             r.append_output_token_ids(t)
         mid = time.perf_counter()
+        manager.new_step_starts()  # as vLLM's scheduler begins every step
         if state.way.batched:
             assert isinstance(manager, TorchKVCacheManager)
             results: Sequence[Blocks | None] = manager.allocate_slots_batch(requests, 1)
