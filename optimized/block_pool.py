@@ -570,22 +570,24 @@ class TorchBlockPool:
             for pos, times in Counter(pos for _, _, pos in entries).items():
                 self.memo.remember(source.tokens, source.hashes, source.salt, pos, times)
 
+    def keys_of(self, hashes: Sequence[BlockHash]) -> npt.NDArray[np.int64]:
+        """The 4-byte table keys of block hashes (``hash_key`` of each), as int64."""
+        joined = b"".join(hashes)
+        if len(joined) == 32 * len(hashes):
+            return np.frombuffer(joined, dtype="<i4")[::8].astype(np.int64)
+        return np.fromiter((hash_key(h) for h in hashes), dtype=np.int64, count=len(hashes))
+
     def chain_entries(
         self,
         blocks: npt.NDArray[np.int64],
         groups: npt.NDArray[np.int64],
         positions: npt.NDArray[np.int64],
         srcs: npt.NDArray[np.int64],
-        hashes: Sequence[BlockHash],
+        keys: npt.NDArray[np.int64],
     ) -> None:
         """The hash table's part of ``insert`` for entries whose sources already record and
         count them (``defer_row``), in order, in a few numpy calls."""
         count = blocks.shape[0]
-        joined = b"".join(hashes)
-        if len(joined) == 32 * count:
-            keys = np.frombuffer(joined, dtype="<i4")[::8].astype(np.int64)
-        else:
-            keys = np.fromiter((hash_key(h) for h in hashes), dtype=np.int64, count=count)
         buckets = (keys + groups * GROUP_MIX) & self.mask
         order = np.argsort(buckets, kind="stable")
         sorted_buckets = buckets[order]

@@ -667,42 +667,47 @@ class TorchKVCacheManager:
         can do anything."""
         pool = self.pool
         rows = self.rows
-        changed = False
         # A step still in flight reads the window's blocks: only processed tokens count.
         processed = max(0, computed - int(getattr(request, "num_in_flight_tokens", 0)))
         if processed >= rows.release_at[row]:
             self._release_skipped(row, processed)
-            changed = True
+            self._refresh_release(row)
         new_blocks: tuple[tuple[int, ...], ...] | None = None
-        total = 0
-        grows = need > rows.capacity[row]
-        if grows:
+        if need > rows.capacity[row]:
+            g_count = self.num_groups
             if self._uniform_columns:
-                required = [-(-need // self.block_size)] * self.num_groups
+                # Every group of the row is as long (each allocation extends all of them to
+                # the same length): the same count of new blocks for each.
+                have = rows.length[row * g_count]
+                count = -(-need // self.block_size) - have
+                if not self._fits(count * g_count + kept_free):
+                    return None
+                new_blocks = self._extend_uniform(row, have, count)
             else:
                 required = [rule.blocks_for_tokens(need) for rule in self.rules]
-            at, length = row * self.num_groups, rows.length
-            for g, count in enumerate(required):
-                count -= length[at + g]
-                if count > 0:
-                    total += count
-        if total + kept_free > pool.num_free_blocks and pool.pending:
-            self._settle()  # the pending releases may free enough blocks
-        if total + kept_free > pool.num_free_blocks:
-            if changed:
-                self._refresh(row)
+                at, length = row * g_count, rows.length
+                total = sum(max(c - length[at + g], 0) for g, c in enumerate(required))
+                if not self._fits(total + kept_free):
+                    return None
+                new_blocks = self._extend(row, required)
+            self._refresh_capacity(row)
+        elif kept_free and not self._fits(kept_free):
             return None
-        if grows:
-            new_blocks = self._extend(row, required)
-            changed = True
         if cache_up_to >= rows.cache_at[row]:
             self._cache(request, row, cache_up_to, defer=self._defers)
-            changed = True
-        if changed:
-            self._refresh(row)
+            self._refresh_cache(row)
         if len(pool.pending) >= PENDING_MAX:
             self._settle()  # long without another call: bounded memory
         return self._no_blocks if new_blocks is None else KVCacheBlocks(new_blocks)
+
+    def _fits(self, blocks: int) -> bool:
+        """Whether ``blocks`` blocks are free, counting those the pending releases free."""
+        if blocks <= self.pool.num_free_blocks:
+            return True
+        if self.pool.pending:
+            self._settle()
+            return blocks <= self.pool.num_free_blocks
+        return False
 
     def _whole_sequence_fits(
         self,
@@ -767,22 +772,57 @@ class TorchKVCacheManager:
                 self._touched(g, row, have, have + count)
         return tuple(new_blocks)
 
+    def _extend_uniform(self, row: int, have: int, count: int) -> BlockIds:
+        """``_extend`` of a uniform layout's row, whose groups all hold ``have`` positions, by
+        ``count`` positions each."""
+        if count <= 0:
+            return self._no_hits
+        g_count = self.num_groups
+        popped = self.pool.pop_n(count * g_count)
+        tab, length, at = self._tab.a, self.rows.length, row * g_count
+        offset = row * self.max_blocks_per_req + have
+        tracking = self._device_tables is not self._tables
+        for i in range(at, at + g_count):
+            length[i] = have + count
+        if count == 1:  # a decode step's new block in every group
+            for base, block in zip(self._group_bases, popped, strict=True):
+                tab[base + offset] = block
+            if tracking:
+                for g in range(g_count):
+                    self._touched(g, row, have, have + 1)
+            return tuple(zip(popped))
+        new_blocks: list[tuple[int, ...]] = []
+        for g, base in enumerate(self._group_bases):
+            part = popped[g * count : (g + 1) * count]
+            tab[base + offset : base + offset + count] = _int_array(part)
+            new_blocks.append(tuple(part))
+            if tracking:
+                self._touched(g, row, have, have + count)
+        return tuple(new_blocks)
+
     def _refresh(self, row: int) -> None:
         """Recompute the row's thresholds from its counters (``RowTables``)."""
-        rows = self.rows
+        self._refresh_capacity(row)
+        self._refresh_release(row)
+        self._refresh_cache(row)
+
+    def _refresh_capacity(self, row: int) -> None:
+        """The row's ``capacity``: the tokens its shortest table holds (after a take)."""
         at = row * self.num_groups
-        length, nulls, cached = rows.length, rows.nulls, rows.cached
+        length = self.rows.length
         if self._uniform_columns:
-            # One block size, no speculative blocks: the least table length and cached count.
-            b, end = self.block_size, at + self.num_groups
-            capacity = min(length[at:end]) * b
-            cache = (min(cached[at:end]) + 1) * b
+            capacity = min(length[at : at + self.num_groups]) * self.block_size
         else:
-            capacity = cache = _HUGE
+            capacity = _HUGE
             for g, rule in enumerate(self.rules):
-                b = rule.block_size
-                capacity = min(capacity, (length[at + g] - rule.spec_blocks) * b)
-                cache = min(cache, (cached[at + g] + 1) * b)
+                capacity = min(capacity, (length[at + g] - rule.spec_blocks) * rule.block_size)
+        self.rows.capacity[row] = capacity
+
+    def _refresh_release(self, row: int) -> None:
+        """The row's ``release_at``: where its first window or chunk next lets a block go
+        (after a release)."""
+        at = row * self.num_groups
+        nulls = self.rows.nulls
         release = _HUGE
         for g, b, span, chunked in self._release_columns:
             if chunked:
@@ -790,11 +830,22 @@ class TorchKVCacheManager:
                 release = min(release, start)
             else:
                 release = min(release, (nulls[at + g] + 1) * b + span - 1)
+        self.rows.release_at[row] = release
+
+    def _refresh_cache(self, row: int) -> None:
+        """The row's ``cache_at``: the tokens at which its next block is full (after caching)."""
         if self._general:
-            cache = 0  # scheduler-block rounding, prompt tails, Mamba: every call looks
-        rows.capacity[row] = capacity
-        rows.release_at[row] = release
-        rows.cache_at[row] = cache
+            self.rows.cache_at[row] = 0  # scheduler-block rounding, prompt tails, Mamba: look
+            return
+        at = row * self.num_groups
+        cached = self.rows.cached
+        if self._uniform_columns:
+            cache = (min(cached[at : at + self.num_groups]) + 1) * self.block_size
+        else:
+            cache = _HUGE
+            for g, rule in enumerate(self.rules):
+                cache = min(cache, (cached[at + g] + 1) * rule.block_size)
+        self.rows.cache_at[row] = cache
 
     def _refresh_rows(self, rows: torch.Tensor) -> None:
         """``_refresh`` for many rows (an int64 tensor), in tensor calls."""
@@ -1425,6 +1476,10 @@ class TorchKVCacheManager:
                 if self._device_tables is not self._tables:
                     on_device = self._device_tables[g, row, : len(table)].cpu().tolist()
                     require(on_device == table, f"device table of {request_id!r} is stale")
+            if self._uniform_columns:
+                at = row * self.num_groups
+                lengths = set(rows.length[at : at + self.num_groups])
+                require(len(lengths) == 1, f"request {request_id!r}'s tables differ in length")
             src = self._row_src[row]
             if src >= 0:
                 row_sources[src] = row_sources.get(src, 0) + 1

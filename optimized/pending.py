@@ -30,19 +30,20 @@ Data layout
 -----------
 ::
 
-    released                      array('q'): the blocks of deferred releases, in walk order
-    blocks, groups, positions,    array('q') each: one deferred insert per index, in call
-    srcs                          order (block, group id, table position, source)
-    hashes                        list[bytes]: the hash each insert is keyed by
+    released   array('q'): the blocks of deferred releases, in walk order
+    inserts    list of (source, position, hash, blocks, group ids), in call order: the blocks
+               one call caches at one position, each in the group at the same index, all keyed
+               by that hash (a decode step's record holds one block of every group)
 
-``apply`` reads the arrays through numpy views and turns the hashes into 4-byte keys with one
-join.
+``apply`` expands the inserts into numpy columns (one entry per block) and turns the hashes
+into 4-byte keys with one join.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -53,25 +54,26 @@ if TYPE_CHECKING:
     from hybridkv.optimized.block_pool import TorchBlockPool
 
 
+InsertRecord = tuple[int, int, BlockHash, Sequence[int], Sequence[int]]
+"""(source, position, hash, blocks, group ids): one call's inserts at one position."""
+
+
 class PendingWork:
     """Deferred releases and inserts of running requests' steps (see the module docstring)."""
 
-    __slots__ = ("blocks", "groups", "hashes", "positions", "released", "srcs")
+    __slots__ = ("inserts", "num_inserts", "released")
 
     def __init__(self) -> None:
         self.released = array("q")
-        self.blocks = array("q")
-        self.groups = array("q")
-        self.positions = array("q")
-        self.srcs = array("q")
-        self.hashes: list[BlockHash] = []
+        self.inserts: list[InsertRecord] = []
+        self.num_inserts = 0
 
     def __bool__(self) -> bool:
-        return bool(self.released) or bool(self.hashes)
+        return bool(self.released) or bool(self.inserts)
 
     def __len__(self) -> int:
         """Deferred releases and inserts together."""
-        return len(self.released) + len(self.hashes)
+        return len(self.released) + self.num_inserts
 
     def release(self, blocks: Sequence[int]) -> None:
         """Defer dropping one holder of each block (cached blocks only), in walk order."""
@@ -80,31 +82,29 @@ class PendingWork:
     def insert_row(
         self,
         blocks: Sequence[int],
-        group_ids: array[int],
+        group_ids: Sequence[int],
         pos: int,
         block_hash: BlockHash,
         src: int,
     ) -> None:
         """Defer caching ``blocks[i]`` of group ``group_ids[i]`` at position ``pos``, all under
         ``block_hash`` from source ``src`` (a decode step's newly full block in every group)."""
-        count = len(blocks)
-        self.blocks.extend(blocks)
-        self.groups.extend(group_ids)
-        self.positions.extend(array("q", (pos,)) * count)
-        self.srcs.extend(array("q", (src,)) * count)
-        self.hashes.extend([block_hash] * count)
+        self.inserts.append((src, pos, block_hash, blocks, group_ids))
+        self.num_inserts += len(blocks)
 
     def insert(
         self, entries: Sequence[tuple[int, int, int]], hashes: Sequence[BlockHash], src: int
     ) -> None:
         """Defer caching each ``(block, group id, position)`` under ``hashes[position]``, from
-        source ``src``."""
+        source ``src`` (one record per position: the order of two entries matters only when
+        they share a key, position and group, which one call's entries never do)."""
+        by_position: dict[int, tuple[list[int], list[int]]] = {}
         for block, group_id, pos in entries:
-            self.blocks.append(block)
-            self.groups.append(group_id)
-            self.positions.append(pos)
-            self.srcs.append(src)
-            self.hashes.append(hashes[pos])
+            blocks, group_ids = by_position.setdefault(pos, ([], []))
+            blocks.append(block)
+            group_ids.append(group_id)
+        for pos, (blocks, group_ids) in by_position.items():
+            self.insert_row(blocks, group_ids, pos, hashes[pos], src)
 
     def apply(self, pool: TorchBlockPool) -> None:
         """Make the deferred releases, then the deferred inserts, and forget them."""
@@ -113,12 +113,13 @@ class PendingWork:
             released = np.frombuffer(self.released, dtype=np.int64)
             self.released = array("q")
             pool.release_cached(released)
-        if self.hashes:
-            blocks, groups, positions, srcs = (
-                np.frombuffer(values, dtype=np.int64)
-                for values in (self.blocks, self.groups, self.positions, self.srcs)
-            )
-            hashes = self.hashes
-            self.blocks, self.groups, self.positions, self.srcs = (array("q") for _ in range(4))
-            self.hashes = []
-            pool.chain_entries(blocks, groups, positions, srcs, hashes)
+        if self.inserts:
+            records, total = self.inserts, self.num_inserts
+            self.inserts, self.num_inserts = [], 0
+            counts = np.fromiter((len(r[3]) for r in records), dtype=np.int64, count=len(records))
+            blocks = np.fromiter(chain.from_iterable(r[3] for r in records), np.int64, total)
+            groups = np.fromiter(chain.from_iterable(r[4] for r in records), np.int64, total)
+            positions = np.repeat(np.fromiter((r[1] for r in records), np.int64), counts)
+            srcs = np.repeat(np.fromiter((r[0] for r in records), np.int64), counts)
+            keys = np.repeat(pool.keys_of([r[2] for r in records]), counts)
+            pool.chain_entries(blocks, groups, positions, srcs, keys)
