@@ -328,8 +328,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "the vectorised step keeps one token too many in a sliding window",
         "batch",
         (
-            "tokens = (comp[:, None] - m.columns.window_less_one).clamp_(min=0)",
-            "tokens = (comp[:, None] - m.columns.window_less_one - 1).clamp_(min=0)",
+            "tokens = np.maximum(processed[:, None] - columns.window_less_one, 0)",
+            "tokens = np.maximum(processed[:, None] - columns.window_less_one - 1, 0)",
         ),
     ),
     _o(
@@ -337,8 +337,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "the vectorised step releases a chunk's blocks one chunk late",
         "batch",
         (
-            "comp[:, None] // m.columns.chunk_or_one * m.columns.chunk",
-            "(comp[:, None] // m.columns.chunk_or_one - 1).clamp(min=0) * m.columns.chunk",
+            "processed[:, None] // columns.chunk_or_one * columns.chunk,",
+            "np.maximum(processed[:, None] // columns.chunk_or_one - 1, 0) * columns.chunk,",
         ),
     ),
     _o(
@@ -346,22 +346,25 @@ MUTANTS: tuple[Mutant, ...] = (
         "the vectorised step releases nothing from the last group's window or chunk",
         "batch",
         (
-            "        skipped = torch.minimum(tokens.floor_divide_(b), length)\n",
-            "        skipped = torch.minimum(tokens.floor_divide_(b), length)\n"
-            "        skipped[:, -1] = torch.minimum(nulls[:, -1], skipped[:, -1])\n",
+            "        skipped = np.minimum(tokens // b, length)\n",
+            "        skipped = np.minimum(tokens // b, length)\n"
+            "        skipped[:, -1] = np.minimum(nulls[:, -1], skipped[:, -1])\n",
         ),
     ),
     _o(
         "opt_batch_release_not_busy",
         "a step skips a request whose only work is a window or chunk release",
         "batch",
-        ("            busy |= comp >= thresholds[1]\n", "            pass\n"),
+        (
+            "        busy |= comp >= thresholds[1, rows]  # the processed count is never more\n",
+            "        pass\n",
+        ),
     ),
     _o(
         "opt_batch_cache_not_busy",
         "a step skips a request whose only work is caching a newly full block",
         "batch",
-        ("            busy |= cache_tokens >= thresholds[2]\n", "            pass\n"),
+        ("        busy |= cache_tokens >= thresholds[2, rows]\n", "        pass\n"),
     ),
     _o(
         "opt_free_batch_head_order",
@@ -378,7 +381,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "free_batch appends hashed blocks in id order, not in the order of their last release",
         "batch",
         (
-            "tail = freed[hashed][torch.argsort(freed_last[hashed])]",
+            "tail = freed[hashed][np.argsort(freed_last[hashed])]",
             "tail = freed[hashed]",
         ),
     ),
@@ -410,6 +413,34 @@ MUTANTS: tuple[Mutant, ...] = (
         "the single-request path releases a window's blocks first to last",
         "manager",
         ("            released.reverse()\n", ""),
+    ),
+    _o(
+        "opt_pending_release_of_uncached",
+        "a running step defers the release of a block that holds no cached hash (it belongs at "
+        "the head of the free queue, not the tail)",
+        "manager",
+        (
+            "            if min(map(pool.src.a.__getitem__, released)) >= 0:\n",
+            "            if True:\n",
+        ),
+    ),
+    _o(
+        "opt_lookup_before_pending",
+        "a lookup reads the prefix cache without the running steps' pending inserts",
+        "manager",
+        (
+            "            return self._no_blocks, 0, 0\n        self._settle()\n",
+            "            return self._no_blocks, 0, 0\n",
+        ),
+    ),
+    _o(
+        "opt_pending_release_order",
+        "the pending releases free their blocks to the tail last to first",
+        "block_pool",
+        (
+            "            self.link_after_array(self.prev.a[self.tail], blocks)\n",
+            "            self.link_after_array(self.prev.a[self.tail], blocks[::-1].copy())\n",
+        ),
     ),
     _o(
         "opt_run_returns_duplicates",

@@ -5,23 +5,25 @@ Each is exactly the single-request call applied to each request in order (same r
 
 ``allocate_slots_batch`` (running requests, no new cache hits) works in three stages:
 
-1. Read every request once (row, computed tokens, tokens in flight, tokens, hashes: C-level
-   ``map`` calls; windows and chunks release on the computed tokens less those in flight) and
+1. Read every request once (row, computed tokens, tokens, hashes: C-level ``map`` calls) and
    compare with its row's thresholds (``RowTables.thresholds``, ``hybridkv.optimized.rows``):
    a request that needs no new block, releases nothing from a window or chunk and fills no
    block would change nothing and gets no blocks, so it is not looked at again. In a decode
-   step that is most of them.
+   step that is most of them. (A window releases on the computed tokens less those in flight,
+   never more than on the computed tokens: the requests found busy on the computed tokens are
+   the only ones whose tokens in flight are read.)
 2. The requests left ("busy") are served by the single-request call, one by one, if they are
    fewer than ``busy_batch_min`` (with reserved or watermark blocks, every request is: a
    request needing no block fails too when too few are free).
 3. Otherwise by the vectorised step, which needs: every request running and listed once, valid
    arguments, enough free blocks for the whole step and the reserved and watermark blocks
    (then no request can fail and every block it takes comes from the head of the queue as it
-   was), and every block released from a
-   window or chunk still held or holding a cached hash (then each release is an append at the
-   tail, whatever the interleaving with the takes). Where that does not hold (a short pool, a
-   bad argument, an uncached released block), the busy requests are served one by one, before
-   anything has changed.
+   was), every block released from a window or chunk holding a cached hash (then each release
+   is an append at the tail, whatever the interleaving with the takes), no KV events, and no
+   sparse retention group caching. Where that does not hold, the busy requests are served one
+   by one, before anything has changed. Its releases and inserts go to the pool's pending work
+   where the manager defers a running step's (``hybridkv.optimized.pending``), else to the pool
+   at once.
 
 ``free_batch`` is always vectorised (for ``batch_min`` requests or more): the release order of
 sequential calls is a function of the batch (tail appends in walk order of each block's last
@@ -29,37 +31,36 @@ release; head inserts batch by batch, the last batch first).
 
 Data layout
 -----------
-Per call, everything is an ``[n, G]`` int64 tensor (n requests, G groups; request-major, so
+Per call, everything is an ``[n, G]`` int64 numpy array (n requests, G groups; request-major, so
 that flattening gives the order of sequential calls) gathered from the row counters
-(``RowTables.gather``: one ``index_select`` at ``row × G + g``): table lengths, leading nulls,
-cached positions, blocks required, released positions, new blocks, blocks to cache. Released, new
-and cached positions are enumerated with ``repeat_interleave`` over those counts and become
-flat indices ``(g × R + row) × W + pos`` into the table tensor. Only the blocks taken from the
-free queue (a linked-list walk) and the hashes of newly full blocks (Python ``bytes`` owned by
-the requests) are touched one by one.
+(``RowTables.gather``: one fancy index at ``row × G + g``): table lengths, leading nulls,
+cached positions, released positions, new blocks, blocks to cache. Released and new positions
+are enumerated with ``repeat`` over those counts and become flat indices
+``(g × R + row) × W + pos`` into the host tables. Only the blocks taken from the free queue (a
+linked-list walk), the requests' hashes and sources (Python objects owned by the requests) and
+the results are touched one request at a time.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections import Counter
 from collections.abc import Sequence
-from operator import attrgetter
-from typing import TYPE_CHECKING, cast
+from operator import attrgetter, countOf
+from typing import TYPE_CHECKING
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
-from hybridkv.optimized._buffers import int32_from_bytes, tensor_from_ints
-from hybridkv.optimized.block_pool import hash_key
 from hybridkv.optimized.thresholds import INSERT_MIN
-from hybridkv.reference.block_hash import BlockHash
-from hybridkv.reference.events import KVCacheEvent
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import Request, RequestLike
 from hybridkv.spec.errors import check_non_negative
 
 if TYPE_CHECKING:
     from hybridkv.optimized.manager import TorchKVCacheManager
+
+Ints = npt.NDArray[np.int64]
 
 _ID = attrgetter("request_id")
 _COMPUTED = attrgetter("num_computed_tokens")
@@ -69,11 +70,13 @@ _TOKEN_LIST = attrgetter("_all_token_ids")
 _HASH_LIST = attrgetter("_block_hashes")
 
 
-def _expand(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For per-pair counts: each element's pair, and its pair's start in the element order."""
-    pair = torch.repeat_interleave(counts)
-    starts = torch.cumsum(counts, 0) - counts
-    return pair, starts
+def _expand(counts: Ints) -> tuple[Ints, Ints]:
+    """For per-pair counts: each element's pair, and its rank within its pair."""
+    total = int(counts.sum())
+    pair = np.repeat(np.arange(counts.shape[0], dtype=np.int64), counts)
+    starts = np.cumsum(counts) - counts
+    rank: Ints = np.arange(total, dtype=np.int64) - starts[pair]
+    return pair, rank
 
 
 def allocate_slots_batch(
@@ -87,7 +90,6 @@ def allocate_slots_batch(
 ) -> list[KVCacheBlocks | None]:
     """``[m.allocate_slots(r, n, num_lookahead_tokens=…, delay_cache_blocks=…,
     reserved_blocks=…, watermark_blocks=…) for r, n]``."""
-    m._settle()
     n = len(requests)
     counts: Sequence[int] = (
         [num_new_tokens] * n if isinstance(num_new_tokens, int) else num_new_tokens
@@ -136,35 +138,37 @@ def _kept_free(reserved_blocks: int, watermark_blocks: int) -> bool:
 
 
 def _step_fields(
-    m: TorchKVCacheManager, requests: Sequence[RequestLike], counts: Sequence[int] | None
-) -> tuple[list[int], torch.Tensor] | None:
-    """Rows, then [row, computed, in flight, num_tokens, (counts), (number of hashes)] per
-    request as one int64 ``[fields, n]`` tensor; ``None`` unless every request is running and
-    listed once."""
+    m: TorchKVCacheManager, requests: Sequence[RequestLike]
+) -> tuple[Ints, Ints, Ints, Ints | None] | None:
+    """Rows, computed tokens, tokens and (with caching) hash counts per request, each an int64
+    array; ``None`` unless every request is running and listed once."""
     n = len(requests)
-    ids = list(map(_ID, requests))
-    found = m.rows.rows_of(ids)
-    if None in found or len(set(ids)) != n:
+    found = m.rows.rows_of(map(_ID, requests))
+    if None in found:
         return None
-    rows = cast(list[int], found)
-    data = array("q", rows)
-    data.extend(map(_COMPUTED, requests))
-    data.extend(int(getattr(r, "num_in_flight_tokens", 0)) for r in requests)
-    if set(map(type, requests)) == {Request}:
+    rows = np.array(found, dtype=np.int64)
+    if np.bincount(rows, minlength=1).max() > 1:
+        return None  # a request listed twice
+    computed = array("q")
+    computed.extend(map(_COMPUTED, requests))
+    num_tokens = array("q")
+    own = countOf(map(type, requests), Request) == n
+    if own:
         # The project's own requests: their properties return these lists, read here directly.
-        data.extend(map(len, map(_TOKEN_LIST, requests)))
-        hashes = _HASH_LIST
+        num_tokens.extend(map(len, map(_TOKEN_LIST, requests)))
     else:
-        data.extend(map(_NUM_TOKENS, requests))
-        hashes = _HASHES
-    fields = 4
-    if counts is not None:
-        data.extend(counts)
-        fields += 1
+        num_tokens.extend(map(_NUM_TOKENS, requests))
+    num_hashes = None
     if m.enable_caching:
-        data.extend(map(len, map(hashes, requests)))
-        fields += 1
-    return rows, torch.frombuffer(data, dtype=torch.int64).view(fields, n)
+        hashes = array("q")
+        hashes.extend(map(len, map(_HASH_LIST if own else _HASHES, requests)))
+        num_hashes = np.frombuffer(hashes, dtype=np.int64)
+    return (
+        rows,
+        np.frombuffer(computed, dtype=np.int64),
+        np.frombuffer(num_tokens, dtype=np.int64),
+        num_hashes,
+    )
 
 
 def _allocate_vectorised(
@@ -173,14 +177,13 @@ def _allocate_vectorised(
     num_new_tokens: Sequence[int] | int,
     lookahead: int,
     delay: bool,
-    busy_only: bool = False,
     kept_free: int = 0,
 ) -> list[KVCacheBlocks | None] | None:
     """The vectorised step, or ``None`` (nothing changed) when it does not apply.
 
     A request that crosses none of its row's thresholds (``next``) would take no block,
     release none and cache none: its call would return no blocks and change nothing, so only
-    the others are worked on, one by one if they are few (``busy_only``: they all are).
+    the others are worked on, one by one if they are few.
 
     ``kept_free`` blocks (reserved and watermark) must stay free after each request's take.
     The step applies only when they stay free after all of them: then every request's own
@@ -192,281 +195,220 @@ def _allocate_vectorised(
     n = len(requests)
     if n == 0:
         return []
-    if kept_free > m.pool.num_free_blocks:
+    pool = m.pool
+    if pool.event_builder is not None:
+        return None  # events interleave with each request's takes: one by one
+    m._settle()
+    if kept_free > pool.num_free_blocks:
         return None  # a request may fail even without taking a block: the single calls say
     check_non_negative("num_lookahead_tokens", lookahead)
     if isinstance(num_new_tokens, int):
         if type(num_new_tokens) is not int or num_new_tokens < 1:
             return None
-    elif set(map(type, num_new_tokens)) != {int} or min(num_new_tokens) < 1:
+    elif countOf(map(type, num_new_tokens), int) != n or min(num_new_tokens) < 1:
         return None
-    fields = _step_fields(m, requests, None if isinstance(num_new_tokens, int) else num_new_tokens)
+    fields = _step_fields(m, requests)
     if fields is None:
         return None
-    rows_list, values = fields
-    b, w, pool = m.block_size, m.max_blocks_per_req, m.pool
-    rows, comp, in_flight, ntok = values[0], values[1], values[2], values[3]
-    new_tokens = num_new_tokens if isinstance(num_new_tokens, int) else values[4]
-    if m.enable_caching and bool((values[-1] != (ntok - m.lookahead).clamp(min=0) // b).any()):
+    rows, comp, ntok, num_hashes = fields
+    b = m.block_size
+    if num_hashes is not None and bool((num_hashes > np.maximum(ntok - m.lookahead, 0) // b).any()):
         return None  # a request hashed at another block size: the single calls raise
-    comp.clamp_(max=m.max_model_len)
-    need = (comp + new_tokens + lookahead).clamp_(max=m.max_model_len)
+    new_tokens: Ints | int = (
+        num_new_tokens
+        if isinstance(num_new_tokens, int)
+        else np.array(num_new_tokens, dtype=np.int64)
+    )
+    comp = np.minimum(comp, m.max_model_len)
+    need = np.minimum(comp + new_tokens + lookahead, m.max_model_len)
     caching = m.enable_caching and not delay
+    cache_tokens = np.minimum(comp + new_tokens, ntok)
+    thresholds = m.rows.thresholds
+    busy = need > thresholds[0, rows]
+    if m.columns.releases:
+        busy |= comp >= thresholds[1, rows]  # the processed count is never more
     if caching:
-        cache_tokens = torch.minimum(comp + new_tokens, ntok)
-    # From here on ``comp`` is the processed count, what windows and chunks release on: the
-    # computed tokens less those in flight (async scheduling), which a step still reads.
-    comp = (comp - in_flight).clamp_(min=0)
-    if not busy_only:
-        thresholds = m.rows.thresholds[:, rows]
-        busy = need > thresholds[0]
-        if m.columns.releases:
-            busy |= comp >= thresholds[1]
-        if caching:
-            busy |= cache_tokens >= thresholds[2]
-        subset = torch.nonzero(busy).view(-1).tolist()
-        if len(subset) < n:
-            chosen = [requests[i] for i in subset]
-            each = (
-                [num_new_tokens] * len(subset)
-                if isinstance(num_new_tokens, int)
-                else [num_new_tokens[i] for i in subset]
+        busy |= cache_tokens >= thresholds[2, rows]
+    chosen = np.flatnonzero(busy)
+    out: list[KVCacheBlocks | None] = [m._no_blocks] * n
+    if chosen.shape[0] == 0:
+        return out
+    picked = chosen.tolist()
+    each = (
+        [num_new_tokens] * len(picked)
+        if isinstance(num_new_tokens, int)
+        else [num_new_tokens[i] for i in picked]
+    )
+    if len(picked) < m.busy_batch_min:
+        if kept_free:
+            return None
+        for i, count in zip(picked, each, strict=True):
+            out[i] = m.allocate_slots(
+                requests[i], count, num_lookahead_tokens=lookahead, delay_cache_blocks=delay
             )
-            merged: list[KVCacheBlocks | None] = [m._no_blocks] * n
-            done: list[KVCacheBlocks | None] | None
-            if len(subset) >= m.busy_batch_min:
-                done = _allocate_vectorised(
-                    m, chosen, each, lookahead, delay, busy_only=True, kept_free=kept_free
-                )
-                if done is None:
-                    return None
-            elif kept_free:
-                return None
-            else:
-                done = [
-                    m.allocate_slots(r, c, num_lookahead_tokens=lookahead, delay_cache_blocks=delay)
-                    for r, c in zip(chosen, each, strict=True)
-                ]
-            for i, result in zip(subset, done, strict=True):
-                merged[i] = result
-            return merged
+        return out
+    done = _step_busy(
+        m,
+        [requests[i] for i in picked],
+        rows[chosen],
+        comp[chosen],
+        need[chosen],
+        cache_tokens[chosen] if caching else None,
+        None if num_hashes is None else num_hashes[chosen],
+        kept_free,
+    )
+    if done is None:
+        return None
+    for i, result in zip(picked, done, strict=True):
+        out[i] = result
+    return out
+
+
+def _step_busy(
+    m: TorchKVCacheManager,
+    requests: Sequence[RequestLike],
+    rows: Ints,
+    comp: Ints,
+    need: Ints,
+    cache_tokens: Ints | None,
+    num_hashes: Ints | None,
+    kept_free: int,
+) -> list[KVCacheBlocks | None] | None:
+    """The vectorised step of the busy requests (``None``, nothing changed, where it does not
+    apply): their releases, takes and inserts in the order of their single calls."""
+    pool, b, w = m.pool, m.block_size, m.max_blocks_per_req
+    in_flight = np.fromiter(
+        (getattr(r, "num_in_flight_tokens", 0) for r in requests), np.int64, len(requests)
+    )
+    # A step still in flight reads the window's blocks: windows release on the processed count.
+    processed = np.maximum(comp - in_flight, 0)
     pair_index = m.rows.pair_index(rows)  # [n, G]: request-major pairs
     length, nulls, cached = m.rows.gather(pair_index)
-    required = (need + (b - 1)) // b
-    new = (required[:, None] - length).clamp_(min=0)
-    if m.columns.releases:
-        tokens = (comp[:, None] - m.columns.window_less_one).clamp_(min=0)
-        if m.columns.chunk is not None:
-            tokens = torch.where(
-                m.columns.chunk > 0,
-                comp[:, None] // m.columns.chunk_or_one * m.columns.chunk,
+    columns = m.columns
+    if columns.releases:
+        tokens = np.maximum(processed[:, None] - columns.window_less_one, 0)
+        if columns.chunk is not None:
+            tokens = np.where(
+                columns.chunk > 0,
+                processed[:, None] // columns.chunk_or_one * columns.chunk,
                 tokens,
             )
-        skipped = torch.minimum(tokens.floor_divide_(b), length)
-        released = (skipped - nulls).clamp_(min=0)
+        skipped = np.minimum(tokens // b, length)
+        released = np.maximum(skipped - nulls, 0)
     else:
-        skipped = released = torch.zeros_like(new)
-    if caching:
-        num_full = cache_tokens.floor_divide_(b)
-        if m.lookahead:
-            num_full = torch.minimum(num_full, values[-1])  # the hashed blocks only
-        to_cache = (num_full[:, None] - cached).clamp_(min=0)
-    else:
-        to_cache = torch.zeros_like(new)
-    if caching and m.columns.sparse_groups and bool(to_cache[:, m.columns.sparse_groups].any()):
-        return None  # sparse retention masks what a group caches: one by one
-    total_new, num_released, num_to_cache = (
-        torch.stack((new, released, to_cache)).sum((1, 2)).tolist()
-    )
+        skipped = nulls
+        released = np.zeros_like(nulls)
+    new = np.maximum((need + (b - 1))[:, None] // b - length, 0)
+    to_cache = None
+    if cache_tokens is not None:
+        num_full = cache_tokens // b
+        if num_hashes is not None:
+            num_full = np.minimum(num_full, num_hashes)  # the hashed blocks only
+        to_cache = np.maximum(num_full[:, None] - cached, 0)
+        if columns.sparse_groups and bool(to_cache[:, columns.sparse_groups].any()):
+            return None  # sparse retention masks what a group caches: one by one
+    total_new = int(new.sum())
     if total_new + kept_free > pool.num_free_blocks:
         return None
-    # [n·G] flat index of position 0
-    table_base = ((rows[:, None] + m.columns.table_rows) * w).view(-1)
-    release_flat = freed = final = blocks = None
+    # [n·G] flat index of position 0 of each pair's table
+    table_base = ((rows[:, None] + columns.table_rows) * w).ravel()
+    tab = m._tab.n
+    num_released = int(released.sum())
     if num_released:
         # Released positions in sequential order: request, group, position high to low.
-        per_pair = released.view(-1)
-        starts = torch.cumsum(per_pair, 0) - per_pair
-        top = table_base + skipped.view(-1) - 1 + starts
-        release_flat = top[torch.repeat_interleave(per_pair)] - torch.arange(num_released)
-        blocks = m._tab.t.index_select(0, release_flat)
-        if torch.unique(blocks).shape[0] == num_released:
-            final = pool.ref.t.index_select(0, blocks) - 1
-            freed = blocks[final == 0]  # walk order is sequential order: append as they come
-        else:  # a block released twice: it is freed (if at all) at its last release
-            unique, inverse, repeats = torch.unique(blocks, return_inverse=True, return_counts=True)
-            final = pool.ref.t.index_select(0, unique) - repeats
-            blocks = unique
-            zero = final == 0
-            last = torch.zeros(unique.shape[0], dtype=torch.int64).scatter_reduce_(
-                0, inverse, torch.arange(num_released), "amax"
-            )
-            freed = unique[zero][torch.argsort(last[zero])]
-        if freed.shape[0] and not bool((pool.src.t.index_select(0, freed) >= 0).all()):
+        per_pair = released.ravel()
+        pair, rank = _expand(per_pair)
+        release_flat = (table_base + skipped.ravel() - 1)[pair] - rank
+        blocks = tab[release_flat].astype(np.int64)
+        if not bool((pool.src.n[blocks] >= 0).all()):
             return None  # a block without a hash would go to the head: one by one
     # Nothing has changed so far; from here on the step cannot fail.
-    if release_flat is not None:
-        assert blocks is not None
-        assert final is not None
-        assert freed is not None
-        m._tab.t.index_fill_(0, release_flat, 0)
-        m.rows.columns[1].index_copy_(
-            0, pair_index.view(-1), torch.maximum(nulls, skipped).view(-1)
-        )
-        pool.ref.t.index_copy_(0, blocks.to(torch.int64), final.to(torch.int32))
-        m._dirty_index.append(release_flat)
-    sink: list[tuple[int, KVCacheEvent]] | None = [] if pool.enable_kv_cache_events else None
-    popped = pool.pop_n(total_new, sink)
-    if freed is not None and freed.shape[0]:
-        if freed.shape[0] >= INSERT_MIN:
-            pool.link_after_tensor(pool.prev.a[pool.tail], freed)
+    tracking = m._device_tables is not m._tables
+    if num_released:
+        tab[release_flat] = 0
+        m.rows.columns[1][pair_index] = np.maximum(nulls, skipped)
+        if m._defers:
+            pool.pending.release(blocks.tolist())
         else:
-            pool.link_after(pool.prev.a[pool.tail], freed.tolist())
+            pool.release_cached(blocks)
+        if tracking:
+            m._dirty_index.append(torch.from_numpy(release_flat))
+    popped = pool.pop_n(total_new)
     active: list[int] = []
     if total_new:
-        per_pair = new.view(-1)
-        first = table_base + length.view(-1) - (torch.cumsum(per_pair, 0) - per_pair)
-        flat = first[torch.repeat_interleave(per_pair)] + torch.arange(total_new)
-        m._tab.t.index_copy_(0, flat, torch.frombuffer(array("i", popped), dtype=torch.int32))
-        m.rows.columns[0].index_copy_(0, pair_index.view(-1), (length + new).view(-1))
-        m._dirty_index.append(flat)
-        active = torch.nonzero(new.sum(1)).view(-1).tolist()
-    events: list[list[KVCacheEvent]] | None = None
-    if sink is not None:
-        events = [[] for _ in range(n)]
-        ends = torch.cumsum(new.sum(1), 0).tolist()
-        owner = 0
-        for pop_index, event in sink:
-            while pop_index >= ends[owner]:
-                owner += 1
-            events[owner].append(event)
-    if num_to_cache:
-        _cache_vectorised(
-            m, requests, rows_list, pair_index, table_base, cached, num_full, to_cache,
-            num_to_cache, events,
-        )  # fmt: skip
-    if events is not None:
-        for request_events in events:
-            pool.events.extend(request_events)
+        per_pair = new.ravel()
+        pair, rank = _expand(per_pair)
+        flat = (table_base + length.ravel())[pair] + rank
+        tab[flat] = popped
+        m.rows.columns[0][pair_index] = length + new
+        if tracking:
+            m._dirty_index.append(torch.from_numpy(flat))
+        active = np.flatnonzero(new.sum(1)).tolist()
+    if to_cache is not None and bool(to_cache.any()):
+        _cache_busy(m, requests, rows, pair_index, table_base, cached, to_cache)
     m._refresh_rows(rows)
-    out: list[KVCacheBlocks | None] = [m._no_blocks] * n
+    out: list[KVCacheBlocks | None] = [m._no_blocks] * len(requests)
     if active:
+        g_count = m.num_groups
         at = 0
         for i, per_group in zip(active, new[active].tolist(), strict=True):
+            if per_group.count(1) == g_count:  # a decode step's one block per group
+                out[i] = KVCacheBlocks(tuple(zip(popped[at : at + g_count])))
+                at += g_count
+                continue
             groups = []
-            for c in per_group:
-                groups.append(tuple(popped[at : at + c]))
-                at += c
+            for count in per_group:
+                groups.append(tuple(popped[at : at + count]))
+                at += count
             out[i] = KVCacheBlocks(tuple(groups))
     return out
 
 
-def _cache_vectorised(
+def _cache_busy(
     m: TorchKVCacheManager,
     requests: Sequence[RequestLike],
-    rows_list: list[int],
-    pair_index: torch.Tensor,
-    table_base: torch.Tensor,
-    cached: torch.Tensor,
-    num_full: torch.Tensor,
-    count: torch.Tensor,
-    total: int,
-    events: list[list[KVCacheEvent]] | None,
+    rows: Ints,
+    pair_index: Ints,
+    table_base: Ints,
+    cached: Ints,
+    to_cache: Ints,
 ) -> None:
-    """``_cache`` for every request of a step: the new full blocks of every group."""
-    pool = m.pool
+    """``_cache`` for the busy requests of a step that fill blocks, in their order: a request
+    that fills one block in every group (a decode step's) in a few operations, another by its
+    single-request path."""
     g_count = m.num_groups
-    active = torch.nonzero(count.sum(1)).view(-1)
-    hashes: list[BlockHash] = []
-    srcs: list[int] = []
-    for i, starts, hi in zip(
-        active.tolist(), cached[active].tolist(), num_full[active].tolist(), strict=True
+    b = m.block_size
+    active = np.flatnonzero(to_cache.sum(1))
+    starts = cached[active]
+    # A decode step's request fills one block in every group, all at the same position, and
+    # every one of them is real (a window smaller than a block may have let one go already).
+    positions = starts[:, 0]
+    flat = table_base.reshape(-1, g_count)[active] + positions[:, None]
+    found = m._tab.n[flat]
+    decode = (to_cache[active] == 1).all(1) & (starts == positions[:, None]).all(1)
+    decode &= (found != 0).all(1)
+    if not m._defers:
+        decode[:] = False
+    row_blocks = found.tolist()
+    group_ids = m._group_ids
+    defer_row, source_of = m.pool.defer_row, m._source_of
+    for i, row, pos, blocks, plain in zip(
+        active.tolist(),
+        rows[active].tolist(),
+        positions.tolist(),
+        row_blocks,
+        decode.tolist(),
+        strict=True,
     ):
         request = requests[i]
-        own = request.block_hashes
-        src = m._source_of(request, rows_list[i], hi, hi * m.block_size)
-        lo = min(starts)
-        if lo == max(starts):
-            chunk = own[lo:hi]
-            hashes.extend(chunk)
-            for _ in range(g_count - 1):
-                hashes.extend(chunk)
-            srcs.extend([src] * (len(chunk) * g_count))
+        if plain:
+            src = source_of(request, row, pos + 1, (pos + 1) * b)
+            defer_row(blocks, group_ids, pos, request.block_hashes[pos], src)
         else:
-            for start in starts:
-                if start < hi:
-                    hashes.extend(own[start:hi])
-                    srcs.extend([src] * (hi - start))
-    per_pair = count.view(-1)
-    pair = torch.repeat_interleave(per_pair)
-    starts_of = torch.cumsum(per_pair, 0) - per_pair - cached.view(-1)
-    pos = torch.arange(total) - starts_of[pair]
-    blocks = m._tab.t.index_select(0, table_base.index_select(0, pair) + pos).to(torch.int64)
-    groups = pair % g_count
-    if events is not None:
-        _stored_events(m, requests, pair, pos, blocks, hashes, events)
-    real = blocks != 0
-    if not bool(real.all()):
-        keep = real.tolist()
-        hashes = [h for h, k in zip(hashes, keep, strict=True) if k]
-        srcs = [s for s, k in zip(srcs, keep, strict=True) if k]
-        blocks, groups, pos = blocks[real], groups[real], pos[real]
-    if len(hashes) < INSERT_MIN:
-        for blk, h, g, p, s in zip(
-            blocks.tolist(), hashes, groups.tolist(), pos.tolist(), srcs, strict=True
-        ):
-            pool.insert(blk, h, g, p, s)
-    else:
-        joined = b"".join(hashes)
-        if len(joined) == 32 * len(hashes):
-            keys = int32_from_bytes(joined)[::8].to(torch.int64)
-        else:
-            keys = tensor_from_ints([hash_key(h) for h in hashes])
-        src_tensor = torch.frombuffer(array("q", srcs), dtype=torch.int64)
-        pool.insert_many(blocks, keys, groups, pos, src_tensor)
-        for s, c in Counter(srcs).items():
-            pool.source(s).refs += c
-    m.rows.columns[2].index_copy_(
-        0, pair_index.view(-1), torch.maximum(cached, num_full[:, None]).view(-1)
-    )
-
-
-def _stored_events(
-    m: TorchKVCacheManager,
-    requests: Sequence[RequestLike],
-    pair: torch.Tensor,
-    pos: torch.Tensor,
-    blocks: torch.Tensor,
-    hashes: list[BlockHash],
-    events: list[list[KVCacheEvent]],
-) -> None:
-    """One ``BlockStored`` per (request, group) that cached, in sequential order."""
-    g_count, b = m.num_groups, m.block_size
-    builder = m.pool.event_builder
-    assert builder is not None
-    runs: dict[int, list[tuple[int, int, BlockHash]]] = {}
-    for p, position, blk, h in zip(
-        pair.tolist(), pos.tolist(), blocks.tolist(), hashes, strict=True
-    ):
-        runs.setdefault(p, []).append((position, blk, h))
-    for p, run in runs.items():
-        i, g = divmod(p, g_count)
-        request = requests[i]
-        lo, hi = run[0][0], run[-1][0] + 1
-        parent = request.block_hashes[lo - 1] if lo else None
-        kept = [(position, h) for position, blk, h in run if blk]
-        events[i].append(
-            builder.stored(
-                request,
-                [h for _, h in kept],
-                [position for position, _ in kept],
-                parent,
-                lo * b,
-                hi * b,
-                b,
-                g,
-            )
-        )
+            num_full = int((cached[i] + to_cache[i]).max())
+            m._cache(request, int(row), num_full * b, defer=m._defers)
+    done = active[decode]
+    m.rows.columns[2][pair_index[done]] = (positions[decode] + 1)[:, None]
 
 
 def free_batch(m: TorchKVCacheManager, requests: Sequence[RequestLike]) -> None:
@@ -485,36 +427,35 @@ def free_batch(m: TorchKVCacheManager, requests: Sequence[RequestLike]) -> None:
             m.free(r)
         return
     w = m.max_blocks_per_req
-    rows = torch.frombuffer(array("q", [row for _, row in order]), dtype=torch.int64)
+    rows = np.array([row for _, row in order], dtype=np.int64)
     length, nulls, _ = m.rows.gather(m.rows.pair_index(rows))
-    real = (length - nulls).view(-1)  # one release batch per (request, group): its real blocks
+    real = (length - nulls).ravel()  # one release batch per (request, group): its real blocks
     total = int(real.sum())
     if total:
-        pair, starts = _expand(real)
-        table_base = (rows[:, None] + m.columns.table_rows) * w
-        top = (table_base.view(-1) + length.view(-1) - 1 + starts)[pair]
-        blocks = m._tab.t.index_select(0, top - torch.arange(total))  # last position first
-        unique, inverse, repeats = torch.unique(blocks, return_inverse=True, return_counts=True)
-        final = pool.ref.t.index_select(0, unique) - repeats
-        pool.ref.t.index_copy_(0, unique.to(torch.int64), final.to(torch.int32))
+        pair, rank = _expand(real)
+        table_base = ((rows[:, None] + m.columns.table_rows) * w).ravel()
+        blocks = m._tab.n[(table_base + length.ravel() - 1)[pair] - rank].astype(np.int64)
+        unique, inverse, repeats = np.unique(blocks, return_inverse=True, return_counts=True)
+        ref = pool.ref.n
+        final = ref[unique] - repeats
+        ref[unique] = final
         zero = final == 0
         if bool(zero.any()):
-            last = torch.zeros(unique.shape[0], dtype=torch.int64).scatter_reduce_(
-                0, inverse, torch.arange(total), "amax"
-            )
+            last = np.zeros(unique.shape[0], dtype=np.int64)
+            np.maximum.at(last, inverse, np.arange(total))
             freed, freed_last = unique[zero], last[zero]
-            hashed = pool.src.t.index_select(0, freed) >= 0
-            tail = freed[hashed][torch.argsort(freed_last[hashed])]
+            hashed = pool.src.n[freed] >= 0
+            tail = freed[hashed][np.argsort(freed_last[hashed])]
             # Head inserts: the last batch ends up first; within a batch, walk order.
             head_last = freed_last[~hashed]
             key = -pair[head_last] * (total + 1) + head_last
-            head = freed[~hashed][torch.argsort(key)]
+            head = freed[~hashed][np.argsort(key)]
             for part, at_head in ((head, True), (tail, False)):
                 if part.shape[0] == 0:
                     continue
                 node = pool.head if at_head else pool.prev.a[pool.tail]
                 if part.shape[0] >= INSERT_MIN:
-                    pool.link_after_tensor(node, part.to(torch.int64))
+                    pool.link_after_array(node, part)
                 else:
                     pool.link_after(node, part.tolist())
     for rid, row in order:

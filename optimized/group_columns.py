@@ -1,7 +1,7 @@
 """``GroupColumns``: the per-group constants the vectorised paths compute with.
 
 A whole step (``hybridkv.optimized.batch``) and the row refresh of many rows work on ``[n, G]``
-tensors of counters (``hybridkv.optimized.rows``); what they need to know about the groups
+numpy arrays of counters (``hybridkv.optimized.rows``); what they need to know about the groups
 themselves is fixed when the manager is built and lives here, named, instead of in the
 manager's private attributes.
 
@@ -28,17 +28,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
+import numpy as np
+import numpy.typing as npt
 
 
 @dataclass(frozen=True)
 class GroupColumns:
     """The per-group constants of the vectorised paths (see the module docstring)."""
 
-    table_rows: torch.Tensor
-    window_less_one: torch.Tensor
-    chunk: torch.Tensor | None
-    chunk_or_one: torch.Tensor
+    table_rows: npt.NDArray[np.int64]
+    window_less_one: npt.NDArray[np.int64]
+    chunk: npt.NDArray[np.int64] | None
+    chunk_or_one: npt.NDArray[np.int64]
     releases: bool
     sparse_groups: list[int]
     vectorisable: bool
@@ -58,10 +59,10 @@ class GroupColumns:
         if len(windows) != len(chunks):
             raise ValueError(f"windows and chunks differ in length: {len(windows)}, {len(chunks)}")
         return cls(
-            table_rows=torch.arange(len(windows)) * num_rows,
-            window_less_one=torch.tensor(list(windows)) - 1,
-            chunk=torch.tensor(list(chunks)) if any(chunks) else None,
-            chunk_or_one=torch.tensor(list(chunks)).clamp(min=1),
+            table_rows=np.arange(len(windows), dtype=np.int64) * num_rows,
+            window_less_one=np.array(windows, dtype=np.int64) - 1,
+            chunk=np.array(chunks, dtype=np.int64) if any(chunks) else None,
+            chunk_or_one=np.maximum(np.array(chunks, dtype=np.int64), 1),
             releases=releases,
             sparse_groups=list(sparse_groups),
             vectorisable=vectorisable,

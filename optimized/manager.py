@@ -38,6 +38,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from hybridkv.optimized import batch, mamba
@@ -276,7 +278,13 @@ class TorchKVCacheManager:
             (group, rule.block_size, rule.span, rule.kind == CHUNKED)
             for group, rule in self._releasing
         ]
-        self._uniform_columns = self._uniform and not any(rule.spec_blocks for rule in self.rules)
+        # One block size, no Mamba ``"align"`` group, no speculative blocks: every allocation
+        # extends all of a row's tables to one length.
+        self._uniform_columns = (
+            self._uniform
+            and not self._has_align
+            and not any(rule.spec_blocks for rule in self.rules)
+        )
         # Per-group constants of the vectorised paths.
         self.columns = GroupColumns.build(
             r,
@@ -847,22 +855,20 @@ class TorchKVCacheManager:
                 cache = min(cache, (cached[at + g] + 1) * rule.block_size)
         self.rows.cache_at[row] = cache
 
-    def _refresh_rows(self, rows: torch.Tensor) -> None:
-        """``_refresh`` for many rows (an int64 tensor), in tensor calls."""
+    def _refresh_rows(self, rows: npt.NDArray[np.int64]) -> None:
+        """``_refresh`` for many rows of a vectorisable layout (int64), in numpy calls."""
         b = self.block_size
         length, nulls, cached = self.rows.gather(self.rows.pair_index(rows))
-        capacity = length * b
         nxt = self.rows.thresholds
-        nxt[0, rows] = capacity.amin(1)
-        if self.columns.releases:
-            release = (nulls + 1) * b + self.columns.window_less_one
-            if self.columns.chunk is not None:
-                starts = (
-                    -((nulls + 1) * b // -self.columns.chunk_or_one) * self.columns.chunk_or_one
-                )
-                release = torch.where(self.columns.chunk > 0, starts, release)
-            nxt[1, rows] = release.amin(1)
-        nxt[2, rows] = (cached + 1).amin(1) * b
+        nxt[0, rows] = length.min(1) * b
+        columns = self.columns
+        if columns.releases:
+            release = (nulls + 1) * b + columns.window_less_one
+            if columns.chunk is not None:
+                starts = -((nulls + 1) * b // -columns.chunk_or_one) * columns.chunk_or_one
+                release = np.where(columns.chunk > 0, starts, release)
+            nxt[1, rows] = release.min(1)
+        nxt[2, rows] = (cached.min(1) + 1) * b
 
     def _adopt(self, row: int, hits: BlockIds, computed: int) -> None:
         """Admit a request: null positions for its skipped tokens, then its adopted hits."""
@@ -967,6 +973,14 @@ class TorchKVCacheManager:
         ``num_hashes`` hashes and ``num_tokens`` tokens, lookahead tokens besides)."""
         pool = self.pool
         src = self._row_src[row]
+        if src >= 0:
+            source = pool.sources[src]
+            if (
+                source is not None
+                and len(source.tokens) >= num_tokens + self.lookahead
+                and len(source.hashes) >= num_hashes
+            ):
+                return src  # current already (a request's own lists grow with it)
         tokens, hashes = request.all_token_ids, request.block_hashes
         if src < 0:
             src = pool.new_source(

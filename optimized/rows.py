@@ -31,7 +31,7 @@ Data layout (G groups, R = ``max_num_reqs`` rows)
         cache_at     the tokens at which its next block is full (and is cached)
 
 Each column is a ``memoryview`` of its buffer (``rows.length[i]``: one indexing operation, for
-the single-request paths) and, but ``kept``, a row of a tensor (``columns`` ``[3, R·G]``,
+the single-request paths) and, but ``kept``, a row of a numpy array (``columns`` ``[3, R·G]``,
 ``thresholds`` ``[3, R]``: the batched paths). A request takes a row on its first successful
 allocation (``take``) and gives it back when freed (``release``), its counters zeroed.
 """
@@ -40,7 +40,8 @@ from __future__ import annotations
 
 from collections.abc import ItemsView, Iterable
 
-import torch
+import numpy as np
+import numpy.typing as npt
 
 from hybridkv.optimized._buffers import IntBuffer
 from hybridkv.spec.errors import require
@@ -78,7 +79,7 @@ class RowTables:
         self.length = state[:rg]
         self.nulls = state[rg : 2 * rg]
         self.cached = state[2 * rg : 3 * rg]
-        self.columns = self._state.t.view(3, rg)
+        self.columns: npt.NDArray[np.int64] = self._state.n.reshape(3, rg)
         self._kept = IntBuffer(rg, typecode="q")
         self.kept = memoryview(self._kept.a)[:rg]
         self._next = IntBuffer(3 * r, typecode="q")
@@ -86,8 +87,8 @@ class RowTables:
         self.capacity = thresholds[:r]
         self.release_at = thresholds[r : 2 * r]
         self.cache_at = thresholds[2 * r : 3 * r]
-        self.thresholds = self._next.t.view(3, r)
-        self._garange = torch.arange(g)
+        self.thresholds: npt.NDArray[np.int64] = self._next.n.reshape(3, r)
+        self._garange = np.arange(g, dtype=np.int64)
         self._rows: dict[str, int] = {}
         self._free = list(range(r - 1, -1, -1))
 
@@ -97,14 +98,15 @@ class RowTables:
         """Where row ``row``, group ``group_id`` sits in every column."""
         return row * self.num_groups + group_id
 
-    def pair_index(self, rows: torch.Tensor) -> torch.Tensor:
-        """``index`` of every (row, group) of ``rows`` (an int64 tensor), as ``[n, G]``."""
-        return rows[:, None] * self.num_groups + self._garange
+    def pair_index(self, rows: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """``index`` of every (row, group) of ``rows`` (int64), as ``[n, G]``."""
+        pairs: npt.NDArray[np.int64] = rows[:, None] * self.num_groups + self._garange
+        return pairs
 
-    def gather(self, pair_index: torch.Tensor) -> torch.Tensor:
+    def gather(self, pair_index: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """``[3, n, G]``: length, nulls and cached of the pairs ``pair_index`` (``[n, G]``)."""
-        picked = self.columns.index_select(1, pair_index.view(-1))
-        return picked.view(3, *pair_index.shape)
+        picked: npt.NDArray[np.int64] = self.columns[:, pair_index]
+        return picked
 
     @property
     def nbytes(self) -> int:
