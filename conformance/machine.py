@@ -477,7 +477,9 @@ class DifferentialMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def admit(self, data: st.DataObject) -> None:
         """Look up, then allocate the first chunk (with or without the hit) as a scheduler does."""
-        req = self._pick(data, running=False)
+        self._admit(data, self._pick(data, running=False))
+
+    def _admit(self, data: st.DataObject, req: LiveRequest) -> None:
         self._count("admit")
         found = self._lookup(req)
         use_hit = data.draw(st.booleans() | st.just(True))
@@ -597,9 +599,18 @@ class DifferentialMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def step_all(self, data: st.DataObject) -> None:
         """The step a scheduler takes most: every running request advances (its next prefill
-        chunk or decode token), in admission order, as one batch."""
+        chunk or decode token), in admission order, as one batch; then, half the time, the
+        same step admits a waiting request, often one that just arrived sharing what a live
+        request computed (so what the running requests' step changed is read before anything
+        is compared)."""
         self._count("step_all")
         self._step(data, [rid for rid, req in self.live.items() if req.running])
+        if not self._may_admit() or not data.draw(st.booleans()):
+            return
+        if self._can_add() and self._has_source() and data.draw(st.booleans()):
+            self._follow_up(data, "step_all_arrival")
+        if self._has(running=False):
+            self._admit(data, self._pick(data, running=False))
 
     def _step(self, data: st.DataObject, chosen: Sequence[str]) -> None:
         lookahead = data.draw(st.sampled_from([0, 0, 0, 1, 2]))
