@@ -11,6 +11,7 @@ vLLM's scheduler does.
 
 from __future__ import annotations
 
+import marshal
 from array import array
 from collections.abc import Iterable, Sequence
 from operator import countOf
@@ -63,13 +64,13 @@ def pack_token_ids(field: str, token_ids: Iterable[object]) -> tuple[list[int], 
     """Return the token ids as a list and packed (unsigned 64-bit; ``None`` when one is 2**64 or
     more), or raise ``ValueError`` naming the first bad one.
 
-    Plain ints are checked at C speed (how many have type ``int``, then their conversion to
-    unsigned 64-bit ints, which refuses a negative one): a prompt of thousands of tokens is
-    validated in microseconds, and the conversion is the packed copy. Anything else (another
-    type, an int subclass, a negative id, an id from 2**64) takes the token-by-token loop, which
-    accepts int subclasses but ``bool`` and names the first bad token."""
+    Plain ints are checked at C speed: below 2**31 by ``all_small_plain_ints``, else by how many
+    have type ``int``; then their conversion to unsigned 64-bit ints (which refuses a negative
+    one) is the packed copy. Anything else (another type, an int subclass, a negative id, an id
+    from 2**64) takes the token-by-token loop, which accepts int subclasses but ``bool`` and
+    names the first bad token."""
     tokens = list(token_ids)
-    if countOf(map(type, tokens), int) == len(tokens):
+    if all_small_plain_ints(tokens) or countOf(map(type, tokens), int) == len(tokens):
         ints = cast("list[int]", tokens)
         try:
             packed = array("Q", ints)
@@ -85,6 +86,30 @@ def pack_token_ids(field: str, token_ids: Iterable[object]) -> tuple[list[int], 
     if any(token >= 1 << 64 for token in checked):
         return checked, None
     return checked, array("Q", [int(token) for token in checked])
+
+
+def all_small_plain_ints(tokens: list[object]) -> bool:
+    """Whether every item has type ``int`` (not a subclass) and lies in ``[0, 2**31)``: one C
+    loop over the items (``marshal``), no Python call per item.
+
+    ``marshal`` (format version 2) writes a list as ``[``, its length in 4 bytes, then each
+    item: one of type ``int`` exactly (a subclass is refused, ``True`` and ``False`` have codes
+    of their own) in ``[-2**31, 2**31)`` as ``i`` and its 4 bytes, little endian; any other item
+    otherwise. Reading the output from the start, item ``k`` begins at byte ``5 + 5k`` once the
+    ``k`` items before it are ``i`` items, so an output of ``5 + 5n`` bytes with ``i`` at each
+    of those bytes holds ``n`` such ints; they are non-negative when no 4th value byte has its
+    sign bit set."""
+    count = len(tokens)
+    try:
+        encoded = marshal.dumps(tokens, 2)
+    except ValueError:  # an object marshal cannot write (an int subclass, say)
+        return False
+    return (
+        len(encoded) == 5 + 5 * count
+        and encoded[:5] == b"[" + count.to_bytes(4, "little")
+        and encoded[5::5] == b"i" * count
+        and encoded[9::5].isascii()
+    )
 
 
 class Request:
