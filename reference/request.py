@@ -54,6 +54,26 @@ class BlockHasher(Protocol):
     ) -> list[BlockHash]: ...
 
 
+class PackedBlockHasher(BlockHasher, Protocol):
+    """A block hasher that can also take the ids packed (``Request.packed_token_ids``).
+
+    A ``Request`` whose hasher has ``hash_packed`` calls it, with its packed copy, instead of
+    the hasher itself, so that the hasher need not convert the ids again; any other hasher is
+    called as ``hash_full_blocks`` is. Same results as ``__call__``.
+    """
+
+    def hash_packed(
+        self,
+        token_ids: Sequence[int],
+        packed: array[int],
+        block_size: int,
+        *,
+        start_block: int,
+        parent_hash: BlockHash | None,
+        cache_salt: str | None,
+    ) -> list[BlockHash]: ...
+
+
 def check_token_ids(field: str, token_ids: Iterable[object]) -> list[int]:
     """Return the token ids as a list, or raise ``ValueError`` naming the first bad one
     (``pack_token_ids`` without the packed copy)."""
@@ -120,7 +140,9 @@ class Request:
     entries from requests with another salt. ``block_hasher`` computes the hashes of new full
     blocks: ``hash_full_blocks`` by default; any function with its signature that returns the
     same hashes may replace it (e.g. the optimized backend's
-    ``hybridkv.optimized.hashing.hash_full_blocks_torch``).
+    ``hybridkv.optimized.hashing.hash_full_blocks_torch``); one that also has ``hash_packed``
+    (a ``PackedBlockHasher``, as ``TorchKVCacheManager.block_hasher``) is called through it,
+    with ``packed_token_ids``, while the request keeps that packed copy.
 
     Engine settings: ``skip_reading_prefix_cache`` makes every lookup report no hit (the request
     still writes the cache: a request that needs prompt logprobs, say);
@@ -160,7 +182,8 @@ class Request:
         self.request_id = request_id
         self.session_id = session_id
         prompt, packed = pack_token_ids("prompt_token_ids", prompt_token_ids)
-        self.prompt_token_ids: tuple[int, ...] = tuple(prompt)
+        self._num_prompt_tokens = len(prompt)
+        self._prompt_token_ids: tuple[int, ...] | None = None
         self.hash_block_size = hash_block_size
         # An empty salt is no salt (vLLM salts the first block only when the salt is truthy).
         self.cache_salt = cache_salt or None
@@ -174,6 +197,16 @@ class Request:
         self._packed_token_ids: array[int] | None = packed
         self._block_hashes: list[BlockHash] = []
         self._hash_new_full_blocks()
+
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        """The prompt's token ids (the start of ``all_token_ids``, which only grows): a tuple
+        made when first read, as the manager never reads it."""
+        prompt = self._prompt_token_ids
+        if prompt is None:
+            prompt = tuple(self._all_token_ids[: self._num_prompt_tokens])
+            self._prompt_token_ids = prompt
+        return prompt
 
     @property
     def all_token_ids(self) -> Sequence[int]:
@@ -193,7 +226,7 @@ class Request:
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return self._num_prompt_tokens
 
     @property
     def block_hashes(self) -> Sequence[BlockHash]:
@@ -234,6 +267,20 @@ class Request:
                     parent_hash=parent,
                     cache_salt=self.cache_salt,
                     num_lookahead_tokens=self.num_hash_lookahead_tokens,
+                )
+            )
+            return
+        hash_packed = getattr(self.block_hasher, "hash_packed", None)
+        if hash_packed is not None and self._packed_token_ids is not None:
+            # A ``PackedBlockHasher``: handed the packed copy too.
+            self._block_hashes.extend(
+                hash_packed(
+                    self._all_token_ids,
+                    self._packed_token_ids,
+                    self.hash_block_size,
+                    start_block=len(self._block_hashes),
+                    parent_hash=parent,
+                    cache_salt=self.cache_salt,
                 )
             )
             return
