@@ -109,6 +109,30 @@ def test_the_memo_adopts_the_cached_prefix_and_hashes_only_the_rest() -> None:
     assert list(follower.block_hashes) == plain_hashes(follower.all_token_ids)
 
 
+def test_a_prompt_continuing_a_decoding_request_adopts_its_output_blocks_too() -> None:
+    calls: list[int] = []
+
+    def counting(tokens, block_size, *, start_block, parent_hash, cache_salt):  # type: ignore[no-untyped-def]
+        calls.append(start_block)
+        return hash_full_blocks_torch(
+            tokens, block_size, start_block=start_block, parent_hash=parent_hash,
+            cache_salt=cache_salt,
+        )  # fmt: skip
+
+    manager = TorchKVCacheManager(config(), 64)
+    manager.block_hasher.hasher = counting
+    first = memo_request(manager, "a", list(range(100, 110)))  # 2 full blocks
+    admit(manager, first)
+    first.num_computed_tokens = first.num_tokens
+    first.append_output_token_ids([7, 8, 9, 10, 11, 12])  # fills blocks 2 and 3
+    assert len(first.block_hashes) == 4
+    assert calls == [0, 2]
+    turn = [*first.all_token_ids, 40, 41, 42, 43]
+    second = memo_request(manager, "b", turn)
+    assert calls == [0, 2, 4]  # its first 4 blocks adopted, the source's run grew with it
+    assert list(second.block_hashes) == plain_hashes(turn)
+
+
 def test_salted_requests_adopt_only_their_own_salts_hashes() -> None:
     manager = TorchKVCacheManager(config(), 64)
     prompt = list(range(16))
