@@ -63,10 +63,10 @@ blocks, instead of one walk per cached block.
 The hash memo
 -------------
 With the manager's ``HashMemo`` attached (``memo``), the sources of requests hashed by it are
-listed in ``memo_srcs``; ``insert``/``insert_many`` remember the hash of every cached entry of
-such a source and ``evict`` forgets it (a count per key, so the memo holds no more keys than
-there are cached blocks), and ``reset_prefix_cache`` empties it
-(``hybridkv.optimized.hash_memo``).
+listed in ``memo_srcs``; ``insert``/``insert_many`` register such a source with the memo when
+they cache a block of it (once: later calls find it registered), ``maybe_drop_source``
+unregisters it once no cached block names it (so the memo holds no more sources than there are
+cached blocks), and ``reset_prefix_cache`` empties it (``hybridkv.optimized.hash_memo``).
 
 Per block this is 5 int32 values and one int64 (28 bytes) plus the bucket heads (2 to 4 bytes,
 as the table size rounds up to a power of two: 2.1 for a million blocks), and no Python object
@@ -78,7 +78,6 @@ from __future__ import annotations
 
 import struct
 from array import array
-from collections import Counter
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -220,7 +219,7 @@ class TorchBlockPool:
         self._free_sources: list[int] = []
         self.events: list[KVCacheEvent] = []
         # The manager's hash memo (``hybridkv.optimized.hash_memo``) and the sources hashed by
-        # it: caching a block of such a source remembers its hash, evicting it forgets it.
+        # it: caching a block of such a source registers it, evicting its last one unregisters it.
         self.memo: HashMemo | None = None
         self.memo_srcs: set[int] = set()
         # Running requests' releases and inserts not made yet (``PendingWork``): the manager
@@ -487,7 +486,7 @@ class TorchBlockPool:
         else:
             source.record(tag, block, end)
         if src in self.memo_srcs and self.memo is not None:
-            self.memo.remember(source.tokens, source.hashes, source.salt, pos)
+            self.memo.remember(src, source)
         if len(self.unsettled) >= SETTLE_MAX:
             self.settle_duplicates()  # long without a lookup: bounded memory
 
@@ -523,8 +522,7 @@ class TorchBlockPool:
         source.refs += len(entries)
         self.unsettled.extend([block for block, _, _ in entries])
         if src in self.memo_srcs and self.memo is not None:
-            for pos, times in Counter(pos for _, _, pos in entries).items():
-                self.memo.remember(source.tokens, source.hashes, source.salt, pos, times)
+            self.memo.remember(src, source)
         if len(self.unsettled) >= SETTLE_MAX:
             self.settle_duplicates()  # long without a lookup: bounded memory
 
@@ -538,8 +536,8 @@ class TorchBlockPool:
     ) -> None:
         """``insert`` of ``blocks[i]`` in group ``group_ids[i]`` at position ``pos``, all under
         ``block_hash`` from source ``src``, with the hash table's part left pending
-        (``PendingWork``): the source records the blocks and counts them, and the memo learns
-        the hash, at once."""
+        (``PendingWork``): the source records the blocks and counts them, and the memo
+        registers the source, at once."""
         self.pending.insert_row(blocks, group_ids, pos, block_hash, src)
         source = self.sources[src]
         assert source is not None
@@ -552,7 +550,7 @@ class TorchBlockPool:
                 source.record(first + group_id, block, self.end)
         source.refs += len(blocks)
         if src in self.memo_srcs and self.memo is not None:
-            self.memo.remember(source.tokens, source.hashes, source.salt, pos, len(blocks))
+            self.memo.remember(src, source)
 
     def defer_entries(
         self, entries: Sequence[tuple[int, int, int]], hashes: Sequence[BlockHash], src: int
@@ -567,8 +565,7 @@ class TorchBlockPool:
             source.record(pos * num_groups + group_id, block, end)
         source.refs += len(entries)
         if src in self.memo_srcs and self.memo is not None:
-            for pos, times in Counter(pos for _, _, pos in entries).items():
-                self.memo.remember(source.tokens, source.hashes, source.salt, pos, times)
+            self.memo.remember(src, source)
 
     def keys_of(self, hashes: Sequence[BlockHash]) -> npt.NDArray[np.int64]:
         """The 4-byte table keys of block hashes (``hash_key`` of each), as int64."""
@@ -656,11 +653,8 @@ class TorchBlockPool:
             self.settle_duplicates()  # long without a lookup: bounded memory
         memo = self.memo
         if self.memo_srcs and memo is not None:
-            named = Counter(zip(srcs.tolist(), positions.tolist(), strict=True))
-            for (src, index), times in named.items():
-                if src in self.memo_srcs:
-                    source = self.source(src)
-                    memo.remember(source.tokens, source.hashes, source.salt, index, times)
+            for src in self.memo_srcs.intersection(srcs.tolist()):
+                memo.remember(src, self.source(src))
 
     def settle_duplicates(self) -> None:
         """Mark the blocks cached since the last call that have an older entry of the same
@@ -813,14 +807,14 @@ class TorchBlockPool:
         self.src.a[block] = -1
         if self.dups:
             self.dups.discard(block)
-        if src in self.memo_srcs and self.memo is not None:
-            self.memo.forget(source.tokens, source.hashes, source.salt, tag // self.num_groups)
         source.refs -= 1
         self.maybe_drop_source(src)
 
     def maybe_drop_source(self, index: int) -> None:
         """Forget a source that no cached block and no live row names any more."""
         source = self.source(index)
+        if source.refs == 0 and self.memo is not None and index in self.memo_srcs:
+            self.memo.forget(index)  # no cached block names it: it leaves the memo
         if source.refs == 0 and source.row_refs == 0:
             self.sources[index] = None
             self._free_sources.append(index)
@@ -962,3 +956,16 @@ class TorchBlockPool:
             else:
                 require(source.refs == refs.get(index, 0), f"source {index} has a wrong count")
                 require(source.refs + source.row_refs > 0, f"source {index} is kept for nothing")
+        memo = self.memo
+        if memo is not None:
+            # The memo registers only memo sources with a cached block, as the pool holds them.
+            for index, (registered, _) in memo.registered.items():
+                held = self.sources[index] if index < len(self.sources) else None
+                require(
+                    index in self.memo_srcs
+                    and held is registered
+                    and held is not None
+                    and held.refs > 0,
+                    f"the hash memo registers source {index} without a cached block",
+                )
+            memo.check_invariants()

@@ -29,6 +29,27 @@ negative, at least 2**32 or not ints take the reference's path, which encodes or
 as ``cbor2`` does. Short inputs (below ``VECTOR_MIN_TOKENS`` of ``hybridkv.optimized.thresholds``:
 a decode step's new block) also take the reference's path, where tensor set-up would cost more
 than it saves.
+
+Packed ids
+----------
+``hash_packed_blocks`` returns the same hashes given the ids packed too (unsigned 64-bit, as
+``Request.packed_token_ids``). Long inputs take ``encode_tails`` on the packed copy; short ones
+``encode_bodies``, which builds the CBOR of a few blocks from the packed bytes with bytes and
+str operations (each one C loop over the ids, no Python call per id and no table to read):
+
+- Strided slices of the packed bytes give each id's bytes ``b0 … b3`` (little endian; ids
+  from 2**32 take the reference's path). From them, as 0/1 bytes per id: ``c3`` (the id is
+  at least 2**16: ``b2`` or ``b3`` nonzero), ``c2`` (at least 2**8: also ``b1``), ``c1`` (at
+  least 24: also ``b0 >= 24``), by ``translate`` and bitwise or of the byte strings read as
+  ints (no carry: each byte is 0 or 1). ``c1 + c2 + c3`` is the size class.
+- Each id becomes five UTF-16 code units ``head, b3, b2, b1, b0``; a unit's high byte is 1
+  where the unit must go (``head`` of class 0, whose encoding is ``b0`` itself; ``b3`` and
+  ``b2`` below class 3; ``b1`` below class 2), and the low byte of such a unit is zero, so
+  every unit to drop is U+0100 and every other one a byte value (``head`` is ``0x17 +`` the
+  class). Decoding the units and encoding them as Latin-1, dropping what it cannot encode,
+  leaves the encoded ids of all blocks, in order.
+- A block's length is its ids' count plus the sum of ``c1 + c2 + 2 c3`` over them: the sums
+  of all blocks at once are digits of one product of ints (see ``encode_bodies``).
 """
 
 from __future__ import annotations
@@ -37,6 +58,7 @@ import hashlib
 import sys
 from array import array
 from collections.abc import Sequence
+from itertools import accumulate, pairwise
 
 import torch
 
@@ -52,6 +74,10 @@ from hybridkv.reference.block_hash import (
 )
 
 _WIDE = 1 << 32
+_NONZERO = bytes([0] + [1] * 255)
+_AT_LEAST_24 = bytes([0] * 24 + [1] * 232)
+_NOT = bytes([1, 0] + [0] * 254)  # of a 0/1 byte
+_HEAD = bytes([0, 0x18, 0x19, 0x1A] + [0] * 252)  # of a size class 1-3 (class 0: dropped)
 
 
 def encode_tails(tokens: Sequence[int], block_size: int) -> tuple[bytearray, list[int]] | None:
@@ -172,4 +198,124 @@ def hash_full_blocks_torch(
         digest = BlockHash(state.digest())
         append(digest)
         start = end
+    return hashes
+
+
+def encode_bodies(packed: array[int], block_size: int) -> tuple[bytes, list[int]] | None:
+    """Per whole block of the packed ids: the canonical CBOR of each id, concatenated (the
+    block's CBOR between its array header and ``0xf6``); all blocks' in one ``bytes``, with the
+    offset of each block's start plus the end. ``None`` when some id is 2**32 or more, or the
+    host is big-endian. See "Packed ids" in the module docstring."""
+    n = len(packed) // block_size * block_size
+    if n == 0 or sys.byteorder != "little":
+        return None if n else (b"", [0])
+    raw = packed[:n].tobytes()
+    if raw[4::8] + raw[5::8] + raw[6::8] + raw[7::8] != bytes(4 * n):
+        return None  # an id from 2**32
+    b0, b1, b2, b3 = raw[0::8], raw[1::8], raw[2::8], raw[3::8]
+
+    def flags(data: bytes, table: bytes) -> int:
+        return int.from_bytes(data.translate(table), "little")
+
+    c3 = flags(b2, _NONZERO) | flags(b3, _NONZERO)
+    c2 = c3 | flags(b1, _NONZERO)
+    c1 = c2 | flags(b0, _AT_LEAST_24)
+    size_class = (c1 + c2 + c3).to_bytes(n, "little")
+    below_3 = c3.to_bytes(n, "little").translate(_NOT)
+    units = bytearray(10 * n)
+    units[0::10] = size_class.translate(_HEAD)
+    units[1::10] = size_class.translate(_NOT)
+    units[2::10] = b3
+    units[3::10] = below_3
+    units[4::10] = b2
+    units[5::10] = below_3
+    units[6::10] = b1
+    units[7::10] = c2.to_bytes(n, "little").translate(_NOT)
+    units[8::10] = b0
+    encoded = units.decode("utf-16-le").encode("latin-1", "ignore")  # drops U+0100
+    # Each id's encoded size minus one, summed per block: the digits of ``extra × (1 + 256 +
+    # … + 256**(block_size − 1))`` at every block's last id (no carry: a sum is at most 4 per
+    # id and block sizes below 64 keep it under 256; larger blocks take the sums one by one).
+    extra = c1 + c2 + 2 * c3
+    if block_size < 64:
+        spread = (extra * int.from_bytes(b"\x01" * block_size, "little")).to_bytes(
+            n + block_size, "little"
+        )
+        sums: Sequence[int] = spread[block_size - 1 :: block_size][: n // block_size]
+    else:
+        digits = extra.to_bytes(n, "little")
+        sums = [sum(digits[i : i + block_size]) for i in range(0, n, block_size)]
+    offsets = [0, *accumulate(total + block_size for total in sums)]
+    return encoded, offsets
+
+
+def hash_packed_blocks(
+    token_ids: Sequence[int],
+    packed: array[int],
+    block_size: int,
+    *,
+    start_block: int,
+    parent_hash: BlockHash | None,
+    cache_salt: str | None,
+) -> list[BlockHash]:
+    """``hash_full_blocks_torch`` given the ids packed too (``packed``, unsigned 64-bit: at
+    least the ids of the full blocks, as ``Request.packed_token_ids``); see "Packed ids"."""
+    num_full_blocks = len(token_ids) // block_size
+    if len(packed) < num_full_blocks * block_size:
+        return hash_full_blocks_torch(
+            token_ids,
+            block_size,
+            start_block=start_block,
+            parent_hash=parent_hash,
+            cache_salt=cache_salt,
+        )
+    hashes = hash_leading_special_blocks(
+        token_ids,
+        block_size,
+        start_block=start_block,
+        parent_hash=parent_hash,
+        cache_salt=cache_salt,
+    )
+    index = start_block + len(hashes)
+    if index >= num_full_blocks:
+        return hashes
+    parent = hashes[-1] if hashes else parent_hash
+    ids = packed[index * block_size : num_full_blocks * block_size]
+    if len(ids) >= VECTOR_MIN_TOKENS:
+        encoded = encode_tails(ids, block_size)
+        if encoded is not None:
+            buffer, offsets = encoded
+            tails = memoryview(buffer)
+            hashes.extend(_chain(parent, [tails[a:b] for a, b in pairwise(offsets)], b""))
+            return hashes
+    else:
+        bodies = encode_bodies(ids, block_size)
+        if bodies is not None:
+            joined, ends = bodies
+            view = memoryview(joined)
+            header = cbor_head(4, block_size)
+            hashes.extend(_chain(parent, [view[a:b] for a, b in pairwise(ends)], header, CBOR_NULL))
+            return hashes
+    hashes.extend(
+        hash_full_blocks(
+            token_ids, block_size, start_block=index, parent_hash=parent, cache_salt=cache_salt
+        )
+    )
+    return hashes
+
+
+def _chain(
+    parent: BlockHash | None,
+    bodies: Sequence[bytes | memoryview],
+    header: bytes,
+    null: bytes = b"",
+) -> list[BlockHash]:
+    """The chained hashes of blocks whose CBOR after the parent is ``header + body + null``."""
+    digest = NONE_HASH if parent is None else parent
+    sha256, join = hashlib.sha256, b"".join
+    hashes: list[BlockHash] = []
+    append = hashes.append
+    for body in bodies:
+        digest = BlockHash(sha256(join((CBOR_PREFIX, digest, header, body, null))).digest())
+        append(digest)
     return hashes

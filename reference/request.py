@@ -11,6 +11,7 @@ vLLM's scheduler does.
 
 from __future__ import annotations
 
+import marshal
 from array import array
 from collections.abc import Iterable, Sequence
 from operator import countOf
@@ -53,6 +54,26 @@ class BlockHasher(Protocol):
     ) -> list[BlockHash]: ...
 
 
+class PackedBlockHasher(BlockHasher, Protocol):
+    """A block hasher that can also take the ids packed (``Request.packed_token_ids``).
+
+    A ``Request`` whose hasher has ``hash_packed`` calls it, with its packed copy, instead of
+    the hasher itself, so that the hasher need not convert the ids again; any other hasher is
+    called as ``hash_full_blocks`` is. Same results as ``__call__``.
+    """
+
+    def hash_packed(
+        self,
+        token_ids: Sequence[int],
+        packed: array[int],
+        block_size: int,
+        *,
+        start_block: int,
+        parent_hash: BlockHash | None,
+        cache_salt: str | None,
+    ) -> list[BlockHash]: ...
+
+
 def check_token_ids(field: str, token_ids: Iterable[object]) -> list[int]:
     """Return the token ids as a list, or raise ``ValueError`` naming the first bad one
     (``pack_token_ids`` without the packed copy)."""
@@ -63,13 +84,13 @@ def pack_token_ids(field: str, token_ids: Iterable[object]) -> tuple[list[int], 
     """Return the token ids as a list and packed (unsigned 64-bit; ``None`` when one is 2**64 or
     more), or raise ``ValueError`` naming the first bad one.
 
-    Plain ints are checked at C speed (how many have type ``int``, then their conversion to
-    unsigned 64-bit ints, which refuses a negative one): a prompt of thousands of tokens is
-    validated in microseconds, and the conversion is the packed copy. Anything else (another
-    type, an int subclass, a negative id, an id from 2**64) takes the token-by-token loop, which
-    accepts int subclasses but ``bool`` and names the first bad token."""
+    Plain ints are checked at C speed: below 2**31 by ``all_small_plain_ints``, else by how many
+    have type ``int``; then their conversion to unsigned 64-bit ints (which refuses a negative
+    one) is the packed copy. Anything else (another type, an int subclass, a negative id, an id
+    from 2**64) takes the token-by-token loop, which accepts int subclasses but ``bool`` and
+    names the first bad token."""
     tokens = list(token_ids)
-    if countOf(map(type, tokens), int) == len(tokens):
+    if all_small_plain_ints(tokens) or countOf(map(type, tokens), int) == len(tokens):
         ints = cast("list[int]", tokens)
         try:
             packed = array("Q", ints)
@@ -87,6 +108,30 @@ def pack_token_ids(field: str, token_ids: Iterable[object]) -> tuple[list[int], 
     return checked, array("Q", [int(token) for token in checked])
 
 
+def all_small_plain_ints(tokens: list[object]) -> bool:
+    """Whether every item has type ``int`` (not a subclass) and lies in ``[0, 2**31)``: one C
+    loop over the items (``marshal``), no Python call per item.
+
+    ``marshal`` (format version 2) writes a list as ``[``, its length in 4 bytes, then each
+    item: one of type ``int`` exactly (a subclass is refused, ``True`` and ``False`` have codes
+    of their own) in ``[-2**31, 2**31)`` as ``i`` and its 4 bytes, little endian; any other item
+    otherwise. Reading the output from the start, item ``k`` begins at byte ``5 + 5k`` once the
+    ``k`` items before it are ``i`` items, so an output of ``5 + 5n`` bytes with ``i`` at each
+    of those bytes holds ``n`` such ints; they are non-negative when no 4th value byte has its
+    sign bit set."""
+    count = len(tokens)
+    try:
+        encoded = marshal.dumps(tokens, 2)
+    except ValueError:  # an object marshal cannot write (an int subclass, say)
+        return False
+    return (
+        len(encoded) == 5 + 5 * count
+        and encoded[:5] == b"[" + count.to_bytes(4, "little")
+        and encoded[5::5] == b"i" * count
+        and encoded[9::5].isascii()
+    )
+
+
 class Request:
     """A prompt plus the output tokens appended so far, with the hashes of its full blocks.
 
@@ -95,7 +140,9 @@ class Request:
     entries from requests with another salt. ``block_hasher`` computes the hashes of new full
     blocks: ``hash_full_blocks`` by default; any function with its signature that returns the
     same hashes may replace it (e.g. the optimized backend's
-    ``hybridkv.optimized.hashing.hash_full_blocks_torch``).
+    ``hybridkv.optimized.hashing.hash_full_blocks_torch``); one that also has ``hash_packed``
+    (a ``PackedBlockHasher``, as ``TorchKVCacheManager.block_hasher``) is called through it,
+    with ``packed_token_ids``, while the request keeps that packed copy.
 
     Engine settings: ``skip_reading_prefix_cache`` makes every lookup report no hit (the request
     still writes the cache: a request that needs prompt logprobs, say);
@@ -135,7 +182,8 @@ class Request:
         self.request_id = request_id
         self.session_id = session_id
         prompt, packed = pack_token_ids("prompt_token_ids", prompt_token_ids)
-        self.prompt_token_ids: tuple[int, ...] = tuple(prompt)
+        self._num_prompt_tokens = len(prompt)
+        self._prompt_token_ids: tuple[int, ...] | None = None
         self.hash_block_size = hash_block_size
         # An empty salt is no salt (vLLM salts the first block only when the salt is truthy).
         self.cache_salt = cache_salt or None
@@ -149,6 +197,16 @@ class Request:
         self._packed_token_ids: array[int] | None = packed
         self._block_hashes: list[BlockHash] = []
         self._hash_new_full_blocks()
+
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        """The prompt's token ids (the start of ``all_token_ids``, which only grows): a tuple
+        made when first read, as the manager never reads it."""
+        prompt = self._prompt_token_ids
+        if prompt is None:
+            prompt = tuple(self._all_token_ids[: self._num_prompt_tokens])
+            self._prompt_token_ids = prompt
+        return prompt
 
     @property
     def all_token_ids(self) -> Sequence[int]:
@@ -168,7 +226,7 @@ class Request:
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return self._num_prompt_tokens
 
     @property
     def block_hashes(self) -> Sequence[BlockHash]:
@@ -209,6 +267,20 @@ class Request:
                     parent_hash=parent,
                     cache_salt=self.cache_salt,
                     num_lookahead_tokens=self.num_hash_lookahead_tokens,
+                )
+            )
+            return
+        hash_packed = getattr(self.block_hasher, "hash_packed", None)
+        if hash_packed is not None and self._packed_token_ids is not None:
+            # A ``PackedBlockHasher``: handed the packed copy too.
+            self._block_hashes.extend(
+                hash_packed(
+                    self._all_token_ids,
+                    self._packed_token_ids,
+                    self.hash_block_size,
+                    start_block=len(self._block_hashes),
+                    parent_hash=parent,
+                    cache_salt=self.cache_salt,
                 )
             )
             return

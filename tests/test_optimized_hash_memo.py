@@ -1,26 +1,28 @@
-"""The optimized manager's block hasher remembers the hashes of cached blocks, exactly.
+"""The optimized manager's block hasher adopts the hashes of cached requests, exactly.
 
-``TorchKVCacheManager.block_hasher`` (``hybridkv.optimized.hash_memo``) memoises
-``hash_full_blocks_torch`` for the blocks in the prefix cache: a request built with it must
-carry the hashes of one hashed from scratch (salts, evictions and resets included), the memo
-must never hold more keys than there are cached blocks, and lookups with its hashes must still
-be verified against the cached tokens.
+``TorchKVCacheManager.block_hasher`` (``hybridkv.optimized.hash_memo``) adopts, for a prompt
+that starts with the tokens of a request whose blocks are cached, that request's hashes: a
+request built with it must carry the hashes of one hashed from scratch (salts, evictions and
+resets included), the memo must hold no source without a cached block (nor more branches than
+sources), and lookups with its hashes must still be verified against the cached tokens.
 """
 
 from __future__ import annotations
 
 import random
+from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.optimized import TorchKVCacheManager
-from hybridkv.optimized.hash_memo import HashMemo
+from hybridkv.optimized.hash_memo import HashMemo, agreeing_blocks
 from hybridkv.optimized.hashing import hash_full_blocks_torch
 from hybridkv.reference import KVCacheManager
-from hybridkv.reference.block_hash import hash_full_blocks
+from hybridkv.reference.block_hash import BlockHash, hash_full_blocks
 from hybridkv.reference.request import Request
 from hybridkv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, SlidingWindowSpec
 
@@ -59,14 +61,20 @@ def cached_blocks(manager: TorchKVCacheManager) -> int:
     return sum(map(len, manager.pool.cached_blocks()))
 
 
-def cached_hashes(manager: TorchKVCacheManager) -> dict[bytes, int]:
-    """Per hash in the prefix cache, how many cached blocks hold it."""
-    counts: dict[bytes, int] = {}
-    for blocks in manager.pool.cached_blocks():
-        for block in blocks:
-            block_hash = manager.pool.block_hash(block)
-            counts[block_hash] = counts.get(block_hash, 0) + 1
-    return counts
+def sources_with_cached_blocks(manager: TorchKVCacheManager) -> set[int]:
+    """The pool's memo sources that a cached block names."""
+    pool = manager.pool
+    return {src for src in pool.memo_srcs if (s := pool.sources[src]) is not None and s.refs > 0}
+
+
+def assert_memo_bounded(manager: TorchKVCacheManager) -> None:
+    """The memo registers only sources with a cached block, by identity, and holds no more
+    branches than sources."""
+    memo = manager.block_hasher
+    assert set(memo.registered) <= sources_with_cached_blocks(manager)
+    assert all(manager.pool.sources[src] is s for src, (s, _) in memo.registered.items())
+    assert len(memo) <= len(memo.registered)
+    memo.check_invariants()
 
 
 def test_a_request_built_with_the_memo_has_the_hashes_of_one_hashed_from_scratch() -> None:
@@ -74,7 +82,7 @@ def test_a_request_built_with_the_memo_has_the_hashes_of_one_hashed_from_scratch
     prompt = list(range(100, 122))  # 5 full blocks and 2 tokens
     first = memo_request(manager, "a", prompt)
     admit(manager, first)
-    assert len(manager.block_hasher) == 5  # one key per cached hash (two groups share them)
+    assert len(manager.block_hasher) == 1  # one branch: the one source, its 5 hashes
     second = memo_request(manager, "b", [*prompt[:12], 7, 8, 9, 10, 11, 12, 13])
     assert list(second.block_hashes) == plain_hashes(second.all_token_ids)
     again = memo_request(manager, "c", prompt)
@@ -101,6 +109,30 @@ def test_the_memo_adopts_the_cached_prefix_and_hashes_only_the_rest() -> None:
     assert list(follower.block_hashes) == plain_hashes(follower.all_token_ids)
 
 
+def test_a_prompt_continuing_a_decoding_request_adopts_its_output_blocks_too() -> None:
+    calls: list[int] = []
+
+    def counting(tokens, block_size, *, start_block, parent_hash, cache_salt):  # type: ignore[no-untyped-def]
+        calls.append(start_block)
+        return hash_full_blocks_torch(
+            tokens, block_size, start_block=start_block, parent_hash=parent_hash,
+            cache_salt=cache_salt,
+        )  # fmt: skip
+
+    manager = TorchKVCacheManager(config(), 64)
+    manager.block_hasher.hasher = counting
+    first = memo_request(manager, "a", list(range(100, 110)))  # 2 full blocks
+    admit(manager, first)
+    first.num_computed_tokens = first.num_tokens
+    first.append_output_token_ids([7, 8, 9, 10, 11, 12])  # fills blocks 2 and 3
+    assert len(first.block_hashes) == 4
+    assert calls == [0, 2]
+    turn = [*first.all_token_ids, 40, 41, 42, 43]
+    second = memo_request(manager, "b", turn)
+    assert calls == [0, 2, 4]  # its first 4 blocks adopted, the source's run grew with it
+    assert list(second.block_hashes) == plain_hashes(turn)
+
+
 def test_salted_requests_adopt_only_their_own_salts_hashes() -> None:
     manager = TorchKVCacheManager(config(), 64)
     prompt = list(range(16))
@@ -110,20 +142,25 @@ def test_salted_requests_adopt_only_their_own_salts_hashes() -> None:
         assert list(request.block_hashes) == plain_hashes(prompt, salt)
 
 
-def test_evicted_blocks_leave_the_memo_and_hashes_stay_exact() -> None:
+def test_a_source_leaves_the_memo_with_its_last_cached_block_and_hashes_stay_exact() -> None:
     manager = TorchKVCacheManager(config(num_blocks=17), 64)  # 16 usable blocks
+    memo = manager.block_hasher
     first = memo_request(manager, "a", list(range(32)))  # 8 blocks per group: all 16
     admit(manager, first)
     manager.free(first)
-    assert len(manager.block_hasher) == 8
+    assert len(memo.registered) == len(memo) == 1
     other = memo_request(manager, "b", list(range(500, 516)))  # 4 blocks per group: evicts 8
     admit(manager, other)
+    manager.free(other)
     assert cached_blocks(manager) == 16
-    assert len(manager.block_hasher) == len(cached_hashes(manager)) == 12
-    assert set(manager.block_hasher.entries.values()) <= {
-        (h, c) for h, c in cached_hashes(manager).items()
-    }
-    again = memo_request(manager, "c", list(range(32)))
+    assert len(memo.registered) == len(memo) == 2  # "a" keeps 8 cached blocks
+    assert_memo_bounded(manager)
+    last = memo_request(manager, "c", list(range(900, 932)))  # all 16 blocks: evicts the rest
+    admit(manager, last)
+    assert sources_with_cached_blocks(manager) == set(memo.registered)
+    assert len(memo.registered) == len(memo) == 1
+    assert_memo_bounded(manager)
+    again = memo_request(manager, "d", list(range(32)))
     assert list(again.block_hashes) == plain_hashes(list(range(32)))
 
 
@@ -132,9 +169,10 @@ def test_a_reset_prefix_cache_empties_the_memo() -> None:
     first = memo_request(manager, "a", list(range(20)))
     admit(manager, first)
     manager.free(first)
-    assert len(manager.block_hasher) == 5
+    assert len(manager.block_hasher) == 1
     assert manager.reset_prefix_cache()
     assert len(manager.block_hasher) == 0
+    assert not manager.block_hasher.registered
     again = memo_request(manager, "b", list(range(20)))
     assert list(again.block_hashes) == plain_hashes(list(range(20)))
 
@@ -196,7 +234,8 @@ def test_memo_hashes_equal_the_definition_and_the_memo_stays_bounded(
             a, b = live.pop(0)
             manager.free(a)
             reference.free(b)
-        assert len(manager.block_hasher) <= cached_blocks(manager)
+        assert_memo_bounded(manager)
+        assert len(manager.block_hasher.registered) <= cached_blocks(manager)
         manager.check_invariants()
 
 
@@ -220,3 +259,194 @@ def test_a_memo_request_with_ids_the_memo_cannot_pack_hashes_from_scratch(bad: o
         return
     request = memo_request(manager, "b", tokens)  # type: ignore[arg-type]
     assert list(request.block_hashes) == plain_hashes(tokens)  # type: ignore[arg-type]
+
+
+# --- The memo's tree, on sources made by hand ------------------------------------------------
+
+
+@dataclass
+class HandSource:
+    """A memo source as the pool holds one: a request's hashes, packed ids and salt."""
+
+    tokens: list[int]
+    salt: str | None = None
+    hashes: list[BlockHash] = field(init=False)
+    packed: array[int] | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.hashes = list(
+            hash_full_blocks(self.tokens, B, start_block=0, parent_hash=None, cache_salt=self.salt)
+        )
+        self.packed = array("Q", self.tokens)
+
+
+class CountingHasher:
+    """``hash_full_blocks_torch``, recording the block each call starts at."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+
+    def __call__(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        *,
+        start_block: int,
+        parent_hash: BlockHash | None,
+        cache_salt: str | None,
+    ) -> list[BlockHash]:
+        self.starts.append(start_block)
+        return hash_full_blocks_torch(
+            token_ids,
+            block_size,
+            start_block=start_block,
+            parent_hash=parent_hash,
+            cache_salt=cache_salt,
+        )
+
+
+def adopted_blocks(memo: HashMemo, tokens: list[int], salt: str | None = None) -> int:
+    """How many blocks of a prompt the memo adopts (checking the hashes on the way)."""
+    counter = CountingHasher()
+    memo.hasher = counter
+    got = memo(tokens, B, start_block=0, parent_hash=None, cache_salt=salt)
+    assert got == plain_hashes(tokens, salt)
+    return counter.starts[0] if counter.starts else len(tokens) // B
+
+
+P = list(range(1000, 1016))  # 4 shared blocks
+X, Y, Z = list(range(10, 18)), list(range(20, 28)), list(range(30, 38))  # 2 blocks each
+
+
+def test_a_prompt_adopts_along_the_branches_of_two_cached_prompts() -> None:
+    memo = HashMemo(B)
+    memo.remember(0, HandSource(P + X))
+    memo.remember(1, HandSource(P + Y + Z))  # branches off "P + X" after P
+    assert len(memo) == 2
+    parent = BlockHash(plain_hashes(P)[-1])
+    assert memo.branches[(parent, array("Q", Y[:B]).tobytes(), None)].start == 4
+    assert adopted_blocks(memo, P + Y + X) == 6  # P from source 0, Y from source 1
+    assert adopted_blocks(memo, P + X + Z) == 6
+    assert adopted_blocks(memo, P[:8] + Z) == 2
+    assert adopted_blocks(memo, Z + P) == 0
+    memo.check_invariants()
+
+
+def test_a_prompt_whose_hashes_lie_on_the_tree_adds_no_branch() -> None:
+    memo = HashMemo(B)
+    memo.remember(0, HandSource(P + X))
+    memo.remember(1, HandSource(P))
+    memo.remember(1, HandSource(P))  # registered once per index and source
+    assert len(memo) == 1
+    assert len(memo.registered) == 2
+    memo.check_invariants()
+
+
+def test_a_forgotten_branch_passes_to_the_child_that_leaves_it_last() -> None:
+    memo = HashMemo(B)
+    memo.remember(0, HandSource(P + X + Z))
+    memo.remember(1, HandSource(P + Y))  # off source 0 after block 4
+    memo.remember(2, HandSource(P + X + Y))  # off source 0 after block 6
+    memo.forget(0)
+    assert len(memo) == 2
+    assert set(memo.registered) == {1, 2}
+    root = memo.branches[(None, array("Q", P[:B]).tobytes(), None)]
+    assert root.src == 2
+    assert {child.src for child in root.children} == {1}
+    assert adopted_blocks(memo, P + Y) == 6
+    assert adopted_blocks(memo, P + X + Y) == 8
+    assert adopted_blocks(memo, P + X + Z) == 6  # source 0's last blocks left with it
+    memo.forget(2)
+    assert adopted_blocks(memo, P + Y) == 6
+    assert len(memo) == 1
+    memo.forget(1)
+    assert len(memo) == 0
+    assert not memo.registered
+    memo.check_invariants()
+
+
+def test_salted_and_unsalted_prompts_have_separate_roots() -> None:
+    memo = HashMemo(B)
+    memo.remember(0, HandSource(P, salt="s"))
+    assert adopted_blocks(memo, P) == 0
+    assert adopted_blocks(memo, P, salt="t") == 0
+    assert adopted_blocks(memo, P, salt="s") == 4
+    memo.remember(1, HandSource(P, salt=""))  # an empty salt is none, as in the hash
+    assert adopted_blocks(memo, P) == 4
+
+
+def test_a_source_whose_ids_changed_form_stops_the_walk() -> None:
+    memo = HashMemo(B)
+    source = HandSource(P + X)
+    memo.remember(0, source)
+    source.packed = None  # as a request whose later id did not fit 64 bits
+    assert adopted_blocks(memo, P + X) == 0
+
+
+def test_the_first_difference_is_found_wherever_it_is() -> None:
+    ours = array("Q", range(64))
+    for first in range(16):
+        theirs = array("Q", ours)
+        theirs[first * 4 + 2] += 1
+        for hint in (-1, 3, first, first + 1, 15):
+            found = agreeing_blocks(memoryview(ours), memoryview(theirs), 4, 0, 16, hint)
+            assert found == first
+    same = memoryview(array("Q", ours))
+    assert agreeing_blocks(memoryview(ours), same, 4, 2, 16, 9) == 16
+
+
+PIECES = [list(range(50, 54)), list(range(60, 64)), list(range(70, 74))]  # one block each
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["remember", "remember", "forget", "ask", "ask"]),
+            st.integers(0, 4),
+            st.tuples(
+                st.sampled_from([[0], [0, 1], [0, 1, 2, 0], [0, 1, 2, 0, 1, 1]]),
+                st.lists(st.integers(0, 2), max_size=4),
+            ).map(lambda stem_rest: [*stem_rest[0], *stem_rest[1]]),
+            st.sampled_from([None, None, "s"]),
+        ),
+        max_size=40,
+    )
+)
+def test_the_memo_equals_the_definition_and_keeps_its_tree(
+    ops: list[tuple[str, int, list[int], str | None]],
+) -> None:
+    """Random sources (prompts made of three blocks, so that they share prefixes) register
+    and leave; every prompt's hashes equal the definition's, the tree stays consistent, and
+    while no source has left a prompt adopts its longest common prefix with any source."""
+    memo = HashMemo(B)
+    sources: dict[int, HandSource] = {}
+    forgotten = False
+    for op, index, pieces, salt in ops:
+        tokens = [t for piece in pieces for t in PIECES[piece]]
+        if op == "remember":
+            source = HandSource(tokens, salt)
+            memo.remember(index, source)
+            sources[index] = source
+        elif op == "forget":
+            memo.forget(index)
+            forgotten |= sources.pop(index, None) is not None
+        else:
+            adopted = adopted_blocks(memo, tokens, salt)
+            longest = 0
+            for source in sources.values():
+                if source.salt != salt:
+                    continue
+                common = 0
+                while (
+                    common < min(len(tokens), len(source.tokens)) // B
+                    and tokens[common * B : (common + 1) * B]
+                    == source.tokens[common * B : (common + 1) * B]
+                ):
+                    common += 1
+                longest = max(longest, common)
+            assert adopted <= longest
+            if not forgotten:
+                assert adopted == longest
+        memo.check_invariants()
+        assert set(memo.registered) == set(sources)

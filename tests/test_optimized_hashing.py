@@ -4,12 +4,14 @@
 ``hash_full_blocks_cbor2`` (SHA-256 of ``cbor2.dumps([parent, token_ids, extra_keys],
 canonical=True)``, one block at a time) for any token ids, block size, salt, parent and start
 block, and a ``Request`` built with it must carry the same hashes as one built with the default.
+So must ``hash_packed_blocks``, which reads the ids packed.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
+from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
 from unittest import mock
@@ -20,8 +22,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.optimized import hashing
-from hybridkv.optimized.hashing import encode_tails, hash_full_blocks_torch
-from hybridkv.reference.block_hash import NONE_HASH, BlockHash, hash_full_blocks_cbor2
+from hybridkv.optimized.hashing import (
+    encode_bodies,
+    encode_tails,
+    hash_full_blocks_torch,
+    hash_packed_blocks,
+)
+from hybridkv.reference.block_hash import NONE_HASH, BlockHash, cbor_head, hash_full_blocks_cbor2
 from hybridkv.reference.request import Request
 
 # Every CBOR integer size class and its boundaries, past the tensor path's 2**32 limit too.
@@ -147,3 +154,79 @@ def test_long_prompts_take_the_tensor_path_and_agree(block_size: int, salt: str 
         )
         == expected[3:]
     )
+
+
+# --- From the packed ids ----------------------------------------------------------------------
+
+packable = st.one_of(
+    st.sampled_from([b for b in BOUNDARIES if b < 2**64]),
+    st.integers(0, 300),
+    st.integers(0, 2**32 - 1),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.one_of(st.lists(encodable, max_size=300), st.lists(packable, max_size=80)),
+    block_size=st.sampled_from([1, 2, 3, 4, 16, 23, 24, 63, 64, 65, 256]),
+    salt=st.one_of(st.none(), st.text(max_size=40)),
+    parent=st.one_of(st.none(), st.binary(min_size=32, max_size=32), st.binary(max_size=40)),
+    start=st.integers(0, 3),
+    vectorised=st.booleans(),
+)
+def test_hashes_from_the_packed_ids_equal_the_definition(
+    tokens: list[int],
+    block_size: int,
+    salt: str | None,
+    parent: bytes | None,
+    start: int,
+    vectorised: bool,
+) -> None:
+    parent_hash = None if parent is None else BlockHash(parent)
+    expected = hash_full_blocks_cbor2(
+        tokens, block_size, start_block=start, parent_hash=parent_hash, cache_salt=salt
+    )
+    with mock.patch.object(hashing, "VECTOR_MIN_TOKENS", 0 if vectorised else 1 << 20):
+        got = hash_packed_blocks(
+            tokens,
+            array("Q", tokens),
+            block_size,
+            start_block=start,
+            parent_hash=parent_hash,
+            cache_salt=salt,
+        )
+    assert got == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(encodable, min_size=1, max_size=300),
+    block_size=st.sampled_from([1, 2, 16, 23, 24, 63, 64, 65, 256]),
+)
+def test_each_block_body_is_the_cbor_between_header_and_null(
+    tokens: list[int], block_size: int
+) -> None:
+    """``encode_bodies`` gives exactly ``cbor2``'s bytes of each block's ids, and offsets."""
+    whole = len(tokens) // block_size * block_size
+    encoded = encode_bodies(array("Q", tokens), block_size)
+    assert encoded is not None
+    joined, offsets = encoded
+    assert len(offsets) == whole // block_size + 1
+    assert offsets[-1] == len(joined)
+    header = cbor_head(4, block_size)
+    for index, (start, end) in enumerate(itertools.pairwise(offsets)):
+        block = tokens[index * block_size : (index + 1) * block_size]
+        assert header + joined[start:end] == cbor2.dumps(block, canonical=True)
+
+
+@pytest.mark.parametrize("bad", [2**32, 2**63, 2**64 - 1])
+def test_ids_from_2_32_are_refused_by_the_packed_encoder(bad: int) -> None:
+    assert encode_bodies(array("Q", [1, 2, bad, 3]), 2) is None
+
+
+def test_a_packed_copy_shorter_than_the_full_blocks_is_not_read() -> None:
+    tokens = list(range(100, 140))
+    expected = hash_full_blocks_cbor2(tokens, 8, start_block=0, parent_hash=None, cache_salt=None)
+    short = array("Q", [7] * 30)  # wrong ids, and too few: the list is hashed instead
+    got = hash_packed_blocks(tokens, short, 8, start_block=0, parent_hash=None, cache_salt=None)
+    assert got == expected

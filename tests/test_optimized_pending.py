@@ -10,12 +10,16 @@ pool's passes run: the array loop and the numpy calls (``INSERT_MIN`` lowered to
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from hybridkv.optimized import TorchKVCacheManager
 from hybridkv.optimized import block_pool as optimized_pool
 from hybridkv.optimized import manager as optimized_manager
+from hybridkv.optimized.hashing import hash_full_blocks_torch
 from hybridkv.reference import KVCacheManager, Request
+from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, SlidingWindowSpec
 
@@ -209,14 +213,41 @@ def test_cache_blocks_and_estimates_see_the_pending_inserts() -> None:
     pair.same_state()
 
 
-def test_the_memo_knows_a_pending_block_s_hash_at_once() -> None:
+def test_the_memo_adopts_a_pending_block_s_hash_at_once() -> None:
+    # a's step fills block 2 (its insert waits); a follow-up built with the manager's hasher
+    # right away adopts the hashes of blocks 0 to 2 and hashes only its own block 3.
     pair = Pair(40)
     pair.add("a", [1, 2, 3, 4, 5], memo=True)
     pair.admit("a")
-    remembered = len(pair.opt.block_hasher)
     pair.decode("a", 6)
     assert pair.opt.pool.pending.inserts
-    assert len(pair.opt.block_hasher) == remembered + 1
+    memo = pair.opt.block_hasher
+    starts: list[int] = []
+
+    def counting(
+        token_ids: Sequence[int],
+        block_size: int,
+        *,
+        start_block: int,
+        parent_hash: BlockHash | None,
+        cache_salt: str | None,
+    ) -> list[BlockHash]:
+        starts.append(start_block)
+        return hash_full_blocks_torch(
+            token_ids,
+            block_size,
+            start_block=start_block,
+            parent_hash=parent_hash,
+            cache_salt=cache_salt,
+        )
+
+    memo.hasher = counting
+    prompt = [1, 2, 3, 4, 5, 6, 9, 9]
+    follow_up = Request("b", prompt, hash_block_size=2, block_hasher=memo)
+    assert starts == [3]
+    assert list(follow_up.block_hashes) == list(
+        Request("b", prompt, hash_block_size=2).block_hashes
+    )
     pair.same_state()
 
 
