@@ -42,6 +42,11 @@ RUN_MIN = 4
 (a few tensor calls for a whole run, however long); a run shorter than this ends that, and the
 rest of the window is probed."""
 
+LEAD_RUN_MAX = 4096
+"""A lookup of several attention types reads the run from position 0 for all their groups at
+once (``lead_run``) when it spans at most this many (position, group) pairs: beyond, the
+positions a sliding window does not need cost more than a run of its own."""
+
 RUN_SCALAR_MAX = 128
 """A run of at most this many (position, group) pairs is checked on the array views, one pair
 at a time; a longer one in tensor calls."""
