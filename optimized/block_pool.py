@@ -484,14 +484,10 @@ class TorchBlockPool:
         if ahead.shape[0] == 0:
             return
         blocks, current = blocks[ahead], current[ahead]
-        targets = hk[blocks]
         flagged: list[int] = []
+        targets = hk[blocks] if blocks.shape[0] > TAIL_MAX else None
         steps = 0
-        while True:
-            if blocks.shape[0] <= TAIL_MAX:
-                # The few longest chains: walked on the array views.
-                self._walk_for_duplicates(blocks, current, targets, flagged)
-                break
+        while targets is not None:
             steps += 1
             require(steps <= self.num_blocks, "a prefix-cache chain loops")
             found = hk[current] == targets
@@ -502,29 +498,23 @@ class TorchBlockPool:
                 found = hnext[current] == end
             # Lanes that found their duplicate or reached their chain's end stop.
             walking = np.flatnonzero(~found)
-            if walking.shape[0] == 0:
-                break
             blocks, targets = blocks[walking], targets[walking]
             current = hnext[current[walking]]
-        self.dups.update(flagged)
-
-    def _walk_for_duplicates(
-        self, blocks: np.ndarray, current: np.ndarray, targets: np.ndarray, flagged: list[int]
-    ) -> None:
-        """``settle_duplicates`` for a few chains: from ``current`` on, each block's chain is
-        walked for an entry with its key, position and group (it is then flagged)."""
-        hk, hnext, end = self.hk.a, self.hnext.a, self.end
-        for block, node, target in zip(
-            blocks.tolist(), current.tolist(), targets.tolist(), strict=True
-        ):
+            if blocks.shape[0] <= TAIL_MAX:
+                break
+        # The few chains left: walked on the array views.
+        hk_a, hnext_a = self.hk.a, self.hnext.a
+        for block, node in zip(blocks.tolist(), current.tolist(), strict=True):
+            target = hk_a[block]
             length = 0
             while node != end:
-                if hk[node] == target:
+                if hk_a[node] == target:
                     flagged.append(block)
                     break
-                node = hnext[node]
+                node = hnext_a[node]
                 length += 1
                 require(length <= self.num_blocks, "a prefix-cache chain loops")
+        self.dups.update(flagged)
 
     def block_hash(self, block: int) -> BlockHash:
         """The hash a cached block is cached under."""

@@ -89,6 +89,7 @@ MISS = -1
 
 MISSED, HIT, UNKNOWN = 0, 1, 2
 """The per-position flags of a ``TypeProbe`` (bytes of its ``flags``)."""
+_HITS = bytes((HIT,))
 
 Ints = npt.NDArray[Any]
 """A numpy integer array (int32 block ids, int64 keys and tags)."""
@@ -654,8 +655,8 @@ class TypeProbe:
 
     ``found[i]`` holds, per position, the block of group ``group_ids[i]`` where the position is
     a hit (uninitialised elsewhere); ``flags`` holds ``HIT`` where every group has one,
-    ``MISSED`` where one misses and ``UNKNOWN`` where not probed yet (``flags_n``: its numpy
-    view); both are written by the probes and read by the scans.
+    ``MISSED`` where one misses and ``UNKNOWN`` where not probed yet; both are written by the
+    probes and read by the scans.
     """
 
     def __init__(self, lookup: Lookup, group_ids: Sequence[int], length: int) -> None:
@@ -664,7 +665,6 @@ class TypeProbe:
         self.length = length
         self.found: Ints = np.empty((len(self.group_ids), length), dtype=np.int32)
         self.flags = bytearray((UNKNOWN,)) * length
-        self.flags_n: Ints = np.frombuffer(self.flags, np.int8)
         self.leading = 0  # positions 0 … leading − 1 are known hits (``lead_run``)
 
     def fill(self, lo: int, hi: int) -> None:
@@ -678,7 +678,8 @@ class TypeProbe:
         if (hi - lo) * len(self.group_ids) >= lookup.vector_min:
             best = lookup.probe_window(lo, hi, self.group_ids)
             self.found[:, lo:hi] = best
-            self.flags_n[lo:hi] = (best >= 0).all(0)
+            # A bool's byte is HIT (1) or MISSED (0).
+            self.flags[lo:hi] = (best >= 0).all(0).tobytes()
             return
         found = self.found
         for pos in range(lo, hi):
@@ -711,7 +712,7 @@ class TypeProbe:
                 break
             count = run.shape[1]
             self.found[:, lo : lo + count] = run
-            self.flags_n[lo : lo + count] = HIT
+            self.flags[lo : lo + count] = _HITS * count
             lo += count
             if count < RUN_MIN:
                 break
@@ -787,6 +788,15 @@ class WindowedFlags(LazyFlags):
         return flag == HIT
 
 
+def _columns(group_ids: Sequence[int]) -> slice | list[int]:
+    """The columns of ``group_ids`` in rows of every group: a slice when they are consecutive
+    (a view, not a copy)."""
+    first = group_ids[0]
+    if list(group_ids) == list(range(first, first + len(group_ids))):
+        return slice(first, first + len(group_ids))
+    return list(group_ids)
+
+
 def lead_run(memos: Sequence[TypeProbe]) -> list[int]:
     """Read the run of one source from position 0 for the groups of every type at once (the
     memos of one lookup, which together hold every group): a prompt cached by one request
@@ -814,24 +824,26 @@ def lead_run(memos: Sequence[TypeProbe]) -> list[int]:
     if width < 1:
         return counts
     blocks, good = lookup.run_checks(source.blocks, 0, width, range(num_groups))
-    for index, memo in enumerate(memos):
-        span = min(memo.length, width)
-        if span:
-            ids = memo.group_ids
-            every: Ints = (
-                good[:span, ids[0]] if len(ids) == 1 else np.logical_and.reduce(good[:span, ids], 1)
-            )
-            at = int(every.argmin())
-            counts[index] = span if every[at] else at
+    columns = [_columns(memo.group_ids) for memo in memos]
+    if good.all():
+        # The source holds every position in every group (a prompt it cached whole).
+        counts = [min(memo.length, width) for memo in memos]
+    else:
+        for index, (memo, cols) in enumerate(zip(memos, columns, strict=True)):
+            span = min(memo.length, width)
+            if span:
+                every = np.logical_and.reduce(good[:span, cols], 1)
+                at = int(every.argmin())
+                counts[index] = span if every[at] else at
     verified = lookup.verified_run(src, 0, max(counts))
-    for index, memo in enumerate(memos):
+    for index, (memo, cols) in enumerate(zip(memos, columns, strict=True)):
         count = min(counts[index], verified)
         if count and count < verified and not lookup.lookahead_agrees(src, count - 1):
             count = 0
         counts[index] = count
         if count:
-            memo.found[:, :count] = blocks[:count, memo.group_ids].T
-            memo.flags_n[:count] = HIT
+            memo.found[:, :count] = blocks[:count, cols].T
+            memo.flags[:count] = _HITS * count
             memo.leading = count
     if verified:
         lookup.hint = src
