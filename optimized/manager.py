@@ -36,7 +36,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -1290,8 +1290,7 @@ class TorchKVCacheManager:
             )
 
 
-@dataclass(frozen=True)
-class _HitProbe:
+class _HitProbe(NamedTuple):
     """One type's lookup: its memo, the token limit, the blocks within it, the alignment of
     the hit (the scheduler block), the EAGLE drop, and the length from which to vectorise."""
 
