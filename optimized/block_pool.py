@@ -88,7 +88,13 @@ import torch
 
 from hybridkv.optimized._buffers import IntBuffer
 from hybridkv.optimized.hash_memo import HashMemo
-from hybridkv.optimized.thresholds import INSERT_MIN, MIN_BUCKETS, SETTLE_MAX, TAIL_MAX
+from hybridkv.optimized.thresholds import (
+    INSERT_MIN,
+    MIN_BUCKETS,
+    SETTLE_MAX,
+    SETTLE_SCALAR_MAX,
+    TAIL_MAX,
+)
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.events import EventBuilder, KVCacheEvent
 from hybridkv.spec.errors import require
@@ -466,10 +472,21 @@ class TorchBlockPool:
 
     def settle_duplicates(self) -> None:
         """Mark the blocks cached since the last call that have an older entry of the same
-        key, position and group on their chain (``dups``): one walk of their chains, in numpy
-        calls on the buffers' views, when a lookup needs it, instead of one walk per cached
-        block."""
+        key, position and group on their chain (``dups``): one walk of their chains when a
+        lookup needs it, instead of one walk per cached block; one by one on the array views
+        for up to ``SETTLE_SCALAR_MAX`` blocks, else in numpy calls on the buffers' views, a
+        chain step for all of them at once."""
         if not self.unsettled and not self.unsettled_many:
+            return
+        waiting = len(self.unsettled) + sum(blocks.shape[0] for blocks in self.unsettled_many)
+        if waiting <= SETTLE_SCALAR_MAX:
+            # Few (an admission's entries): one by one on the array views.
+            fresh = self.unsettled
+            for many in self.unsettled_many:
+                fresh.extend(many.tolist())
+            self.unsettled, self.unsettled_many = [], []
+            hnext_a = self.hnext.a
+            self._walk_for_duplicates(fresh, [hnext_a[block] for block in fresh])
             return
         parts = [blocks.numpy() for blocks in self.unsettled_many]
         if self.unsettled:
@@ -502,19 +519,24 @@ class TorchBlockPool:
             current = hnext[current[walking]]
             if blocks.shape[0] <= TAIL_MAX:
                 break
+        self.dups.update(flagged)
         # The few chains left: walked on the array views.
-        hk_a, hnext_a = self.hk.a, self.hnext.a
-        for block, node in zip(blocks.tolist(), current.tolist(), strict=True):
-            target = hk_a[block]
+        self._walk_for_duplicates(blocks.tolist(), current.tolist())
+
+    def _walk_for_duplicates(self, blocks: list[int], nodes: list[int]) -> None:
+        """Mark each of ``blocks`` that has an entry of its key, position and group on its
+        chain from ``nodes`` on (the entries after it: older ones)."""
+        hk, hnext, end, dups = self.hk.a, self.hnext.a, self.end, self.dups
+        for block, node in zip(blocks, nodes, strict=True):
+            target = hk[block]
             length = 0
             while node != end:
-                if hk_a[node] == target:
-                    flagged.append(block)
+                if hk[node] == target:
+                    dups.add(block)
                     break
-                node = hnext_a[node]
+                node = hnext[node]
                 length += 1
                 require(length <= self.num_blocks, "a prefix-cache chain loops")
-        self.dups.update(flagged)
 
     def block_hash(self, block: int) -> BlockHash:
         """The hash a cached block is cached under."""

@@ -83,6 +83,10 @@ SETTLE_MAX = 1 << 14
 (``settle_duplicates``), or once this many wait (a long run of steps without lookups), so that
 the list stays bounded."""
 
+SETTLE_SCALAR_MAX = 256
+"""At most this many blocks waiting to be checked for duplicate entries (an admission's) are
+walked one by one on the array views; more in numpy calls, a chain step for all at once."""
+
 MIN_BUCKETS = 16
 """The hash table has at least this many buckets (the smallest power of two at least half the
 number of blocks, otherwise), so that a tiny pool still spreads its keys over a few chains."""

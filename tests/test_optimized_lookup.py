@@ -347,12 +347,17 @@ def test_a_stale_record_fails_the_pools_invariants() -> None:
         pool.check_invariants()
 
 
-@pytest.mark.parametrize("tail", [0, 1 << 20], ids=["vector walk", "array walk"])
+@pytest.mark.parametrize(
+    ("scalar_max", "tail"),
+    [(0, 0), (0, 1 << 20), (1 << 20, 0)],
+    ids=["vector walk", "vector walk, array tail", "array walk"],
+)
 def test_duplicate_entries_are_found_by_either_walk(
-    tail: int, monkeypatch: pytest.MonkeyPatch
+    scalar_max: int, tail: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Blocks 1 … 12 cached under four keys, three times each (by ``insert_many``): the later
     two of each key are duplicates, whichever walk finds them."""
+    monkeypatch.setattr("hybridkv.optimized.block_pool.SETTLE_SCALAR_MAX", scalar_max)
     monkeypatch.setattr("hybridkv.optimized.block_pool.TAIL_MAX", tail)
     pool = TorchBlockPool(32, 1, enable_caching=True)
     hashes = [BlockHash(bytes([i + 1]) * 32) for i in range(4)]
