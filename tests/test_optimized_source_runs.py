@@ -1,8 +1,9 @@
 """A long cache hit is read from its sources' runs of blocks, and equals the reference's.
 
 The optimized lookup reads the blocks a source (the request that cached them) recorded per
-position, checks them against the hash table's keys and sources in a few tensor calls, and
-verifies the source once for the whole run (``Lookup.source_run``). It must find exactly the
+position (evicting a block clears its entry), drops the unrecorded and duplicate entries in a
+few numpy calls, and verifies the source once for the whole run (``Lookup.source_run``, and
+``lead_run`` for every attention type at once). It must find exactly the
 blocks the reference finds: the first-inserted block of each key, also when a prompt was
 computed twice at once (duplicate entries), when a hit spans several sources, and when blocks
 in the middle of a run were evicted.
