@@ -446,26 +446,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "opt_run_returns_duplicates",
         "a lookup's run of a source's blocks may return a block cached after another of its key",
         "lookup",
-        (
-            "if hk[block] & 0xFFFFFFFF != tag or srcs[block] != src or block in dups:",
-            "if hk[block] & 0xFFFFFFFF != tag or srcs[block] != src:",
-        ),
+        ("if block == end or block in dups:", "if block == end:"),
         ("        if pool.dups:\n            good &=", "        if False:\n            good &="),
     ),
     _o(
         "opt_run_trusts_stale_blocks",
-        "a lookup's run takes a source's recorded blocks without checking they are still its",
-        "lookup",
-        (
-            "if hk[block] & 0xFFFFFFFF != tag or srcs[block] != src or block in dups:",
-            "if block in dups:",
-        ),
-        (
-            "        good = (pool.hk.t.index_select(0, blocks) & 0xFFFFFFFF == tags) & (\n"
-            "            pool.src.t.index_select(0, blocks) == src\n"
-            "        )\n",
-            "        good = blocks >= 0\n",
-        ),
+        "evicting a block leaves it in its source's record, so a lookup's run trusts a block "
+        "the source no longer holds",
+        "block_pool",
+        ("            recorded[tag] = self.end\n", "            pass\n"),
     ),
     _o(
         "opt_free_walks_keeps_walk_order",

@@ -52,13 +52,15 @@ name them; a source is dropped when its last block is evicted.
 Runs: a source also records, per tag (hash index × G + group), the block it cached there
 (``Source.blocks``, an int32 array grown as it caches: 4 bytes per position and group of the
 sources alive, nothing per block of the pool), so that a lookup reads a long hit as runs of a
-source's blocks and checks them against ``hk`` and ``src`` at once. Such a block is the one a
-probe would find only if it is the first-inserted entry of its key: the blocks cached while an
+source's blocks at once. Evicting a block clears its entry (``_evict_primary``), so a recorded
+block is always cached from its source under its tag (``check_invariants`` checks it), and a
+run needs no look at ``hk`` or ``src``. Such a block is the one a probe would find only if it
+is the first-inserted entry of its key: the blocks cached while an
 entry with the same key, position and group was cached are marked in ``dups`` (a set, rarely
 non-empty: a prompt computed twice at once). Finding them takes a walk of the chain behind each
 new entry; it is done for all the blocks cached since the last time (``unsettled``) in one
-tensor walk when a lookup first needs it (``settle_duplicates``), or every ``SETTLE_MAX``
-blocks, instead of one walk per cached block.
+vectorised walk (numpy calls on the views) when a lookup first needs it (``settle_duplicates``),
+or every ``SETTLE_MAX`` blocks, instead of one walk per cached block.
 
 The hash memo
 -------------
@@ -87,7 +89,13 @@ import torch
 from hybridkv.optimized._buffers import IntBuffer
 from hybridkv.optimized.hash_memo import HashMemo
 from hybridkv.optimized.pending import PendingWork
-from hybridkv.optimized.thresholds import INSERT_MIN, MIN_BUCKETS, SETTLE_MAX, TAIL_MAX
+from hybridkv.optimized.thresholds import (
+    INSERT_MIN,
+    MIN_BUCKETS,
+    SETTLE_MAX,
+    SETTLE_SCALAR_MAX,
+    TAIL_MAX,
+)
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.events import EventBuilder, KVCacheEvent
 from hybridkv.spec.errors import require
@@ -111,11 +119,10 @@ class Source:
 
     ``packed`` is the request's ``packed_token_ids`` when it keeps one (``Request`` does): the
     same tokens as one array, so that verification compares memory instead of ints. ``blocks``
-    maps a tag (hash index × G + group id, the low half of ``hk``) to the block last cached
-    from this source under it (-1 where none): a lookup reads a whole run of a prompt's blocks
-    from it and checks them against ``hk`` and ``src`` at once, instead of walking a chain per
-    position (an entry is stale once its block is evicted or cached again, which those checks
-    see)."""
+    maps a tag (hash index × G + group id, the low half of ``hk``) to the block cached from
+    this source under it (the pool's chain end where none: evicting a block clears its entry),
+    so that a lookup reads a whole run of a prompt's blocks from it at once instead of walking
+    a chain per position."""
 
     __slots__ = ("blocks", "hashes", "packed", "refs", "row_refs", "salt", "tokens")
 
@@ -658,54 +665,71 @@ class TorchBlockPool:
 
     def settle_duplicates(self) -> None:
         """Mark the blocks cached since the last call that have an older entry of the same
-        key, position and group on their chain (``dups``): one walk of their chains, in tensor
-        calls, when a lookup needs it, instead of one walk per cached block."""
+        key, position and group on their chain (``dups``): one walk of their chains when a
+        lookup needs it, instead of one walk per cached block; one by one on the array views
+        for up to ``SETTLE_SCALAR_MAX`` blocks, else in numpy calls on the buffers' views, a
+        chain step for all of them at once."""
         if not self.unsettled and not self.unsettled_many:
             return
-        parts = self.unsettled_many
+        waiting = len(self.unsettled) + sum(blocks.shape[0] for blocks in self.unsettled_many)
+        if waiting <= SETTLE_SCALAR_MAX:
+            # Few (an admission's entries): one by one on the array views.
+            fresh = self.unsettled
+            for many in self.unsettled_many:
+                fresh.extend(many.tolist())
+            self.unsettled, self.unsettled_many = [], []
+            hnext_a = self.hnext.a
+            self._walk_for_duplicates(fresh, [hnext_a[block] for block in fresh])
+            return
+        parts = [blocks.numpy() for blocks in self.unsettled_many]
         if self.unsettled:
-            parts.append(torch.tensor(self.unsettled, dtype=torch.int64))
-        blocks = parts[0] if len(parts) == 1 else torch.cat(parts)
+            parts.append(np.array(self.unsettled, dtype=np.int64))
+        blocks = parts[0] if len(parts) == 1 else np.concatenate(parts)
         self.unsettled, self.unsettled_many = [], []
-        hk, hnext, end = self.hk.t, self.hnext.t, self.end
-        targets = hk.index_select(0, blocks)
-        current = hnext.index_select(0, blocks)  # older entries follow on the chain
-        lanes = torch.arange(blocks.shape[0])
+        hk, hnext, end = self.hk.n, self.hnext.n, self.end
+        # Older entries follow on the chain; most new entries end theirs (an evicted block's
+        # chain link is the end too).
+        current = hnext[blocks]
+        ahead = np.flatnonzero(current != end)
+        if ahead.shape[0] == 0:
+            return
+        blocks, current = blocks[ahead], current[ahead]
         flagged: list[int] = []
+        targets = hk[blocks] if blocks.shape[0] > TAIL_MAX else None
         steps = 0
-        while True:
-            walking = torch.nonzero((current != end) & (targets != -1)).view(-1)
-            if walking.shape[0] == 0:
-                break
+        while targets is not None:
             steps += 1
             require(steps <= self.num_blocks, "a prefix-cache chain loops")
-            if walking.shape[0] <= TAIL_MAX:
-                # The few longest chains: walked on the array views.
-                hk_a, hnext_a = self.hk.a, self.hnext.a
-                for lane, node, target in zip(
-                    lanes.index_select(0, walking).tolist(),
-                    current.index_select(0, walking).tolist(),
-                    targets.index_select(0, walking).tolist(),
-                    strict=True,
-                ):
-                    length = 0
-                    while node != end:
-                        if hk_a[node] == target:
-                            flagged.append(int(blocks[lane]))
-                            break
-                        node = hnext_a[node]
-                        length += 1
-                        require(length <= self.num_blocks, "a prefix-cache chain loops")
-                break
-            current = current.index_select(0, walking)
-            targets = targets.index_select(0, walking)
-            lanes = lanes.index_select(0, walking)
-            found = hk.index_select(0, current) == targets
+            found = hk[current] == targets
             if bool(found.any()):
-                flagged.extend(blocks.index_select(0, lanes[found]).tolist())
-                targets = torch.where(found, -1, targets)
-            current = hnext.index_select(0, current)
+                flagged.extend(blocks[found].tolist())
+                found |= hnext[current] == end
+            else:
+                found = hnext[current] == end
+            # Lanes that found their duplicate or reached their chain's end stop.
+            walking = np.flatnonzero(~found)
+            blocks, targets = blocks[walking], targets[walking]
+            current = hnext[current[walking]]
+            if blocks.shape[0] <= TAIL_MAX:
+                break
         self.dups.update(flagged)
+        # The few chains left: walked on the array views.
+        self._walk_for_duplicates(blocks.tolist(), current.tolist())
+
+    def _walk_for_duplicates(self, blocks: list[int], nodes: list[int]) -> None:
+        """Mark each of ``blocks`` that has an entry of its key, position and group on its
+        chain from ``nodes`` on (the entries after it: older ones)."""
+        hk, hnext, end, dups = self.hk.a, self.hnext.a, self.end, self.dups
+        for block, node in zip(blocks, nodes, strict=True):
+            target = hk[block]
+            length = 0
+            while node != end:
+                if hk[node] == target:
+                    dups.add(block)
+                    break
+                node = hnext[node]
+                length += 1
+                require(length <= self.num_blocks, "a prefix-cache chain loops")
 
     def block_hash(self, block: int) -> BlockHash:
         """The hash a cached block is cached under."""
@@ -805,6 +829,10 @@ class TorchBlockPool:
         hnext[block] = self.end
         self.hk.a[block] = -1
         self.src.a[block] = -1
+        recorded = source.blocks
+        if tag < len(recorded) and recorded[tag] == block:
+            # The source's record holds only its blocks still cached under their tags.
+            recorded[tag] = self.end
         if self.dups:
             self.dups.discard(block)
         source.refs -= 1
@@ -954,6 +982,12 @@ class TorchBlockPool:
             if source is None:
                 require(index in self._free_sources, f"source {index} is lost")
             else:
+                for tag, block in enumerate(source.blocks):
+                    require(
+                        block == end or (src[block] == index and hk[block] & 0xFFFFFFFF == tag),
+                        f"source {index} records block {block} under tag {tag}, which it does "
+                        "not hold there",
+                    )
                 require(source.refs == refs.get(index, 0), f"source {index} has a wrong count")
                 require(source.refs + source.row_refs > 0, f"source {index} is kept for nothing")
         memo = self.memo

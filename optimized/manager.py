@@ -36,7 +36,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -47,7 +47,15 @@ from hybridkv.optimized._buffers import IntBuffer, int32_from_bytes, tensor_from
 from hybridkv.optimized.block_pool import TorchBlockPool, hash_key
 from hybridkv.optimized.group_columns import GroupColumns
 from hybridkv.optimized.hash_memo import HashMemo
-from hybridkv.optimized.lookup import Lookup, TypeProbe, WindowedFlags
+from hybridkv.optimized.lookup import (
+    NO_HIT,
+    GroupHit,
+    HitBlocks,
+    Lookup,
+    TypeProbe,
+    WindowedFlags,
+    lead_run,
+)
 from hybridkv.optimized.rows import RowTables
 from hybridkv.optimized.thresholds import (
     BATCH_MIN,
@@ -87,6 +95,8 @@ FULL, SLIDING, CHUNKED, MAMBA = range(4)  # MAMBA: a Mamba group in "align" mode
 _HUGE = 1 << 50
 """Stands for "never" in the row thresholds (and the window of a group that never releases)."""
 BlockIds = tuple[tuple[int, ...], ...]
+TypeHit = tuple[GroupHit, ...]
+"""One attention type's hit, per group of the type (``TypeProbe.blocks``)."""
 
 
 @dataclass(frozen=True)
@@ -422,7 +432,9 @@ class TorchKVCacheManager:
             extra = b if eagle and self.num_groups > 1 and not spec.holds_state else 0
             limit = min((max_length + extra) // b, len(lookup.hashes))
             memos.append(TypeProbe(lookup, group_ids, limit))
-        hits: Sequence[tuple[int, ...]]
+        if len(memos) > 1 and len(lookups) == 1:
+            lead_run(memos)
+        hits: Sequence[GroupHit]
         boundary = 0
         if self.num_groups == 1:
             spec = self._types[0][0]
@@ -431,7 +443,7 @@ class TorchKVCacheManager:
         else:
             hits, hit_length, longest = self._hybrid_hit(memos, max_length)
             boundary = longest if longest > hit_length else 0
-        self._issued = KVCacheBlocks(tuple(tuple(h) for h in hits))
+        self._issued = HitBlocks(hits)
         return self._issued, hit_length, boundary
 
     def new_step_starts(self) -> None:
@@ -449,7 +461,7 @@ class TorchKVCacheManager:
         max_length: int,
         drop: bool = False,
         alignment: int = 0,
-    ) -> BlockIds:
+    ) -> TypeHit:
         """One type's longest hit of at most ``max_length`` tokens (the ``longest_hit`` hook,
         from ``TYPE_HITS``); with ``drop`` (EAGLE) one block shorter; its length a multiple of
         ``alignment`` (the scheduler block)."""
@@ -465,11 +477,11 @@ class TorchKVCacheManager:
 
     def _hybrid_hit(
         self, memos: list[TypeProbe], max_length: int
-    ) -> tuple[list[tuple[int, ...]], int, int]:
+    ) -> tuple[list[GroupHit], int, int]:
         """``rules.hybrid_hit_length`` over the attention types (as the reference coordinator
         calls it), each type probed through its memo; also the longest length one type found
         on its own."""
-        hits: list[tuple[int, ...]] = [() for _ in range(self.num_groups)]
+        hits = [NO_HIT] * self.num_groups
         num_hashed = len(memos[0].lookup.request_hashes) * self.hash_block_size
 
         def lookup(index: int, length: int, drop: bool) -> int:
@@ -490,7 +502,7 @@ class TorchKVCacheManager:
         for spec, group_ids in self._types:
             if spec.hit_is_prefix:
                 for group_id in group_ids:
-                    hits[group_id] = hits[group_id][: hit_length // spec.block_size]
+                    hits[group_id] = hits[group_id].cut(hit_length // spec.block_size)
         return hits, hit_length, longest
 
     # --- Allocation -------------------------------------------------------------------------
@@ -1529,8 +1541,7 @@ class TorchKVCacheManager:
             )
 
 
-@dataclass(frozen=True)
-class _HitProbe:
+class _HitProbe(NamedTuple):
     """One type's lookup: its memo, the token limit, the blocks within it, the alignment of
     the hit (the scheduler block), the EAGLE drop, and the length from which to vectorise."""
 
@@ -1542,7 +1553,7 @@ class _HitProbe:
     vector_min: int
 
 
-def _full_attention_hit(spec: FullAttentionSpec, p: _HitProbe) -> BlockIds:
+def _full_attention_hit(spec: FullAttentionSpec, p: _HitProbe) -> TypeHit:
     """The leading run of cached blocks, less the EAGLE drop, cut to the alignment."""
     b = spec.block_size
     if p.length >= p.vector_min:
@@ -1557,21 +1568,21 @@ def _full_attention_hit(spec: FullAttentionSpec, p: _HitProbe) -> BlockIds:
     return p.memo.blocks(0, rules.cdiv(hit_length, b))
 
 
-def _sliding_window_hit(spec: SlidingWindowSpec, p: _HitProbe) -> BlockIds:
+def _sliding_window_hit(spec: SlidingWindowSpec, p: _HitProbe) -> TypeHit:
     """The rightmost run of cached blocks that covers the window (Prefix caching, Case 2)."""
     b = spec.block_size
     needed = rules.sliding_window_contiguous_blocks(spec.sliding_window, b, p.drop)
-    flags = WindowedFlags(p.memo, p.length, leftwards=True, span=needed)
     if p.align == b:
-        num, first = rules.sliding_window_hit_blocks(flags, needed)
+        num, first = p.memo.window_hit(p.length, needed)
         if p.drop and num > 0:
             num -= 1
         return p.memo.blocks(first, num)
+    flags = WindowedFlags(p.memo, p.length, leftwards=True, span=needed)
     num, first = _aligned_window_hit(flags, p.length, needed, b, p.align, p.drop)
     return p.memo.blocks(first, num)
 
 
-def _chunked_local_hit(spec: ChunkedLocalAttentionSpec, p: _HitProbe) -> BlockIds:
+def _chunked_local_hit(spec: ChunkedLocalAttentionSpec, p: _HitProbe) -> TypeHit:
     """The current chunk's cached blocks; the chunks before it are not needed."""
     b = spec.block_size
     chunk = spec.attention_chunk_size
@@ -1588,7 +1599,7 @@ def _chunked_local_hit(spec: ChunkedLocalAttentionSpec, p: _HitProbe) -> BlockId
     return p.memo.blocks(first, num)
 
 
-def _mamba_hit(spec: MambaSpec, p: _HitProbe) -> BlockIds:
+def _mamba_hit(spec: MambaSpec, p: _HitProbe) -> TypeHit:
     """The largest aligned block boundary whose state is cached (Case 3)."""
     b = spec.block_size
     flags = WindowedFlags(p.memo, p.length, leftwards=True, span=1)
@@ -1601,7 +1612,7 @@ def _mamba_hit(spec: MambaSpec, p: _HitProbe) -> BlockIds:
     return p.memo.blocks(0, 0)
 
 
-TYPE_HITS: dict[str, Callable[[Any, _HitProbe], BlockIds]] = {
+TYPE_HITS: dict[str, Callable[[Any, _HitProbe], TypeHit]] = {
     "full": _full_attention_hit,
     "sliding_window": _sliding_window_hit,
     "chunked_local": _chunked_local_hit,

@@ -1,10 +1,10 @@
 """The size thresholds of the optimized backend, in one place.
 
 Most paths of the backend exist twice: one element at a time on the ``array`` views of its
-buffers (cheap per element, nothing to set up) and in tensor calls (a fixed cost per call, then
-cheap per element). Each constant below says where one such switch flips, or how large a window
-of work is; none changes a result, only the time it takes (the differential tests run both sides
-of every switch).
+buffers (cheap per element, nothing to set up) and in tensor or numpy calls (a fixed cost per
+call, then cheap per element). Each constant below says where one such switch flips, or how
+large a window of work is; none changes a result, only the time it takes (the differential
+tests run both sides of every switch).
 
 Layout
 ------
@@ -38,21 +38,28 @@ this many wait, when no other call has made them earlier: a bound on their memor
 # --- Cache-hit lookups (``hybridkv.optimized.lookup``) ----------------------------------------
 
 VECTOR_MIN = 48
-"""A window of at least this many (position, group) pairs is probed through the tensor hash
-table (one call per chain step for all of them); a smaller one walks the chains on the arrays."""
+"""A window of at least this many (position, group) pairs is probed through the hash table in
+numpy calls (one gather per chain step for all of them), a run read from position 0 for every
+attention type at once, and a long prompt's full-attention scan reads runs first; a smaller one
+walks the chains on the arrays."""
 
 RUN_MIN = 4
 """A window of at least this many positions is read from sources' runs of cached blocks first
-(a few tensor calls for a whole run, however long); a run shorter than this ends that, and the
+(a few numpy calls for a whole run, however long); a run shorter than this ends that, and the
 rest of the window is probed."""
 
-RUN_SCALAR_MAX = 128
+LEAD_RUN_MAX = 4096
+"""A lookup of several attention types reads the run from position 0 for all their groups at
+once (``lead_run``) when it spans at most this many (position, group) pairs: beyond, the
+positions a sliding window does not need cost more than a run of its own."""
+
+RUN_SCALAR_MAX = 16
 """A run of at most this many (position, group) pairs is checked on the array views, one pair
-at a time; a longer one in tensor calls."""
+at a time; a longer one in numpy calls."""
 
 TAIL_MAX = 32
-"""A tensor probe walks its last chains on the array views once at most this many remain: a
-tensor call per chain step would cost more than the walk."""
+"""A vector probe (and the duplicate check) walks its last chains on the array views once at
+most this many remain: a call per chain step would cost more than the walk."""
 
 SCAN_FIRST_WINDOW = 512
 """The full-attention scan of a long prompt probes this many positions first, then windows four
@@ -81,6 +88,10 @@ SETTLE_MAX = 1 << 14
 """Blocks cached since the last lookup are checked for duplicate entries by the next lookup
 (``settle_duplicates``), or once this many wait (a long run of steps without lookups), so that
 the list stays bounded."""
+
+SETTLE_SCALAR_MAX = 256
+"""At most this many blocks waiting to be checked for duplicate entries (an admission's) are
+walked one by one on the array views; more in numpy calls, a chain step for all at once."""
 
 MIN_BUCKETS = 16
 """The hash table has at least this many buckets (the smallest power of two at least half the

@@ -3,7 +3,7 @@
 Every call's result (hits, new blocks, ``None``s, tables), the pool snapshot (free-queue order,
 reference counts, cached blocks, keys), events and statistics must be equal after each step;
 the optimized backend's invariant checker runs after each step too. The probes run once with
-tensor windows everywhere and once without them, so both lookup paths are compared.
+vector (numpy) windows everywhere and once without them, so both lookup paths are compared.
 
 Each request's ``estimate_cached_tokens``, which reads a few table positions per group, must
 also equal vLLM's scan of its whole tables (``_estimate_cached_tokens_by_scan``), on both.

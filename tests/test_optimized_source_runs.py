@@ -1,8 +1,9 @@
 """A long cache hit is read from its sources' runs of blocks, and equals the reference's.
 
 The optimized lookup reads the blocks a source (the request that cached them) recorded per
-position, checks them against the hash table's keys and sources in a few tensor calls, and
-verifies the source once for the whole run (``Lookup.source_run``). It must find exactly the
+position (evicting a block clears its entry), drops the unrecorded and duplicate entries in a
+few numpy calls, and verifies the source once for the whole run (``Lookup.source_run``, and
+``lead_run`` for every attention type at once). It must find exactly the
 blocks the reference finds: the first-inserted block of each key, also when a prompt was
 computed twice at once (duplicate entries), when a hit spans several sources, and when blocks
 in the middle of a run were evicted.
@@ -19,18 +20,23 @@ import torch
 
 from hybridkv.optimized import TorchKVCacheManager
 from hybridkv.optimized.block_pool import TorchBlockPool, hash_key
-from hybridkv.optimized.lookup import Lookup
+from hybridkv.optimized.lookup import Ints, Lookup, TypeProbe, lead_run
 from hybridkv.reference import KVCacheManager
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.request import Request
 from hybridkv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, SlidingWindowSpec
 
 
-@pytest.fixture(autouse=True, params=["tensors", "arrays"])
+@pytest.fixture(
+    autouse=True, params=["vector", "arrays", "vector, types apart", "arrays, types apart"]
+)
 def run_checks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test twice: runs checked in tensor calls, and on the array views."""
-    limit = 0 if request.param == "tensors" else 1 << 30
+    """Every test four ways: runs checked in numpy calls or on the array views, and a hybrid's
+    leading run read for all its types at once (``lead_run``) or by each type's own scan."""
+    limit = 0 if request.param.startswith("vector") else 1 << 30
     monkeypatch.setattr("hybridkv.optimized.lookup.RUN_SCALAR_MAX", limit)
+    if request.param.endswith("types apart"):
+        monkeypatch.setattr("hybridkv.optimized.lookup.LEAD_RUN_MAX", 0)
 
 
 SIZES = {"block_size": 4, "num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
@@ -52,18 +58,28 @@ def request(request_id: str, tokens: list[int]) -> Request:
 
 @contextmanager
 def runs_read(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """The widths of the runs ``source_run`` returns while the block is active."""
+    """The widths of the runs read while the block is active: a leading run read for all types
+    at once (``lead_run``, its full-attention width), then those ``source_run`` returns."""
     widths: list[int] = []
-    original = Lookup.source_run
+    original_run = Lookup.source_run
 
-    def spy(self: Lookup, lo: int, hi: int, group_ids: list[int]) -> torch.Tensor | None:
-        run = original(self, lo, hi, group_ids)
+    def spy(
+        self: Lookup, lo: int, hi: int, group_ids: list[int], first: int | None = None
+    ) -> Ints | None:
+        run = original_run(self, lo, hi, group_ids, first)
         if run is not None:
             widths.append(run.shape[1])
         return run
 
+    def lead_spy(memos: list[TypeProbe]) -> list[int]:
+        counts = lead_run(memos)
+        if counts[0]:
+            widths.append(counts[0])
+        return counts
+
     with monkeypatch.context() as patch:
         patch.setattr(Lookup, "source_run", spy)
+        patch.setattr("hybridkv.optimized.manager.lead_run", lead_spy)
         yield widths
 
 
