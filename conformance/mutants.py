@@ -486,8 +486,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "a vectorised adoption leaves evictable hit blocks in the free queue",
         "block_pool",
         (
-            "            self.remove(int(blocks[block]))\n",
-            "            pass\n",
+            "        for block in blocks[ref[blocks] == 0].tolist():\n"
+            "            self.remove(block)\n",
+            "        for block in blocks[ref[blocks] == 0].tolist():\n            pass\n",
         ),
     ),
     _p(

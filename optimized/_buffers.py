@@ -49,19 +49,3 @@ class IntBuffer:
     @property
     def nbytes(self) -> int:
         return self.a.buffer_info()[1] * self.a.itemsize
-
-
-def int32_from_bytes(data: bytes) -> torch.Tensor:
-    """A writable int32 CPU tensor over a copy of ``data`` (native byte order)."""
-    values = array("i")
-    values.frombytes(data)
-    if not values:
-        return torch.empty(0, dtype=torch.int32)
-    return torch.frombuffer(values, dtype=torch.int32)
-
-
-def tensor_from_ints(values: list[int]) -> torch.Tensor:
-    """An int64 CPU tensor of small Python ints (through an array, which is cheaper)."""
-    if not values:
-        return torch.empty(0, dtype=torch.int64)
-    return torch.frombuffer(array("q", values), dtype=torch.int64)

@@ -81,6 +81,7 @@ from __future__ import annotations
 import struct
 from array import array
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -149,14 +150,18 @@ class Source:
             blocks.extend(array("i", [end]) * (max(tag + 1, 2 * len(blocks)) - len(blocks)))
         blocks[tag] = block
 
-    def record_many(self, tags: torch.Tensor, blocks: torch.Tensor, end: int) -> None:
-        """``record`` for int64 tensors of tags and blocks (distinct tags)."""
+    def record_array(
+        self, tags: npt.NDArray[np.int64], blocks: npt.NDArray[np.int64], end: int
+    ) -> None:
+        """``record`` for int64 arrays of tags and blocks (distinct tags)."""
         top = int(tags.max()) + 1
         size = len(self.blocks)
         if top > size:
             self.blocks.extend(array("i", [end]) * (max(top, 2 * size) - size))
-        # A view for this call only: the array may be resized (and moved) by a later record.
-        torch.frombuffer(self.blocks, dtype=torch.int32)[tags] = blocks.to(torch.int32)
+        # A view for this call only: the array must stay resizable for a later record.
+        view = np.frombuffer(self.blocks, dtype=np.int32)
+        view[tags] = blocks
+        del view
 
 
 class TorchBlockPool:
@@ -221,7 +226,7 @@ class TorchBlockPool:
         self.dups: set[int] = set()
         # Blocks cached since ``settle_duplicates`` last ran (one by one, and in tensors).
         self.unsettled: list[int] = []
-        self.unsettled_many: list[torch.Tensor] = []
+        self.unsettled_many: list[npt.NDArray[np.int64]] = []
         self.sources: list[Source | None] = []
         self._free_sources: list[int] = []
         self.events: list[KVCacheEvent] = []
@@ -301,12 +306,16 @@ class TorchBlockPool:
                 self.remove(block)
             ref[block] += 1
 
-    def touch_many(self, blocks: torch.Tensor) -> None:
-        """``touch`` for an int64 tensor of distinct non-null blocks (order does not matter: a
+    def touch_array(self, blocks: npt.NDArray[Any]) -> None:
+        """``touch`` for a numpy array of distinct non-null blocks (order does not matter: a
         block leaves the queue wherever it is)."""
-        for block in torch.nonzero(self.ref.t.index_select(0, blocks) == 0).view(-1).tolist():
-            self.remove(int(blocks[block]))
-        self.ref.t.index_add_(0, blocks, torch.ones(blocks.shape[0], dtype=torch.int32))
+        if blocks.shape[0] < INSERT_MIN:
+            self.touch(blocks.tolist())
+            return
+        ref = self.ref.n
+        for block in blocks[ref[blocks] == 0].tolist():
+            self.remove(block)
+        ref[blocks] += 1
 
     def free_blocks(self, walk: Sequence[int]) -> None:
         """Drop one holder of each block (walk order); see ``BlockPool.free_blocks``."""
@@ -423,20 +432,6 @@ class TorchBlockPool:
         self.prev.n[chain[1:]] = chain[:-1]
         self.num_free_blocks += count
 
-    def link_after_tensor(self, node: int, blocks: torch.Tensor) -> None:
-        """``link_after`` for a long int64 tensor of distinct blocks, in a few tensor calls."""
-        count = blocks.shape[0]
-        if count == 0:
-            return
-        after = self.next.a[node]
-        chain = torch.empty(count + 2, dtype=torch.int64)
-        chain[0] = node
-        chain[1:-1] = blocks
-        chain[-1] = after
-        self.next.t[chain[:-1]] = chain[1:].to(torch.int32)
-        self.prev.t[chain[1:]] = chain[:-1].to(torch.int32)
-        self.num_free_blocks += count
-
     def free_queue(self) -> list[int]:
         """The queued blocks, head first."""
         nxt = self.next.a
@@ -479,8 +474,10 @@ class TorchBlockPool:
         heads, hnext, hk, end = self.heads.a, self.hnext.a, self.hk.a, self.end
         tag = pos * self.num_groups + group_id
         target = key << 32 | tag
-        hnext[block] = heads[bucket]
-        self.unsettled.append(block)
+        behind = heads[bucket]
+        hnext[block] = behind
+        if behind != end:  # only then can an older twin sit behind it
+            self.unsettled.append(block)
         heads[bucket] = block
         hk[block] = target
         self.src.a[block] = src
@@ -509,13 +506,17 @@ class TorchBlockPool:
         assert source is not None
         recorded = source.blocks
         size = len(recorded)
+        unsettled = self.unsettled
         last = key = high = -1
         for block, group_id, pos in entries:
             if pos != last:
                 key, last = hash_key(hashes[pos]), pos
                 high = key << 32
             bucket = (key + group_id * GROUP_MIX) & mask
-            hnext[block] = heads[bucket]
+            behind = heads[bucket]
+            hnext[block] = behind
+            if behind != end:  # only then can an older twin sit behind it
+                unsettled.append(block)
             heads[bucket] = block
             tag = pos * num_groups + group_id
             hk[block] = high | tag
@@ -527,7 +528,6 @@ class TorchBlockPool:
                 recorded = source.blocks
                 size = len(recorded)
         source.refs += len(entries)
-        self.unsettled.extend([block for block, _, _ in entries])
         if src in self.memo_srcs and self.memo is not None:
             self.memo.remember(src, source)
         if len(self.unsettled) >= SETTLE_MAX:
@@ -601,13 +601,17 @@ class TorchBlockPool:
         last = np.ones(count, dtype=bool)
         last[:-1] = first[1:]
         heads = self.heads.n
+        old_heads = heads[sorted_buckets]
         # Within a bucket each entry links to the one inserted before it, the first to the old
         # head, and the last becomes the head (as one insert after another).
-        self.hnext.n[chained] = np.where(first, heads[sorted_buckets], np.roll(chained, 1))
+        self.hnext.n[chained] = np.where(first, old_heads, np.roll(chained, 1))
         heads[sorted_buckets[last]] = chained[last]
         self.hk.n[blocks] = keys << 32 | (positions * self.num_groups + groups)
         self.src.n[blocks] = srcs
-        self.unsettled_many.append(torch.from_numpy(blocks))
+        # Only an entry with another behind it on its chain can have an older twin to find.
+        behind = chained[~first | (old_heads != self.end)]
+        if behind.shape[0]:
+            self.unsettled_many.append(behind)
         if len(self.unsettled_many) >= SETTLE_MAX // INSERT_MIN:
             self.settle_duplicates()  # long without a lookup: bounded memory
 
@@ -615,53 +619,25 @@ class TorchBlockPool:
         """Make the running requests' deferred releases and inserts (``PendingWork``)."""
         self.pending.apply(self)
 
-    def insert_many(
+    def insert_array(
         self,
-        blocks: torch.Tensor,
-        keys: torch.Tensor,
-        groups: torch.Tensor,
-        positions: torch.Tensor,
-        srcs: torch.Tensor,
+        blocks: npt.NDArray[np.int64],
+        groups: npt.NDArray[np.int64],
+        positions: npt.NDArray[np.int64],
+        keys: npt.NDArray[np.int64],
+        src: int,
     ) -> None:
-        """``insert`` for many blocks at once (int64 tensors, in insertion order).
-
-        Equal to inserting them one by one: within a bucket, later entries end up nearer the
-        head. Source counts are the caller's to update.
-        """
+        """``insert`` of many blocks from one source ``src`` (int64 arrays, in insertion order,
+        each block once), in numpy calls: equal to inserting them one by one."""
         count = blocks.shape[0]
         if count == 0:
             return
-        tags = positions * self.num_groups + groups
-        buckets = (keys + groups * GROUP_MIX) & self.mask
-        self.unsettled_many.append(blocks)
-        buckets, order = torch.sort(buckets, stable=True)
-        entries = blocks[order]
-        first = torch.ones(count, dtype=torch.bool)
-        first[1:] = buckets[1:] != buckets[:-1]
-        last = torch.ones(count, dtype=torch.bool)
-        last[:-1] = first[1:]
-        previous = torch.roll(entries, 1)
-        old_heads = self.heads.t[buckets].to(torch.int64)
-        self.hnext.t[entries] = torch.where(first, old_heads, previous).to(torch.int32)
-        self.heads.t[buckets[last]] = entries[last].to(torch.int32)
-        self.hk.t[blocks] = keys << 32 | tags
-        self.src.t[blocks] = srcs.to(torch.int32)
-        first_src = int(srcs[0])
-        if bool((srcs == first_src).all()):
-            self.source(first_src).record_many(tags, blocks, self.end)
-        else:
-            # Many sources with a few blocks each (a decode step's): one by one.
-            sources, end = self.sources, self.end
-            for src, tag, block in zip(srcs.tolist(), tags.tolist(), blocks.tolist(), strict=True):
-                source = sources[src]
-                assert source is not None
-                source.record(tag, block, end)
-        if len(self.unsettled_many) >= SETTLE_MAX // INSERT_MIN:
-            self.settle_duplicates()  # long without a lookup: bounded memory
-        memo = self.memo
-        if self.memo_srcs and memo is not None:
-            for src in self.memo_srcs.intersection(srcs.tolist()):
-                memo.remember(src, self.source(src))
+        self.chain_entries(blocks, groups, positions, np.full(count, src, dtype=np.int64), keys)
+        source = self.source(src)
+        source.record_array(positions * self.num_groups + groups, blocks, self.end)
+        source.refs += count
+        if src in self.memo_srcs and self.memo is not None:
+            self.memo.remember(src, source)
 
     def settle_duplicates(self) -> None:
         """Mark the blocks cached since the last call that have an older entry of the same
@@ -681,7 +657,7 @@ class TorchBlockPool:
             hnext_a = self.hnext.a
             self._walk_for_duplicates(fresh, [hnext_a[block] for block in fresh])
             return
-        parts = [blocks.numpy() for blocks in self.unsettled_many]
+        parts = list(self.unsettled_many)
         if self.unsettled:
             parts.append(np.array(self.unsettled, dtype=np.int64))
         blocks = parts[0] if len(parts) == 1 else np.concatenate(parts)

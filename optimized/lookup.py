@@ -164,6 +164,17 @@ class GroupHit:
         """The hit as ``KVCacheBlocks`` holds a group's: a tuple of Python ints."""
         return (0,) * self.nulls + tuple(self.ids.tolist())
 
+    @classmethod
+    def of(cls, ids: Sequence[int]) -> GroupHit:
+        """A group's hit given as ids: its leading nulls counted, the rest kept as given (a hit
+        a scheduler built itself may hold a null anywhere)."""
+        if not ids:
+            return NO_HIT
+        found: Ints = np.array(ids, dtype=np.int32)
+        real = np.flatnonzero(found)
+        nulls = int(real[0]) if real.shape[0] else found.shape[0]
+        return cls(nulls, found[nulls:])
+
 
 _NO_IDS: Ints = np.empty(0, dtype=np.int32)
 _NO_IDS.flags.writeable = False
@@ -199,6 +210,11 @@ class HitBlocks(KVCacheBlocks):
     @property
     def num_groups(self) -> int:
         return len(self._hits)
+
+    @property
+    def group_hits(self) -> tuple[GroupHit, ...]:
+        """Each group's hit as the lookup found it (no Python ints built)."""
+        return self._hits
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, KVCacheBlocks):

@@ -21,6 +21,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from hybridkv.optimized.lookup import GroupHit
 from hybridkv.reference.events import EventBuilder
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import RequestLike
@@ -109,7 +110,9 @@ def allocate(
     if row is None:
         row = m.rows.take(request_id)
         if any(hits):
-            m._adopt(row, hits, num_local_computed)
+            group_hits = [GroupHit.of(ids) for ids in hits]
+            skipped = [rule.skipped_positions(num_local_computed) for rule in m.rules]
+            m._adopt(row, group_hits, skipped, m._adopted_blocks(group_hits, skipped))
             for g, rule in enumerate(m.rules):
                 m._mamba.running.add((row, g))
                 if rule.kind == MAMBA_KIND:

@@ -43,8 +43,8 @@ import numpy.typing as npt
 import torch
 
 from hybridkv.optimized import batch, mamba
-from hybridkv.optimized._buffers import IntBuffer, int32_from_bytes, tensor_from_ints
-from hybridkv.optimized.block_pool import TorchBlockPool, hash_key
+from hybridkv.optimized._buffers import IntBuffer
+from hybridkv.optimized.block_pool import TorchBlockPool
 from hybridkv.optimized.group_columns import GroupColumns
 from hybridkv.optimized.hash_memo import HashMemo
 from hybridkv.optimized.lookup import (
@@ -78,6 +78,7 @@ from hybridkv.reference.validation import (
     check_allocation,
     check_block_hashes,
     check_cache_blocks,
+    check_issued_allocation,
     validate_manager_config,
 )
 from hybridkv.spec import (
@@ -330,6 +331,7 @@ class TorchKVCacheManager:
         empty: BlockIds = tuple(() for _ in range(self.num_groups))
         self._no_blocks = KVCacheBlocks(empty)
         self._no_hits = empty
+        self._no_group_hits = tuple(GroupHit.of(()) for _ in range(self.num_groups))
         # The last lookup's result: handed back to ``allocate_slots`` as it is, its ids need
         # no checking (they are pool blocks by construction).
         self._issued: KVCacheBlocks | None = None
@@ -579,6 +581,31 @@ class TorchKVCacheManager:
                     if not self._defer_flush:
                         self._flush()
             hits = self._no_hits
+            group_hits = self._no_group_hits
+        elif (
+            new_computed_blocks is not None
+            and new_computed_blocks is self._issued
+            and isinstance(new_computed_blocks, HitBlocks)
+            and not self._has_align
+        ):
+            # This manager's own lookup result: its counts are all there is to check, and its
+            # arrays are adopted as they are (no Python ints built).
+            group_hits = new_computed_blocks.group_hits
+            check_issued_allocation(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens,
+                [len(hit) for hit in group_hits],
+                num_lookahead_tokens,
+                config=self.config,
+                enable_caching=self.enable_caching,
+                holds_blocks=self.rows.__contains__,
+                settings=self.settings,
+                allow_fewer_hashes=True,
+            )
+            check_non_negative("reserved_blocks", reserved_blocks)
+            check_non_negative("watermark_blocks", watermark_blocks)
+            hits = self._no_hits  # not read on this path
         else:
             hits = check_allocation(
                 request,
@@ -595,6 +622,7 @@ class TorchKVCacheManager:
             )
             check_non_negative("reserved_blocks", reserved_blocks)
             check_non_negative("watermark_blocks", watermark_blocks)
+            group_hits = tuple(map(GroupHit.of, hits)) if not self._has_align else ()
         self._settle()
         if self._has_align:
             try:
@@ -614,7 +642,7 @@ class TorchKVCacheManager:
                 if not self._defer_flush:
                     self._flush()
         if full_sequence_must_fit and not self._whole_sequence_fits(
-            request, num_new_computed_tokens, hits, watermark_blocks
+            request, num_new_computed_tokens, group_hits, watermark_blocks
         ):
             return None
         try:
@@ -622,7 +650,7 @@ class TorchKVCacheManager:
                 request,
                 num_new_tokens,
                 num_new_computed_tokens,
-                hits,
+                group_hits,
                 num_lookahead_tokens,
                 delay_cache_blocks,
                 reserved_blocks + watermark_blocks,
@@ -636,13 +664,13 @@ class TorchKVCacheManager:
         request: RequestLike,
         num_new_tokens: int,
         num_new_computed_tokens: int,
-        hits: BlockIds,
+        hits: Sequence[GroupHit],
         num_lookahead_tokens: int,
         delay_cache_blocks: bool,
         kept_free: int = 0,
     ) -> KVCacheBlocks | None:
-        """``allocate_slots`` after validation; ``kept_free`` blocks (reserved and watermark)
-        must stay free."""
+        """``allocate_slots`` after validation, ``hits`` each group's adopted hit; ``kept_free``
+        blocks (reserved and watermark) must stay free."""
         pool = self.pool
         request_id = request.request_id
         row = self.rows.row_of(request_id)
@@ -655,17 +683,15 @@ class TorchKVCacheManager:
             return self._step(request, row, computed, need, cache_up_to, kept_free)
         # Admission: skipped positions, then the adopted hits, then new blocks.
         required = [rule.blocks_for_tokens(need) for rule in self.rules]
-        total = 0
-        ref = pool.ref.a
-        for g, rule in enumerate(self.rules):
-            skipped = rule.skipped_positions(computed)
-            group_hits = hits[g]
-            total += max(required[g] - max(skipped, len(group_hits)), 0)
-            total += sum(1 for b in group_hits[skipped:] if b != 0 and ref[b] == 0)
+        skipped = [rule.skipped_positions(computed) for rule in self.rules]
+        adopted = self._adopted_blocks(hits, skipped)
+        total = int(np.count_nonzero(pool.ref.n[adopted] == 0))  # hits in the free queue
+        for g, count in enumerate(required):
+            total += max(count - max(skipped[g], len(hits[g])), 0)
         if total + kept_free > pool.num_free_blocks:
             return None
         row = self.rows.take(request_id)
-        self._adopt(row, hits, computed)
+        self._adopt(row, hits, skipped, adopted)
         admitted = self._extend(row, required)
         if cache_up_to >= 0:
             self._cache(request, row, cache_up_to)
@@ -733,7 +759,7 @@ class TorchKVCacheManager:
         self,
         request: RequestLike,
         num_new_computed_tokens: int,
-        hits: BlockIds,
+        hits: Sequence[GroupHit],
         watermark_blocks: int = 0,
     ) -> bool:
         """A full-prompt admission's first check: the whole sequence, a window counting only
@@ -744,7 +770,7 @@ class TorchKVCacheManager:
         row = self.rows.row_of(request.request_id)
         length = self.rows.length
         total = 0
-        ref = self.pool.ref.a
+        skipped = [rule.skipped_positions(computed) for rule in self.rules]
         for g, rule in enumerate(self.rules):
             required = rule.blocks_for_tokens(full_length)
             cap = self._admission_caps[g]
@@ -752,10 +778,11 @@ class TorchKVCacheManager:
                 required = min(required, cap)
             if row is not None:
                 total += max(required - length[row * self.num_groups + g], 0)
-                continue
-            skipped = rule.skipped_positions(computed)
-            total += max(required - max(skipped, len(hits[g])), 0)
-            total += sum(1 for b in hits[g][skipped:] if b != 0 and ref[b] == 0)
+            else:
+                total += max(required - max(skipped[g], len(hits[g])), 0)
+        if row is None:
+            adopted = self._adopted_blocks(hits, skipped)
+            total += int(np.count_nonzero(self.pool.ref.n[adopted] == 0))
         return total + watermark_blocks <= self.pool.num_free_blocks
 
     def _extend(self, row: int, required: list[int]) -> BlockIds:
@@ -882,29 +909,38 @@ class TorchKVCacheManager:
             nxt[1, rows] = release.min(1)
         nxt[2, rows] = (cached.min(1) + 1) * b
 
-    def _adopt(self, row: int, hits: BlockIds, computed: int) -> None:
-        """Admit a request: null positions for its skipped tokens, then its adopted hits."""
-        rows, tab = self.rows, self._tab.a
-        everything = [
-            b
-            for g, rule in enumerate(self.rules)
-            for b in hits[g][rule.skipped_positions(computed) :]
-            if b
+    @staticmethod
+    def _adopted_blocks(hits: Sequence[GroupHit], skipped: Sequence[int]) -> npt.NDArray[Any]:
+        """The real blocks an admission adopts: each group's hit past its skipped positions
+        (every group's blocks differ from the others', and a group's from each other)."""
+        parts = [
+            hit.ids[max(skip - hit.nulls, 0) :] for hit, skip in zip(hits, skipped, strict=True)
         ]
-        if len(everything) >= INSERT_MIN:
-            self.pool.touch_many(tensor_from_ints(everything))
-        else:
-            self.pool.touch(everything)
-        for g, rule in enumerate(self.rules):
-            skipped = rule.skipped_positions(computed)
-            adopted = hits[g][skipped:]
-            size = skipped + len(adopted)
-            base = self._base(g, row)
-            if size:  # an empty slice assignment would resize the array, which its views forbid
-                tab[base : base + size] = _int_array([0] * skipped + list(adopted))
-            nulls = skipped
-            while nulls < size and tab[base + nulls] == 0:
-                nulls += 1
+        adopted = np.concatenate(parts) if parts else np.empty(0, dtype=np.int32)
+        real: npt.NDArray[Any] = adopted[adopted != 0]
+        return real
+
+    def _adopt(
+        self,
+        row: int,
+        hits: Sequence[GroupHit],
+        skipped: Sequence[int],
+        adopted: npt.NDArray[Any],
+    ) -> None:
+        """Admit a request: null positions for its skipped tokens, then its adopted hits (whose
+        real blocks are ``adopted``)."""
+        self.pool.touch_array(adopted)
+        rows, tab = self.rows, self._tab.n
+        row_base = row * self.max_blocks_per_req
+        for g, (hit, skip) in enumerate(zip(hits, skipped, strict=True)):
+            base = self._group_bases[g] + row_base
+            size = max(skip, len(hit))
+            zeros = max(skip, hit.nulls)  # positions before the hit's first adopted block
+            ids = hit.ids[zeros - hit.nulls :] if zeros < size else hit.ids[:0]
+            tab[base : base + zeros] = 0
+            tab[base + zeros : base + size] = ids
+            real = np.flatnonzero(ids)
+            nulls = zeros + (int(real[0]) if real.shape[0] else int(ids.shape[0]))
             i = rows.index(row, g)
             rows.length[i] = rows.cached[i] = rows.kept[i] = size
             rows.nulls[i] = nulls
@@ -1105,14 +1141,11 @@ class TorchKVCacheManager:
         if len(entries) < INSERT_MIN:
             pool.insert_entries(entries, hashes, src)
             return
-        blocks, groups, positions = (tensor_from_ints(list(c)) for c in zip(*entries, strict=True))
-        joined = b"".join([hashes[p] for _, _, p in entries])
-        if len(joined) == 32 * len(entries):
-            keys = int32_from_bytes(joined)[::8].to(torch.int64)
-        else:
-            keys = tensor_from_ints([hash_key(hashes[p]) for _, _, p in entries])
-        pool.insert_many(blocks, keys, groups, positions, torch.full_like(blocks, src))
-        pool.source(src).refs += len(entries)
+        blocks, groups, positions = (
+            np.array(column, dtype=np.int64) for column in zip(*entries, strict=True)
+        )
+        keys = pool.keys_of([hashes[p] for _, _, p in entries])
+        pool.insert_array(blocks, groups, positions, keys, src)
 
     def _cacheable(self, num_tokens: int, g: int) -> int:
         """``HybridCoordinator.num_cacheable_tokens``: hits land on scheduler blocks, so a

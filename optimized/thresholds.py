@@ -29,7 +29,8 @@ served one by one; from it, by the vectorised step, whose tensor calls then pay 
 
 INSERT_MIN = 32
 """Fewer blocks than this are cached, touched or linked into the free queue one by one on the
-array views; from it, in tensor calls (``insert_many``, ``touch_many``, ``link_after_tensor``)."""
+array views; from it, in vectorised calls (``insert_many``, ``touch_array``, ``link_after_array``,
+``release_cached``)."""
 
 PENDING_MAX = 8192
 """Running steps' deferred releases and inserts (``hybridkv.optimized.pending``) are made once

@@ -185,18 +185,15 @@ def check_allocation(
     manager returned ``new_computed_blocks`` itself (a lookup result, whose ids are pool blocks
     by construction), so only their counts are checked, not each id.
     """
-    check_non_negative("num_new_tokens", num_new_tokens)
-    check_non_negative("num_new_computed_tokens", num_new_computed_tokens)
-    check_non_negative("num_lookahead_tokens", num_lookahead_tokens)
-    if num_new_tokens == 0 and num_new_computed_tokens == 0:
-        raise ValueError("num_new_tokens must be positive when no cache hit is adopted, got 0")
-    if enable_caching:
-        check_block_hashes(
-            request,
-            settings.hash_block_size,
-            settings.num_hash_lookahead_tokens,
-            allow_fewer=allow_fewer_hashes,
-        )
+    _check_counts(
+        request,
+        num_new_tokens,
+        num_new_computed_tokens,
+        num_lookahead_tokens,
+        enable_caching,
+        settings,
+        allow_fewer_hashes,
+    )
     if new_computed_blocks is None:
         if num_new_computed_tokens:
             raise ValueError(
@@ -223,6 +220,83 @@ def check_allocation(
     return hits.block_ids
 
 
+def check_issued_allocation(
+    request: RequestLike,
+    num_new_tokens: int,
+    num_new_computed_tokens: int,
+    hit_sizes: Sequence[int],
+    num_lookahead_tokens: int,
+    *,
+    config: KVCacheConfig,
+    enable_caching: bool,
+    holds_blocks: Callable[[str], bool],
+    settings: EngineSettings,
+    allow_fewer_hashes: bool = False,
+) -> None:
+    """``check_allocation`` of a hit the manager issued itself, given by the number of blocks
+    in each group (``hit_sizes``): its ids are pool blocks by construction, so the hit need not
+    be read as ids at all."""
+    _check_counts(
+        request,
+        num_new_tokens,
+        num_new_computed_tokens,
+        num_lookahead_tokens,
+        enable_caching,
+        settings,
+        allow_fewer_hashes,
+    )
+    if len(hit_sizes) != len(config.groups):
+        raise ValueError(
+            f"new_computed_blocks must have one list per KV cache group ({len(config.groups)}), "
+            f"got {len(hit_sizes)}"
+        )
+    for group_id, size in enumerate(hit_sizes):
+        block_size = config.groups[group_id].spec.block_size
+        _check_hit_count(group_id, size, num_new_computed_tokens, block_size)
+    if any(hit_sizes) and holds_blocks(request.request_id):
+        raise ValueError(
+            f"request {request.request_id!r} already holds blocks; only a request being "
+            "admitted adopts a cache hit (new_computed_blocks must be empty)"
+        )
+
+
+def _check_counts(
+    request: RequestLike,
+    num_new_tokens: int,
+    num_new_computed_tokens: int,
+    num_lookahead_tokens: int,
+    enable_caching: bool,
+    settings: EngineSettings,
+    allow_fewer_hashes: bool,
+) -> None:
+    """The token counts of ``allocate_slots``, and the request's hashes."""
+    check_non_negative("num_new_tokens", num_new_tokens)
+    check_non_negative("num_new_computed_tokens", num_new_computed_tokens)
+    check_non_negative("num_lookahead_tokens", num_lookahead_tokens)
+    if num_new_tokens == 0 and num_new_computed_tokens == 0:
+        raise ValueError("num_new_tokens must be positive when no cache hit is adopted, got 0")
+    if enable_caching:
+        check_block_hashes(
+            request,
+            settings.hash_block_size,
+            settings.num_hash_lookahead_tokens,
+            allow_fewer=allow_fewer_hashes,
+        )
+
+
+def _check_hit_count(
+    group_id: int, size: int, num_new_computed_tokens: int, block_size: int
+) -> None:
+    """One group's hit holds exactly the blocks of ``num_new_computed_tokens``."""
+    expected = num_new_computed_tokens // block_size
+    if num_new_computed_tokens % block_size or size != expected:
+        raise ValueError(
+            f"num_new_computed_tokens={num_new_computed_tokens} must be the "
+            f"{size} blocks of new_computed_blocks group {group_id} "
+            f"× block_size {block_size}"
+        )
+
+
 def _check_hit_ids(
     group_id: int,
     ids: Sequence[int],
@@ -233,13 +307,7 @@ def _check_hit_ids(
 ) -> None:
     """One group's hit: exactly the blocks of ``num_new_computed_tokens``, each a pool block
     (known to be, when the manager ``issued`` them)."""
-    expected = num_new_computed_tokens // block_size
-    if num_new_computed_tokens % block_size or len(ids) != expected:
-        raise ValueError(
-            f"num_new_computed_tokens={num_new_computed_tokens} must be the "
-            f"{len(ids)} blocks of new_computed_blocks group {group_id} "
-            f"× block_size {block_size}"
-        )
+    _check_hit_count(group_id, len(ids), num_new_computed_tokens, block_size)
     if issued:
         return
     if ids and set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < num_blocks:

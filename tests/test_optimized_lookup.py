@@ -20,7 +20,6 @@ from dataclasses import FrozenInstanceError
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -355,19 +354,17 @@ def test_a_stale_record_fails_the_pools_invariants() -> None:
 def test_duplicate_entries_are_found_by_either_walk(
     scalar_max: int, tail: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Blocks 1 … 12 cached under four keys, three times each (by ``insert_many``): the later
+    """Blocks 1 … 12 cached under four keys, three times each (by ``insert_array``): the later
     two of each key are duplicates, whichever walk finds them."""
     monkeypatch.setattr("hybridkv.optimized.block_pool.SETTLE_SCALAR_MAX", scalar_max)
     monkeypatch.setattr("hybridkv.optimized.block_pool.TAIL_MAX", tail)
     pool = TorchBlockPool(32, 1, enable_caching=True)
     hashes = [BlockHash(bytes([i + 1]) * 32) for i in range(4)]
     src = pool.new_source([0] * 16, hashes, None)
-    blocks = torch.arange(1, 13, dtype=torch.int64)
-    positions = torch.arange(12, dtype=torch.int64) % 4
-    keys = torch.tensor([hash_key(hashes[p]) for p in positions.tolist()], dtype=torch.int64)
-    zeros = torch.zeros(12, dtype=torch.int64)
-    pool.insert_many(blocks, keys, zeros, positions, torch.full((12,), src, dtype=torch.int64))
-    pool.source(src).refs += 12
+    blocks = np.arange(1, 13, dtype=np.int64)
+    positions = np.arange(12, dtype=np.int64) % 4
+    keys = np.array([hash_key(hashes[p]) for p in positions.tolist()], dtype=np.int64)
+    pool.insert_array(blocks, np.zeros(12, dtype=np.int64), positions, keys, src)
     pool.settle_duplicates()
     assert pool.dups == set(range(5, 13))
     pool.check_invariants()
