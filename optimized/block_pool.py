@@ -267,6 +267,24 @@ class TorchBlockPool:
         if count <= 0:
             return []
         nxt, prv, ref, src = self.next.a, self.prev.a, self.ref.a, self.src.a
+        if count >= INSERT_MIN and sink is None:
+            # Walk the queue for the ids, then unlink and hold them all in numpy calls, then
+            # evict the cached ones in the order taken (eviction reads none of what changed).
+            walked = [0] * count
+            block = nxt[self.head]
+            for index in range(count):
+                walked[index] = block
+                block = nxt[block]
+            nxt[self.head] = block
+            prv[block] = self.head
+            self.num_free_blocks -= count
+            ids = np.array(walked, dtype=np.int64)
+            self.prev.n[ids] = -1
+            self.next.n[ids] = -1
+            self.ref.n[ids] = 1
+            for cached in ids[self.src.n[ids] >= 0].tolist():
+                self.evict(cached)
+            return walked
         taken: list[int] = []
         block = nxt[self.head]
         for index in range(count):
@@ -604,7 +622,10 @@ class TorchBlockPool:
         old_heads = heads[sorted_buckets]
         # Within a bucket each entry links to the one inserted before it, the first to the old
         # head, and the last becomes the head (as one insert after another).
-        self.hnext.n[chained] = np.where(first, old_heads, np.roll(chained, 1))
+        before = np.empty_like(chained)
+        before[0] = -1  # the first entry is always a bucket's first
+        before[1:] = chained[:-1]
+        self.hnext.n[chained] = np.where(first, old_heads, before)
         heads[sorted_buckets[last]] = chained[last]
         self.hk.n[blocks] = keys << 32 | (positions * self.num_groups + groups)
         self.src.n[blocks] = srcs

@@ -141,13 +141,15 @@ def first_difference(ours: Sequence[int], theirs: Sequence[int], lo: int, hi: in
 
 
 class GroupHit:
-    """One group's hit: ``nulls`` null blocks, then the blocks ``ids`` (int32, owned)."""
+    """One group's hit: ``nulls`` null blocks, then the blocks ``ids`` (int32, owned); ``dense``
+    when none of those is null (a lookup's hits are)."""
 
-    __slots__ = ("ids", "nulls")
+    __slots__ = ("dense", "ids", "nulls")
 
-    def __init__(self, nulls: int, ids: Ints) -> None:
+    def __init__(self, nulls: int, ids: Ints, dense: bool = True) -> None:
         self.nulls = nulls
         self.ids = ids
+        self.dense = dense
 
     def __len__(self) -> int:
         return self.nulls + int(self.ids.shape[0])
@@ -158,7 +160,7 @@ class GroupHit:
             return self
         if length <= self.nulls:
             return GroupHit(length, _NO_IDS)
-        return GroupHit(self.nulls, self.ids[: length - self.nulls])
+        return GroupHit(self.nulls, self.ids[: length - self.nulls], self.dense)
 
     def as_tuple(self) -> tuple[int, ...]:
         """The hit as ``KVCacheBlocks`` holds a group's: a tuple of Python ints."""
@@ -173,7 +175,7 @@ class GroupHit:
         found: Ints = np.array(ids, dtype=np.int32)
         real = np.flatnonzero(found)
         nulls = int(real[0]) if real.shape[0] else found.shape[0]
-        return cls(nulls, found[nulls:])
+        return cls(nulls, found[nulls:], real.shape[0] == found.shape[0] - nulls)
 
 
 _NO_IDS: Ints = np.empty(0, dtype=np.int32)

@@ -281,6 +281,7 @@ class TorchKVCacheManager:
         # one each such group follows), and what a row refresh reads of them.
         self._group_bases = [group * r * w for group in range(g)]
         self._group_ids = array("q", range(g))
+        self._group_base_column = np.array(self._group_bases, dtype=np.int64)[:, None]
         self._release_rules = list(dict.fromkeys(rule for _, rule in self._releasing))
         self._release_plan = [
             (group, self._release_rules.index(rule)) for group, rule in self._releasing
@@ -939,8 +940,10 @@ class TorchKVCacheManager:
             ids = hit.ids[zeros - hit.nulls :] if zeros < size else hit.ids[:0]
             tab[base : base + zeros] = 0
             tab[base + zeros : base + size] = ids
-            real = np.flatnonzero(ids)
-            nulls = zeros + (int(real[0]) if real.shape[0] else int(ids.shape[0]))
+            nulls = zeros
+            if not hit.dense and ids.shape[0]:
+                real = np.flatnonzero(ids)
+                nulls += int(real[0]) if real.shape[0] else int(ids.shape[0])
             i = rows.index(row, g)
             rows.length[i] = rows.cached[i] = rows.kept[i] = size
             rows.nulls[i] = nulls
@@ -1088,6 +1091,15 @@ class TorchKVCacheManager:
                 for i in range(at, at + g_count):
                     cached[i] = num_full
                 return
+        start = cached[at]
+        if (
+            plain
+            and not defer
+            and num_full - start >= INSERT_MIN // g_count
+            and min(cached[at : at + g_count]) == start == max(cached[at : at + g_count])
+        ):
+            self._cache_columns(request, row, start, num_full)
+            return
         boundaries: list[int] | None = None
         for g in range(g_count):
             start = cached[at + g]
@@ -1146,6 +1158,28 @@ class TorchKVCacheManager:
         )
         keys = pool.keys_of([hashes[p] for _, _, p in entries])
         pool.insert_array(blocks, groups, positions, keys, src)
+
+    def _cache_columns(self, request: RequestLike, row: int, start: int, num_full: int) -> None:
+        """``_cache`` of positions ``start … num_full − 1`` in every group of a row that has
+        cached as far in each (a prompt's blocks), in numpy calls: the same entries in the same
+        order (group by group, position by position, the null ones left out)."""
+        g_count, b = self.num_groups, self.block_size
+        src = self._source_of(request, row, num_full, num_full * b)
+        positions = np.arange(start, num_full, dtype=np.int64)
+        flat = self._group_base_column + row * self.max_blocks_per_req + positions
+        blocks = self._tab.n[flat].astype(np.int64).ravel()
+        shape = (g_count, positions.shape[0])
+        groups = np.broadcast_to(np.arange(g_count, dtype=np.int64)[:, None], shape).ravel()
+        every = np.broadcast_to(positions, shape).ravel()
+        keys = np.broadcast_to(self.pool.keys_of(request.block_hashes[start:num_full]), shape)
+        keys = keys.ravel()
+        real = blocks != 0
+        if not real.all():
+            blocks, groups, every, keys = blocks[real], groups[real], every[real], keys[real]
+        self.pool.insert_array(blocks, groups, every, keys, src)
+        cached, at = self.rows.cached, row * g_count
+        for i in range(at, at + g_count):
+            cached[i] = num_full
 
     def _cacheable(self, num_tokens: int, g: int) -> int:
         """``HybridCoordinator.num_cacheable_tokens``: hits land on scheduler blocks, so a
