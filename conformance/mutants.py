@@ -353,18 +353,31 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _o(
         "opt_batch_release_not_busy",
-        "a step skips a request whose only work is a window or chunk release",
-        "batch",
+        "a step skips a request whose only work is a window or chunk release (its quiet "
+        "threshold leaves the release out)",
+        "manager",
         (
-            "        busy |= comp >= thresholds[1, rows]  # the processed count is never more\n",
-            "        pass\n",
+            "        quiet = min(rows.capacity[row], rows.release_at[row]) + 1\n",
+            "        quiet = rows.capacity[row] + 1\n",
+        ),
+        (
+            "        quiet = np.minimum(nxt[0, rows], nxt[1, rows]) + 1\n",
+            "        quiet = nxt[0, rows] + 1\n",
         ),
     ),
     _o(
         "opt_batch_cache_not_busy",
-        "a step skips a request whose only work is caching a newly full block",
-        "batch",
-        ("        busy |= cache_tokens >= thresholds[2, rows]\n", "        pass\n"),
+        "a step skips a request whose only work is caching a newly full block (its quiet "
+        "threshold leaves the caching out)",
+        "manager",
+        (
+            "            quiet = min(quiet, rows.cache_at[row])\n",
+            "            pass\n",
+        ),
+        (
+            "np.minimum(quiet, nxt[2, rows]) if self.enable_caching else quiet",
+            "quiet",
+        ),
     ),
     _o(
         "opt_free_batch_head_order",

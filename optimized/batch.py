@@ -5,13 +5,15 @@ Each is exactly the single-request call applied to each request in order (same r
 
 ``allocate_slots_batch`` (running requests, no new cache hits) works in three stages:
 
-1. Read every request once (row, computed tokens, tokens, hashes: C-level ``map`` calls) and
-   compare with its row's thresholds (``RowTables.thresholds``, ``hybridkv.optimized.rows``):
-   a request that needs no new block, releases nothing from a window or chunk and fills no
-   block would change nothing and gets no blocks, so it is not looked at again. In a decode
-   step that is most of them. (A window releases on the computed tokens less those in flight,
-   never more than on the computed tokens: the requests found busy on the computed tokens are
-   the only ones whose tokens in flight are read.)
+1. Read every request's row and computed tokens (C-level ``map`` calls) and compare them with
+   its row's ``quiet_below`` (``RowTables``, ``hybridkv.optimized.rows``): a request whose
+   computed, new and lookahead tokens stay below it needs no new block, releases nothing from
+   a window or chunk and fills no block; it would change nothing and gets no blocks, so it is
+   not looked at again. In a decode step that is most of them. (The comparison errs only
+   towards work: a window releases on the computed tokens less those in flight, and a block
+   fills only up to the request's tokens; the tokens, hashes and tokens in flight of the
+   requests found busy are read for the exact step.) With caching on, the requests' hash
+   counts are checked too (``check_block_hashes``), where they are not sound by construction.
 2. The requests left ("busy") are served by the single-request call, one by one, if they are
    fewer than ``busy_batch_min`` (with reserved or watermark blocks, every request is: a
    request needing no block fails too when too few are free).
@@ -68,6 +70,8 @@ _NUM_TOKENS = attrgetter("num_tokens")
 _HASHES = attrgetter("block_hashes")
 _TOKEN_LIST = attrgetter("_all_token_ids")
 _HASH_LIST = attrgetter("_block_hashes")
+_HASH_BLOCK_SIZE = attrgetter("hash_block_size")
+_HASH_LOOKAHEAD = attrgetter("num_hash_lookahead_tokens")
 
 
 def _expand(counts: Ints) -> tuple[Ints, Ints]:
@@ -139,36 +143,37 @@ def _kept_free(reserved_blocks: int, watermark_blocks: int) -> bool:
 
 def _step_fields(
     m: TorchKVCacheManager, requests: Sequence[RequestLike]
-) -> tuple[Ints, Ints, Ints, Ints | None] | None:
-    """Rows, computed tokens, tokens and (with caching) hash counts per request, each an int64
-    array; ``None`` unless every request is running and listed once."""
-    n = len(requests)
+) -> tuple[Ints, Ints] | None:
+    """Rows and computed tokens per request, each an int64 array; ``None`` unless every
+    request is running, listed once and hashed soundly (with caching)."""
     found = m.rows.rows_of(map(_ID, requests))
     if None in found:
         return None
     rows = np.array(found, dtype=np.int64)
     if np.bincount(rows, minlength=1).max() > 1:
         return None  # a request listed twice
+    if m.enable_caching and not _hashed_soundly(m, requests):
+        return None  # a request hashed at another block size: the single calls raise
     computed = array("q")
     computed.extend(map(_COMPUTED, requests))
-    num_tokens = array("q")
-    own = countOf(map(type, requests), Request) == n
-    if own:
-        # The project's own requests: their properties return these lists, read here directly.
-        num_tokens.extend(map(len, map(_TOKEN_LIST, requests)))
-    else:
-        num_tokens.extend(map(_NUM_TOKENS, requests))
-    num_hashes = None
-    if m.enable_caching:
-        hashes = array("q")
-        hashes.extend(map(len, map(_HASH_LIST if own else _HASHES, requests)))
-        num_hashes = np.frombuffer(hashes, dtype=np.int64)
-    return (
-        rows,
-        np.frombuffer(computed, dtype=np.int64),
-        np.frombuffer(num_tokens, dtype=np.int64),
-        num_hashes,
-    )
+    return rows, np.frombuffer(computed, dtype=np.int64)
+
+
+def _hashed_soundly(m: TorchKVCacheManager, requests: Sequence[RequestLike]) -> bool:
+    """Whether no request has more block hashes than full blocks (``check_block_hashes``). A
+    ``Request`` hashed at the manager's block size, with at least its lookahead, has none by
+    construction; other requests are counted."""
+    n = len(requests)
+    if (
+        countOf(map(type, requests), Request) == n
+        and countOf(map(_HASH_BLOCK_SIZE, requests), m.hash_block_size) == n
+        and min(map(_HASH_LOOKAHEAD, requests)) >= m.lookahead
+    ):
+        return True
+    num_tokens = np.fromiter(map(_NUM_TOKENS, requests), np.int64, n)
+    num_hashes = np.fromiter(map(len, map(_HASHES, requests)), np.int64, n)
+    limit = np.maximum(num_tokens - m.lookahead, 0) // m.hash_block_size
+    return not bool((num_hashes > limit).any())
 
 
 def _allocate_vectorised(
@@ -181,9 +186,9 @@ def _allocate_vectorised(
 ) -> list[KVCacheBlocks | None] | None:
     """The vectorised step, or ``None`` (nothing changed) when it does not apply.
 
-    A request that crosses none of its row's thresholds (``next``) would take no block,
-    release none and cache none: its call would return no blocks and change nothing, so only
-    the others are worked on, one by one if they are few.
+    A request whose computed, new and lookahead tokens stay below its row's ``quiet_below``
+    would take no block, release none and cache none: its call would return no blocks and
+    change nothing, so only the others are worked on, one by one if they are few.
 
     ``kept_free`` blocks (reserved and watermark) must stay free after each request's take.
     The step applies only when they stay free after all of them: then every request's own
@@ -210,25 +215,13 @@ def _allocate_vectorised(
     fields = _step_fields(m, requests)
     if fields is None:
         return None
-    rows, comp, ntok, num_hashes = fields
-    b = m.block_size
-    if num_hashes is not None and bool((num_hashes > np.maximum(ntok - m.lookahead, 0) // b).any()):
-        return None  # a request hashed at another block size: the single calls raise
+    rows, comp = fields
     new_tokens: Ints | int = (
         num_new_tokens
         if isinstance(num_new_tokens, int)
         else np.array(num_new_tokens, dtype=np.int64)
     )
-    comp = np.minimum(comp, m.max_model_len)
-    need = np.minimum(comp + new_tokens + lookahead, m.max_model_len)
-    caching = m.enable_caching and not delay
-    cache_tokens = np.minimum(comp + new_tokens, ntok)
-    thresholds = m.rows.thresholds
-    busy = need > thresholds[0, rows]
-    if m.columns.releases:
-        busy |= comp >= thresholds[1, rows]  # the processed count is never more
-    if caching:
-        busy |= cache_tokens >= thresholds[2, rows]
+    busy = comp + new_tokens + lookahead >= m.rows.thresholds[3, rows]
     chosen = np.flatnonzero(busy)
     out: list[KVCacheBlocks | None] = [m._no_blocks] * n
     if chosen.shape[0] == 0:
@@ -247,15 +240,23 @@ def _allocate_vectorised(
                 requests[i], count, num_lookahead_tokens=lookahead, delay_cache_blocks=delay
             )
         return out
+    busy_requests = [requests[i] for i in picked]
+    caching = m.enable_caching and not delay
+    comp = np.minimum(comp[chosen], m.max_model_len)
+    added = np.array(each, dtype=np.int64)
+    need = np.minimum(comp + added + lookahead, m.max_model_len)
+    cache_tokens = num_hashes = None
+    if caching:
+        own = countOf(map(type, busy_requests), Request) == len(busy_requests)
+        count = len(picked)
+        tokens = (
+            map(len, map(_TOKEN_LIST, busy_requests)) if own else map(_NUM_TOKENS, busy_requests)
+        )
+        cache_tokens = np.minimum(comp + added, np.fromiter(tokens, np.int64, count))
+        hashes = map(_HASH_LIST, busy_requests) if own else map(_HASHES, busy_requests)
+        num_hashes = np.fromiter(map(len, hashes), np.int64, count)
     done = _step_busy(
-        m,
-        [requests[i] for i in picked],
-        rows[chosen],
-        comp[chosen],
-        need[chosen],
-        cache_tokens[chosen] if caching else None,
-        None if num_hashes is None else num_hashes[chosen],
-        kept_free,
+        m, busy_requests, rows[chosen], comp, need, cache_tokens, num_hashes, kept_free
     )
     if done is None:
         return None

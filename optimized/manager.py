@@ -71,7 +71,7 @@ from hybridkv.reference.events import (
     count_admission,
 )
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
-from hybridkv.reference.request import RequestLike
+from hybridkv.reference.request import Request, RequestLike
 from hybridkv.reference.single_type_managers import prompt_tokens
 from hybridkv.reference.snapshot import PoolSnapshot
 from hybridkv.reference.validation import (
@@ -543,7 +543,28 @@ class TorchKVCacheManager:
         ):
             # A step of a running request (no hit to adopt, plain counts): what
             # ``check_allocation`` checks reduces to the request's hash count (more hashes
-            # than full blocks: another hash block size; the checker says so).
+            # than full blocks: another hash block size; the checker says so). A ``Request``
+            # hashed at this block size, with at least this lookahead, has no more by
+            # construction.
+            row = self._row_of(request.request_id)
+            if (
+                row is not None
+                and request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
+                < self.rows.quiet_below[row]
+                and not reserved_blocks
+                and not watermark_blocks
+                and not full_sequence_must_fit
+                and not self._has_align
+                and (
+                    not self.enable_caching
+                    or (
+                        type(request) is Request
+                        and request.hash_block_size == self.hash_block_size
+                        and request.num_hash_lookahead_tokens >= self.lookahead
+                    )
+                )
+            ):
+                return self._no_blocks  # a decode step that crosses no threshold
             num_tokens = request.num_tokens
             if (
                 self.enable_caching
@@ -551,7 +572,6 @@ class TorchKVCacheManager:
                 > max(num_tokens - self.lookahead, 0) // self.hash_block_size
             ):
                 check_block_hashes(request, self.hash_block_size, self.lookahead, allow_fewer=True)
-            row = self._row_of(request.request_id)
             if row is not None and not full_sequence_must_fit and not self._has_align:
                 # The row's thresholds say whether this step takes, releases or caches a block;
                 # most decode steps do none of these and change nothing.
@@ -854,6 +874,14 @@ class TorchKVCacheManager:
         self._refresh_release(row)
         self._refresh_cache(row)
 
+    def _refresh_quiet(self, row: int) -> None:
+        """The row's ``quiet_below``, from its three thresholds (after any of them changed)."""
+        rows = self.rows
+        quiet = min(rows.capacity[row], rows.release_at[row]) + 1
+        if self.enable_caching:
+            quiet = min(quiet, rows.cache_at[row])
+        rows.quiet_below[row] = quiet
+
     def _refresh_capacity(self, row: int) -> None:
         """The row's ``capacity``: the tokens its shortest table holds (after a take)."""
         at = row * self.num_groups
@@ -865,6 +893,7 @@ class TorchKVCacheManager:
             for g, rule in enumerate(self.rules):
                 capacity = min(capacity, (length[at + g] - rule.spec_blocks) * rule.block_size)
         self.rows.capacity[row] = capacity
+        self._refresh_quiet(row)
 
     def _refresh_release(self, row: int) -> None:
         """The row's ``release_at``: where its first window or chunk next lets a block go
@@ -879,11 +908,13 @@ class TorchKVCacheManager:
             else:
                 release = min(release, (nulls[at + g] + 1) * b + span - 1)
         self.rows.release_at[row] = release
+        self._refresh_quiet(row)
 
     def _refresh_cache(self, row: int) -> None:
         """The row's ``cache_at``: the tokens at which its next block is full (after caching)."""
         if self._general:
             self.rows.cache_at[row] = 0  # scheduler-block rounding, prompt tails, Mamba: look
+            self._refresh_quiet(row)
             return
         at = row * self.num_groups
         cached = self.rows.cached
@@ -894,6 +925,7 @@ class TorchKVCacheManager:
             for g, rule in enumerate(self.rules):
                 cache = min(cache, (cached[at + g] + 1) * rule.block_size)
         self.rows.cache_at[row] = cache
+        self._refresh_quiet(row)
 
     def _refresh_rows(self, rows: npt.NDArray[np.int64]) -> None:
         """``_refresh`` for many rows of a vectorisable layout (int64), in numpy calls."""
@@ -909,6 +941,8 @@ class TorchKVCacheManager:
                 release = np.where(columns.chunk > 0, starts, release)
             nxt[1, rows] = release.min(1)
         nxt[2, rows] = (cached.min(1) + 1) * b
+        quiet = np.minimum(nxt[0, rows], nxt[1, rows]) + 1
+        nxt[3, rows] = np.minimum(quiet, nxt[2, rows]) if self.enable_caching else quiet
 
     @staticmethod
     def _adopted_blocks(hits: Sequence[GroupHit], skipped: Sequence[int]) -> npt.NDArray[Any]:

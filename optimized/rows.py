@@ -23,16 +23,20 @@ Data layout (G groups, R = ``max_num_reqs`` rows)
                      last position adopted as a hit or entered into the cache under a retention
                      mask (which may leave the positions after it, up to ``cached``, uncached);
                      ``estimate_cached_tokens`` reads the block before it
-    next[3, R]       int64, per row, when it next needs work (derived from ``state`` by the
+    next[4, R]       int64, per row, when it next needs work (derived from ``state`` by the
                      manager's ``_refresh``):
         capacity     the tokens its tables hold (a step needing more takes blocks)
         release_at   the processed tokens (computed less ``num_in_flight_tokens``, async
                      scheduling) at which a window or chunk next releases a block
         cache_at     the tokens at which its next block is full (and is cached)
+        quiet_below  the three in one: a step whose computed, new and lookahead tokens add up
+                     to less than this does none of those (``min(capacity + 1, release_at + 1,
+                     cache_at)``, the last only with caching on), one comparison for the
+                     common decode step
 
 Each column is a ``memoryview`` of its buffer (``rows.length[i]``: one indexing operation, for
 the single-request paths) and, but ``kept``, a row of a numpy array (``columns`` ``[3, R·G]``,
-``thresholds`` ``[3, R]``: the batched paths). A request takes a row on its first successful
+``thresholds`` ``[4, R]``: the batched paths). A request takes a row on its first successful
 allocation (``take``) and gives it back when freed (``release``), its counters zeroed.
 """
 
@@ -66,6 +70,7 @@ class RowTables:
         "max_num_reqs",
         "nulls",
         "num_groups",
+        "quiet_below",
         "release_at",
         "thresholds",
     )
@@ -82,12 +87,13 @@ class RowTables:
         self.columns: npt.NDArray[np.int64] = self._state.n.reshape(3, rg)
         self._kept = IntBuffer(rg, typecode="q")
         self.kept = memoryview(self._kept.a)[:rg]
-        self._next = IntBuffer(3 * r, typecode="q")
+        self._next = IntBuffer(4 * r, typecode="q")
         thresholds = memoryview(self._next.a)
         self.capacity = thresholds[:r]
         self.release_at = thresholds[r : 2 * r]
         self.cache_at = thresholds[2 * r : 3 * r]
-        self.thresholds: npt.NDArray[np.int64] = self._next.n.reshape(3, r)
+        self.quiet_below = thresholds[3 * r : 4 * r]
+        self.thresholds: npt.NDArray[np.int64] = self._next.n.reshape(4, r)
         self._garange = np.arange(g, dtype=np.int64)
         self._rows: dict[str, int] = {}
         self._free = list(range(r - 1, -1, -1))
