@@ -145,19 +145,22 @@ class Source:
     def record(self, tag: int, block: int, end: int) -> None:
         """Remember that ``block`` was cached from this source under ``tag`` (``end``, the
         pool's chain end, which holds no key, stands for none)."""
+        if tag >= len(self.blocks):
+            self.reserve(tag + 1, end)
+        self.blocks[tag] = block
+
+    def reserve(self, size: int, end: int) -> None:
+        """Make room for ``size`` tags (doubling, so that a growing request's records grow in
+        a few steps), the new ones ``end`` (none)."""
         blocks = self.blocks
-        if tag >= len(blocks):
-            blocks.extend(array("i", [end]) * (max(tag + 1, 2 * len(blocks)) - len(blocks)))
-        blocks[tag] = block
+        if size > len(blocks):
+            blocks.extend(array("i", [end]) * (max(size, 2 * len(blocks)) - len(blocks)))
 
     def record_array(
         self, tags: npt.NDArray[np.int64], blocks: npt.NDArray[np.int64], end: int
     ) -> None:
         """``record`` for int64 arrays of tags and blocks (distinct tags)."""
-        top = int(tags.max()) + 1
-        size = len(self.blocks)
-        if top > size:
-            self.blocks.extend(array("i", [end]) * (max(top, 2 * size) - size))
+        self.reserve(int(tags.max()) + 1, end)
         # A view for this call only: the array must stay resizable for a later record.
         view = np.frombuffer(self.blocks, dtype=np.int32)
         view[tags] = blocks
@@ -566,10 +569,11 @@ class TorchBlockPool:
         self.pending.insert_row(blocks, group_ids, pos, block_hash, src)
         source = self.sources[src]
         assert source is not None
-        recorded, num_groups = source.blocks, self.num_groups
+        num_groups = self.num_groups
         first = pos * num_groups
-        if len(group_ids) == num_groups and first + num_groups <= len(recorded):
-            recorded[first : first + num_groups] = array("i", blocks)
+        if len(group_ids) == num_groups:
+            source.reserve(first + num_groups, self.end)
+            source.blocks[first : first + num_groups] = array("i", blocks)
         else:
             for block, group_id in zip(blocks, group_ids, strict=True):
                 source.record(first + group_id, block, self.end)

@@ -290,6 +290,17 @@ class TorchKVCacheManager:
             (group, rule.block_size, rule.span, rule.kind == CHUNKED)
             for group, rule in self._releasing
         ]
+        # The releasing groups as one slice of a row's counters, when they are neighbours of
+        # one sliding-window rule (Gemma's, gpt-oss's): (first, end, block size, window).
+        releasing = [group for group, _ in self._releasing]
+        self._one_window = (
+            (releasing[0], releasing[-1] + 1, self._release_rules[0].block_size,
+             self._release_rules[0].span)
+            if len(self._release_rules) == 1
+            and self._release_rules[0].kind == SLIDING
+            and releasing == list(range(releasing[0], releasing[-1] + 1))
+            else None
+        )  # fmt: skip
         # One block size, no Mamba ``"align"`` group, no speculative blocks: every allocation
         # extends all of a row's tables to one length.
         self._uniform_columns = (
@@ -547,27 +558,25 @@ class TorchKVCacheManager:
             # hashed at this block size, with at least this lookahead, has no more by
             # construction.
             row = self._row_of(request.request_id)
+            sound = not self.enable_caching or (
+                type(request) is Request
+                and request.hash_block_size == self.hash_block_size
+                and request.num_hash_lookahead_tokens >= self.lookahead
+            )
             if (
                 row is not None
+                and sound
                 and request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
                 < self.rows.quiet_below[row]
                 and not reserved_blocks
                 and not watermark_blocks
                 and not full_sequence_must_fit
                 and not self._has_align
-                and (
-                    not self.enable_caching
-                    or (
-                        type(request) is Request
-                        and request.hash_block_size == self.hash_block_size
-                        and request.num_hash_lookahead_tokens >= self.lookahead
-                    )
-                )
             ):
                 return self._no_blocks  # a decode step that crosses no threshold
             num_tokens = request.num_tokens
             if (
-                self.enable_caching
+                not sound
                 and len(request.block_hashes)
                 > max(num_tokens - self.lookahead, 0) // self.hash_block_size
             ):
@@ -736,9 +745,11 @@ class TorchKVCacheManager:
         rows = self.rows
         # A step still in flight reads the window's blocks: only processed tokens count.
         processed = max(0, computed - int(getattr(request, "num_in_flight_tokens", 0)))
+        changed = False
         if processed >= rows.release_at[row]:
             self._release_skipped(row, processed)
             self._refresh_release(row)
+            changed = True
         new_blocks: tuple[tuple[int, ...], ...] | None = None
         if need > rows.capacity[row]:
             g_count = self.num_groups
@@ -748,6 +759,8 @@ class TorchKVCacheManager:
                 have = rows.length[row * g_count]
                 count = -(-need // self.block_size) - have
                 if not self._fits(count * g_count + kept_free):
+                    if changed:
+                        self._refresh_quiet(row)
                     return None
                 new_blocks = self._extend_uniform(row, have, count)
             else:
@@ -755,14 +768,22 @@ class TorchKVCacheManager:
                 at, length = row * g_count, rows.length
                 total = sum(max(c - length[at + g], 0) for g, c in enumerate(required))
                 if not self._fits(total + kept_free):
+                    if changed:
+                        self._refresh_quiet(row)
                     return None
                 new_blocks = self._extend(row, required)
             self._refresh_capacity(row)
+            changed = True
         elif kept_free and not self._fits(kept_free):
+            if changed:
+                self._refresh_quiet(row)
             return None
         if cache_up_to >= rows.cache_at[row]:
             self._cache(request, row, cache_up_to, defer=self._defers)
             self._refresh_cache(row)
+            changed = True
+        if changed:
+            self._refresh_quiet(row)
         if len(pool.pending) >= PENDING_MAX:
             self._settle()  # long without another call: bounded memory
         return self._no_blocks if new_blocks is None else KVCacheBlocks(new_blocks)
@@ -873,9 +894,11 @@ class TorchKVCacheManager:
         self._refresh_capacity(row)
         self._refresh_release(row)
         self._refresh_cache(row)
+        self._refresh_quiet(row)
 
     def _refresh_quiet(self, row: int) -> None:
-        """The row's ``quiet_below``, from its three thresholds (after any of them changed)."""
+        """The row's ``quiet_below``, from its three thresholds (after any of them changed;
+        the other refreshes leave it to this)."""
         rows = self.rows
         quiet = min(rows.capacity[row], rows.release_at[row]) + 1
         if self.enable_caching:
@@ -893,13 +916,19 @@ class TorchKVCacheManager:
             for g, rule in enumerate(self.rules):
                 capacity = min(capacity, (length[at + g] - rule.spec_blocks) * rule.block_size)
         self.rows.capacity[row] = capacity
-        self._refresh_quiet(row)
 
     def _refresh_release(self, row: int) -> None:
         """The row's ``release_at``: where its first window or chunk next lets a block go
         (after a release)."""
         at = row * self.num_groups
         nulls = self.rows.nulls
+        window = self._one_window
+        if window is not None:
+            # One sliding window for every releasing group, next to each other: their least
+            # leading nulls decide.
+            first, end, b, span = window
+            self.rows.release_at[row] = (min(nulls[at + first : at + end]) + 1) * b + span - 1
+            return
         release = _HUGE
         for g, b, span, chunked in self._release_columns:
             if chunked:
@@ -908,13 +937,11 @@ class TorchKVCacheManager:
             else:
                 release = min(release, (nulls[at + g] + 1) * b + span - 1)
         self.rows.release_at[row] = release
-        self._refresh_quiet(row)
 
     def _refresh_cache(self, row: int) -> None:
         """The row's ``cache_at``: the tokens at which its next block is full (after caching)."""
         if self._general:
             self.rows.cache_at[row] = 0  # scheduler-block rounding, prompt tails, Mamba: look
-            self._refresh_quiet(row)
             return
         at = row * self.num_groups
         cached = self.rows.cached
@@ -925,7 +952,6 @@ class TorchKVCacheManager:
             for g, rule in enumerate(self.rules):
                 cache = min(cache, (cached[at + g] + 1) * rule.block_size)
         self.rows.cache_at[row] = cache
-        self._refresh_quiet(row)
 
     def _refresh_rows(self, rows: npt.NDArray[np.int64]) -> None:
         """``_refresh`` for many rows of a vectorisable layout (int64), in numpy calls."""
@@ -986,8 +1012,8 @@ class TorchKVCacheManager:
     def _release_skipped(self, row: int, computed: int) -> None:
         """Release the blocks that left each window or chunk (``remove_skipped_blocks``), every
         group's in one pass of the pool (as ``free_blocks`` group by group)."""
-        walks: list[list[int]] = []  # per group that releases, its blocks in walk order
-        singles = True  # every walk one block (a decode step's): the pool's cheaper pass
+        released: list[int] = []  # every group's blocks in walk order, group after group
+        sizes: list[int] | None = None  # each group's count, once one releases several
         # Equal rules skip as many positions: one target per distinct rule.
         targets = [rule.skipped_positions(computed) for rule in self._release_rules]
         rows, tab = self.rows, self._tab.a
@@ -999,30 +1025,38 @@ class TorchKVCacheManager:
             i = at + g
             target, held = targets[which], nulls[i]
             if target == held + 1 and target <= length[i]:
+                # A decode step's one block leaving the window.
                 pos = bases[g] + row_base + held
-                walks.append([tab[pos]])
+                released.append(tab[pos])
                 tab[pos] = 0
                 nulls[i] = target
+                if sizes is not None:
+                    sizes.append(1)
                 if tracking:
                     self._touched(g, row, held, target)
             elif target > held:
-                released = self._skip_positions(row, g, target)
-                if released:
-                    walks.append(released)
-                    singles = singles and len(released) == 1
-        if not walks:
+                walk = self._skip_positions(row, g, target)
+                if walk:
+                    if sizes is None:
+                        sizes = [1] * len(released)
+                    sizes.append(len(walk))
+                    released.extend(walk)
+        if not released:
             return
         pool = self.pool
         if self._defers:
-            released = [block for walk in walks for block in walk]
             if min(map(pool.src.a.__getitem__, released)) >= 0:
                 pool.pending.release(released)  # cached blocks: to the tail, made later
                 return
             self._settle()  # an uncached block goes to the head: the pool must be current
-        if singles:
-            pool.free_each([walk[0] for walk in walks])
-        else:
-            pool.free_walks(walks)
+        if sizes is None:
+            pool.free_each(released)
+            return
+        walks, start = [], 0
+        for size in sizes:
+            walks.append(released[start : start + size])
+            start += size
+        pool.free_walks(walks)
 
     def _release_skipped_group(self, row: int, g: int, computed: int) -> None:
         """``_release_skipped`` of one group (nothing unless a window or chunk)."""

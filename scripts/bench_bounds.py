@@ -30,6 +30,7 @@ import time
 from array import array
 from collections.abc import Callable, Sequence
 
+import numpy as np  # noqa: TID251 (buffers as the optimized backend holds them)
 import torch  # noqa: TID251 (the optimized backend's int32 buffers, as it holds them)
 
 from hybridkv.bench import BLOCK, decode_blocks, gemma_like, tokens
@@ -116,6 +117,60 @@ def floors() -> None:
     shared = tokens(rng, 4352)
     seconds = median_seconds(lambda: pack_token_ids("prompt_token_ids", list(shared)), 31)
     print(f"validating and packing a 4,352-token prompt: {seconds * 1e6:.0f} µs")
+
+
+def crossing_floors(between: Callable[[], object] | None = None) -> tuple[float, float]:
+    """The least Python a decode step's crossing call does, on buffers of the benchmark's sizes
+    (7 groups, 1,032 table rows of 132 positions, a 924,736-block pool), with no checks, no
+    thresholds and no function calls: a call entering a new block takes one block per group
+    from a linked free queue and writes it to the group's table; a call filling a block nulls
+    the position leaving each of the 6 windows (noting the block for release) and notes the
+    newly full block of each group for caching. Returns the two medians in µs, over 64 calls
+    of each on distinct rows (as one step makes), ``between`` run before each batch of calls."""
+    groups, rows, width, blocks = 7, 1032, 132, 924_736
+    tab = memoryview(np.zeros(groups * rows * width, dtype=np.int32)).cast("B").cast("i")
+    nxt = memoryview(np.arange(1, blocks + 1, dtype=np.int32)).cast("B").cast("i")
+    prv = memoryview(np.arange(-1, blocks - 1, dtype=np.int32)).cast("B").cast("i")
+    ref = memoryview(np.zeros(blocks, dtype=np.int32)).cast("B").cast("i")
+    length = memoryview(np.zeros(rows * groups, dtype=np.int64)).cast("B").cast("q")
+    nulls = memoryview(np.zeros(rows * groups, dtype=np.int64)).cast("B").cast("q")
+    bases = [g * rows * width for g in range(groups)]
+    head = [1]
+    rng = random.Random(3)
+    picked = rng.sample(range(rows), 64)
+    new_times, fill_times = [], []
+    for repeat in range(9):
+        if between is not None:
+            between()
+        pending: list[int] = []
+        for row in picked:
+            pos = 2 * repeat
+            start = time.perf_counter_ns()
+            block = head[0]
+            taken = []
+            for base in bases:
+                taken.append(block)
+                following = nxt[block]
+                prv[block] = nxt[block] = -1
+                ref[block] = 1
+                tab[base + row * width + pos] = block
+                block = following
+            head[0] = block
+            for i in range(row * groups, row * groups + groups):
+                length[i] = pos + 1
+            result = tuple(zip(taken))
+            new_times.append(time.perf_counter_ns() - start)
+            start = time.perf_counter_ns()
+            for g in range(1, groups):
+                at = bases[g] + row * width + pos
+                pending.append(tab[at])
+                tab[at] = 0
+                nulls[row * groups + g] = pos + 1
+            full = [tab[base + row * width + pos + 1] for base in bases]
+            pending.extend(full)
+            fill_times.append(time.perf_counter_ns() - start)
+            del result
+    return statistics.median(new_times) / 1e3, statistics.median(fill_times) / 1e3
 
 
 def decode_split(
@@ -288,8 +343,15 @@ def lookup_split(length: int = 131_072, repeat: int = 9) -> None:
 def main() -> None:
     torch.set_num_threads(1)
     floors()
+    walk = other_work()
+    for label, between in (("", None), (", other work between steps", walk)):
+        new, fill = crossing_floors(between)
+        print(
+            f"crossing-call floors{label}: entering a block {new:.1f} µs, "
+            f"filling one (release and cache noted) {fill:.1f} µs"
+        )
     decode_split()
-    decode_split(between=other_work())
+    decode_split(between=walk)
     lookup_split()
     admission_split()
 
