@@ -160,7 +160,9 @@ class Source:
         self, tags: npt.NDArray[np.int64], blocks: npt.NDArray[np.int64], end: int
     ) -> None:
         """``record`` for int64 arrays of tags and blocks (distinct tags)."""
-        self.reserve(int(tags.max()) + 1, end)
+        top = int(tags.max()) + 1
+        if top > len(self.blocks):
+            self.reserve(top + top // 4, end)  # a prompt's records: room for its decode too
         # A view for this call only: the array must stay resizable for a later record.
         view = np.frombuffer(self.blocks, dtype=np.int32)
         view[tags] = blocks

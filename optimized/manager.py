@@ -582,9 +582,8 @@ class TorchKVCacheManager:
             ):
                 check_block_hashes(request, self.hash_block_size, self.lookahead, allow_fewer=True)
             if row is not None and not full_sequence_must_fit and not self._has_align:
-                # The row's thresholds say whether this step takes, releases or caches a block;
-                # most decode steps do none of these and change nothing.
-                rows = self.rows
+                # A running request: its row's thresholds (read by ``_step``) say whether this
+                # step takes, releases or caches a block.
                 computed = request.num_computed_tokens
                 if computed > self.max_model_len:
                     computed = self.max_model_len
@@ -597,14 +596,6 @@ class TorchKVCacheManager:
                     if cache_up_to > num_tokens:
                         cache_up_to = num_tokens
                 kept_free = reserved_blocks + watermark_blocks
-                if (
-                    need <= rows.capacity[row]
-                    and computed - getattr(request, "num_in_flight_tokens", 0)
-                    < rows.release_at[row]
-                    and cache_up_to < rows.cache_at[row]
-                    and kept_free <= self.pool.num_free_blocks
-                ):
-                    return self._no_blocks
                 try:
                     return self._step(request, row, computed, need, cache_up_to, kept_free)
                 finally:
@@ -1015,7 +1006,13 @@ class TorchKVCacheManager:
         released: list[int] = []  # every group's blocks in walk order, group after group
         sizes: list[int] | None = None  # each group's count, once one releases several
         # Equal rules skip as many positions: one target per distinct rule.
-        targets = [rule.skipped_positions(computed) for rule in self._release_rules]
+        window = self._one_window
+        if window is not None:
+            # ``sliding_window_skipped_tokens``, then ``skipped_block_positions``, inline.
+            skipped = computed - window[3] + 1
+            targets = [skipped // window[2] if skipped > 0 else 0]
+        else:
+            targets = [rule.skipped_positions(computed) for rule in self._release_rules]
         rows, tab = self.rows, self._tab.a
         length, nulls = rows.length, rows.nulls
         at, row_base = row * self.num_groups, row * self.max_blocks_per_req
