@@ -862,8 +862,7 @@ class TorchKVCacheManager:
         tab, length, at = self._tab.a, self.rows.length, row * g_count
         offset = row * self.max_blocks_per_req + have
         tracking = self._device_tables is not self._tables
-        for i in range(at, at + g_count):
-            length[i] = have + count
+        length[at : at + g_count] = array("q", (have + count,)) * g_count
         if count == 1:  # a decode step's new block in every group
             for base, block in zip(self._group_bases, popped, strict=True):
                 tab[base + offset] = block
@@ -1153,8 +1152,7 @@ class TorchKVCacheManager:
                 # A decode step: one newly full block in every group.
                 src = self._source_of(request, row, num_full, num_full * b)
                 pool.defer_row(row_blocks, self._group_ids, last, hashes[last], src)
-                for i in range(at, at + g_count):
-                    cached[i] = num_full
+                cached[at : at + g_count] = array("q", (num_full,)) * g_count
                 return
         start = cached[at]
         if (
