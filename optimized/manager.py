@@ -585,6 +585,12 @@ class TorchKVCacheManager:
                 # A running request: its row's thresholds (read by ``_step``) say whether this
                 # step takes, releases or caches a block.
                 computed = request.num_computed_tokens
+                if (
+                    computed + num_new_tokens + num_lookahead_tokens < self.rows.quiet_below[row]
+                    and not reserved_blocks
+                    and not watermark_blocks
+                ):
+                    return self._no_blocks  # another request type's quiet step, its hashes checked
                 if computed > self.max_model_len:
                     computed = self.max_model_len
                 need = computed + num_new_tokens + num_lookahead_tokens
