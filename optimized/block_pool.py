@@ -1,9 +1,9 @@
-"""The optimized block pool: reference counts, the free queue and the prefix cache, in tensors.
+"""The optimized block pool: reference counts, the free queue and the prefix cache, as arrays.
 
 Same rules as ``hybridkv.reference.block_pool`` (read that first); only the representation
 differs. ``N`` is ``num_blocks`` (block 0 is the null block), ``G`` the number of KV cache groups.
 
-Data layout (every array is an ``IntBuffer``: int32, one tensor view and one array view)
+Data layout (every array is an ``IntBuffer``: a numpy array with memoryview and tensor views)
 --------------------------------------------------------------------------------------------
 Reference counts and the free queue::
 
@@ -58,14 +58,21 @@ run needs no look at ``hk`` or ``src``. Such a block is the one a probe would fi
 is the first-inserted entry of its key: the blocks cached while an
 entry with the same key, position and group was cached are marked in ``dups`` (a set, rarely
 non-empty: a prompt computed twice at once). Finding them takes a walk of the chain behind each
-new entry; it is done for all the blocks cached since the last time (``unsettled``) in one
-vectorised walk (numpy calls on the views) when a lookup first needs it (``settle_duplicates``),
-or every ``SETTLE_MAX`` blocks, instead of one walk per cached block.
+new entry (none for an entry that became the head of an empty chain, most of them); it is done
+for all the blocks cached since the last time (``unsettled``) in one vectorised walk (numpy
+calls on the views) when a lookup first needs it (``settle_duplicates``), or every
+``SETTLE_MAX`` blocks, instead of one walk per cached block.
+
+Pending work: a running request's step may leave its releases and inserts to ``pending``
+(``hybridkv.optimized.pending``, ``defer_row``/``defer_entries``), which ``apply_pending``
+makes in one numpy pass (``release_cached``, ``chain_entries``); the source records and counts
+such blocks, and the memo registers it, at once. The manager applies it before anything reads
+what it changes.
 
 The hash memo
 -------------
 With the manager's ``HashMemo`` attached (``memo``), the sources of requests hashed by it are
-listed in ``memo_srcs``; ``insert``/``insert_many`` register such a source with the memo when
+listed in ``memo_srcs``; ``insert``/``insert_array`` register such a source with the memo when
 they cache a block of it (once: later calls find it registered), ``maybe_drop_source``
 unregisters it once no cached block names it (so the memo holds no more sources than there are
 cached blocks), and ``reset_prefix_cache`` empties it (``hybridkv.optimized.hash_memo``).
@@ -229,7 +236,9 @@ class TorchBlockPool:
         # source only where none of them is here). A block leaves it when evicted; it stays
         # while the entry before it goes, so the set may say too much, never too little.
         self.dups: set[int] = set()
-        # Blocks cached since ``settle_duplicates`` last ran (one by one, and in tensors).
+        # Blocks cached since ``settle_duplicates`` last ran behind another entry of their
+        # chain (an entry at the head of an empty chain has no older twin): one by one, and in
+        # numpy arrays.
         self.unsettled: list[int] = []
         self.unsettled_many: list[npt.NDArray[np.int64]] = []
         self.sources: list[Source | None] = []
@@ -247,7 +256,7 @@ class TorchBlockPool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the per-block tensors (the pool's host memory apart from its sources)."""
+        """Bytes of the per-block buffers (the pool's host memory apart from its sources)."""
         buffers = (
             self.ref, self.prev, self.next, self.heads, self.hnext, self.hk, self.src
         )  # fmt: skip

@@ -1,4 +1,4 @@
-"""``TorchKVCacheManager``: the reference's scheduler API over tensors, plus whole-step batches.
+"""``TorchKVCacheManager``: the reference's scheduler API on flat buffers, plus whole-step batches.
 
 Same public API and observable behaviour as ``hybridkv.reference.KVCacheManager`` (same
 results, free-queue order, reference counts, cached blocks, events and statistics), plus:
@@ -15,13 +15,18 @@ Data layout (G groups, R = ``max_num_reqs`` rows, W = ``max_blocks_per_req`` pos
                       device the host keeps an identical copy and every call ends by writing
                       the entries it changed to the device (one indexed copy).
 
-An ``IntBuffer`` (one flat buffer, tensor and array views). Which request holds which row, and
-per row and group the table's length, leading nulls and cached positions, with the row's
-thresholds (when it next needs work: a batch looks at these first and works only on the
-requests that cross one), live in ``RowTables`` (``hybridkv.optimized.rows``), ``self.rows``. A
-request gets a row on its first successful allocation and gives it back when freed; ``row_of``
-says which. Per-block state lives in ``TorchBlockPool``; lookups in
-``hybridkv.optimized.lookup``.
+An ``IntBuffer`` (one flat numpy buffer, memoryview and tensor views). Which request holds which
+row, and per row and group the table's length, leading nulls and cached positions, with the
+row's thresholds (when it next needs work; ``quiet_below`` says in one comparison that a step
+needs none, which decides most decode calls at once), live in ``RowTables``
+(``hybridkv.optimized.rows``), ``self.rows``. A request gets a row on its first successful
+allocation and gives it back when freed; ``row_of`` says which. Per-block state lives in
+``TorchBlockPool``; lookups in ``hybridkv.optimized.lookup``.
+
+A running request's step changes its own row and tables at once; what it changes in the pool
+(releasing the blocks that left its windows, caching its newly full blocks) waits in the
+pool's ``PendingWork`` (``hybridkv.optimized.pending``, which says why that is exact) where the
+layout allows (``_defers``), and every other call makes it first (``_settle``).
 
 Groups of one block size take the paths above. With different block sizes every group keeps its
 own positions (``block_table(g)`` is as wide as the largest group's need), sees the hashes at its
@@ -152,7 +157,8 @@ GROUP_RULES: dict[str, Callable[[Any], GroupRule]] = {
 
 
 class TorchKVCacheManager:
-    """Allocation and prefix caching for every KV cache group, in tensors (see the module doc)."""
+    """Allocation and prefix caching for every KV cache group, on flat buffers (see the module
+    doc)."""
 
     def __init__(
         self,
@@ -1594,7 +1600,7 @@ class TorchKVCacheManager:
 
     @property
     def host_nbytes(self) -> int:
-        """Bytes of host memory in the manager's tensors (pool and tables)."""
+        """Bytes of host memory in the manager's buffers (pool, tables and row counters)."""
         return self.pool.nbytes + self._tab.nbytes + self.rows.nbytes
 
     def check_invariants(self) -> None:

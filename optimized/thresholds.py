@@ -1,8 +1,8 @@
 """The size thresholds of the optimized backend, in one place.
 
-Most paths of the backend exist twice: one element at a time on the ``array`` views of its
-buffers (cheap per element, nothing to set up) and in tensor or numpy calls (a fixed cost per
-call, then cheap per element). Each constant below says where one such switch flips, or how
+Most paths of the backend exist twice: one element at a time on the memoryviews of its
+buffers (cheap per element, nothing to set up) and in numpy calls (a fixed cost per call, then
+cheap per element). Each constant below says where one such switch flips, or how
 large a window of work is; none changes a result, only the time it takes (the differential
 tests run both sides of every switch).
 
@@ -21,15 +21,15 @@ from __future__ import annotations
 
 BATCH_MIN = 16
 """A batched call of fewer requests makes the single-request calls: below this, their cost is
-less than the vectorised step's fixed cost in tensor calls."""
+less than the vectorised step's fixed cost in numpy calls."""
 
 BUSY_BATCH_MIN = 64
 """Fewer requests than this with work to do in a step (in a decode step most have none) are
-served one by one; from it, by the vectorised step, whose tensor calls then pay off."""
+served one by one; from it, by the vectorised step, whose numpy calls then pay off."""
 
 INSERT_MIN = 32
 """Fewer blocks than this are cached, touched or linked into the free queue one by one on the
-array views; from it, in vectorised calls (``insert_many``, ``touch_array``, ``link_after_array``,
+array views; from it, in vectorised calls (``insert_array``, ``touch_array``, ``link_after_array``,
 ``release_cached``)."""
 
 PENDING_MAX = 8192
