@@ -377,29 +377,6 @@ class TorchBlockPool:
         if keep:
             self.link_after(self.prev.a[self.tail], keep)
 
-    def free_each(self, blocks: Sequence[int]) -> None:
-        """``free_walks`` of one-block walks, one per block in turn (a decode step's windows
-        each release one block): uncached blocks that become free go after the head, the last
-        first; cached ones before the tail, in order."""
-        ref, src = self.ref.a, self.src.a
-        keep: list[int] = []
-        reuse: list[int] = []
-        for block in blocks:
-            if block == 0:
-                continue
-            count = ref[block] - 1
-            ref[block] = count
-            if count == 0:
-                if src[block] >= 0:
-                    keep.append(block)
-                else:
-                    reuse.append(block)
-        if reuse:
-            reuse.reverse()
-            self.link_after(self.head, reuse)
-        if keep:
-            self.link_after(self.prev.a[self.tail], keep)
-
     def link_after(self, node: int, blocks: Sequence[int]) -> None:
         """Insert ``blocks``, in order, right after ``node`` (a sentinel or a queued block)."""
         nxt, prv = self.next.a, self.prev.a

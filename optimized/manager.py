@@ -1058,7 +1058,7 @@ class TorchKVCacheManager:
                 return
             self._settle()  # an uncached block goes to the head: the pool must be current
         if sizes is None:
-            pool.free_each(released)
+            pool.free_walks([[block] for block in released])
             return
         walks, start = [], 0
         for size in sizes:

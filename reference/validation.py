@@ -202,21 +202,13 @@ def check_allocation(
             )
         return tuple(() for _ in config.groups)
     hits = new_computed_blocks
-    if hits.num_groups != len(config.groups):
-        raise ValueError(
-            f"new_computed_blocks must have one list per KV cache group ({len(config.groups)}), "
-            f"got {hits.num_groups}"
-        )
+    _check_hit_group_count(hits.num_groups, config)
     for group_id, ids in enumerate(hits.block_ids):
         block_size = config.groups[group_id].spec.block_size
         _check_hit_ids(
             group_id, ids, num_new_computed_tokens, block_size, config.num_blocks, issued
         )
-    if any(hits.block_ids) and holds_blocks(request.request_id):
-        raise ValueError(
-            f"request {request.request_id!r} already holds blocks; only a request being "
-            "admitted adopts a cache hit (new_computed_blocks must be empty)"
-        )
+    _check_admitted(request, any(hits.block_ids), holds_blocks)
     return hits.block_ids
 
 
@@ -245,15 +237,27 @@ def check_issued_allocation(
         settings,
         allow_fewer_hashes,
     )
-    if len(hit_sizes) != len(config.groups):
-        raise ValueError(
-            f"new_computed_blocks must have one list per KV cache group ({len(config.groups)}), "
-            f"got {len(hit_sizes)}"
-        )
+    _check_hit_group_count(len(hit_sizes), config)
     for group_id, size in enumerate(hit_sizes):
         block_size = config.groups[group_id].spec.block_size
         _check_hit_count(group_id, size, num_new_computed_tokens, block_size)
-    if any(hit_sizes) and holds_blocks(request.request_id):
+    _check_admitted(request, any(hit_sizes), holds_blocks)
+
+
+def _check_hit_group_count(num_groups: int, config: KVCacheConfig) -> None:
+    """A hit has one list per KV cache group."""
+    if num_groups != len(config.groups):
+        raise ValueError(
+            f"new_computed_blocks must have one list per KV cache group ({len(config.groups)}), "
+            f"got {num_groups}"
+        )
+
+
+def _check_admitted(
+    request: RequestLike, adopts: bool, holds_blocks: Callable[[str], bool]
+) -> None:
+    """Only a request being admitted adopts a cache hit (a running one would hold two tables)."""
+    if adopts and holds_blocks(request.request_id):
         raise ValueError(
             f"request {request.request_id!r} already holds blocks; only a request being "
             "admitted adopts a cache hit (new_computed_blocks must be empty)"
