@@ -415,7 +415,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _o(
         "opt_window_hit_needs_whole_window",
         "the optimized sliding-window lookup needs window tokens cached, not window − 1",
-        "manager",
+        "type_hits",
         (
             "needed = rules.sliding_window_contiguous_blocks(spec.sliding_window, b, p.drop)",
             "needed = rules.sliding_window_contiguous_blocks(spec.sliding_window + 1, b, p.drop)",

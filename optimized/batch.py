@@ -52,7 +52,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from hybridkv.optimized.thresholds import INSERT_MIN
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
@@ -102,8 +101,7 @@ def allocate_slots_batch(
         raise ValueError(f"num_new_tokens must give one count per request ({n}), got {len(counts)}")
     # The single calls made here (a small batch, the few busy requests of a step) leave their
     # table changes to one flush at the end: one host→device copy per step.
-    outer, m._defer_flush = m._defer_flush, True
-    try:
+    with m.tables.one_copy():
         if (
             n >= m.batch_min
             and m.columns.vectorisable
@@ -130,10 +128,6 @@ def allocate_slots_batch(
             )
             for r, c in zip(requests, counts, strict=True)
         ]
-    finally:
-        m._defer_flush = outer
-        if not outer:
-            m._flush()
 
 
 def _kept_free(reserved_blocks: int, watermark_blocks: int) -> bool:
@@ -223,7 +217,7 @@ def _allocate_vectorised(
     )
     busy = comp + new_tokens + lookahead >= m.rows.thresholds[3, rows]
     chosen = np.flatnonzero(busy)
-    out: list[KVCacheBlocks | None] = [m._no_blocks] * n
+    out: list[KVCacheBlocks | None] = [KVCacheBlocks(((),) * m.num_groups)] * n
     if chosen.shape[0] == 0:
         return out
     picked = chosen.tolist()
@@ -313,7 +307,7 @@ def _step_busy(
         return None
     # [n·G] flat index of position 0 of each pair's table
     table_base = ((rows[:, None] + columns.table_rows) * w).ravel()
-    tab = m._tab.n
+    tab = m.tables.host.n
     num_released = int(released.sum())
     if num_released:
         # Released positions in sequential order: request, group, position high to low.
@@ -324,16 +318,15 @@ def _step_busy(
         if not bool((pool.src.n[blocks] >= 0).all()):
             return None  # a block without a hash would go to the head: one by one
     # Nothing has changed so far; from here on the step cannot fail.
-    tracking = m._device_tables is not m._tables
+    tables = m.tables
     if num_released:
         tab[release_flat] = 0
         m.rows.columns[1][pair_index] = np.maximum(nulls, skipped)
-        if m._defers:
+        if m.columns.defers:
             pool.pending.release(blocks.tolist())
         else:
             pool.release_cached(blocks)
-        if tracking:
-            m._dirty_index.append(torch.from_numpy(release_flat))
+        tables.touched_at(release_flat)
     popped = pool.pop_n(total_new)
     active: list[int] = []
     if total_new:
@@ -342,13 +335,12 @@ def _step_busy(
         flat = (table_base + length.ravel())[pair] + rank
         tab[flat] = popped
         m.rows.columns[0][pair_index] = length + new
-        if tracking:
-            m._dirty_index.append(torch.from_numpy(flat))
+        tables.touched_at(flat)
         active = np.flatnonzero(new.sum(1)).tolist()
     if to_cache is not None and bool(to_cache.any()):
         _cache_busy(m, requests, rows, pair_index, table_base, cached, to_cache)
     m._refresh_rows(rows)
-    out: list[KVCacheBlocks | None] = [m._no_blocks] * len(requests)
+    out: list[KVCacheBlocks | None] = [KVCacheBlocks(((),) * m.num_groups)] * len(requests)
     if active:
         g_count = m.num_groups
         at = 0
@@ -385,13 +377,13 @@ def _cache_busy(
     # every one of them is real (a window smaller than a block may have let one go already).
     positions = starts[:, 0]
     flat = table_base.reshape(-1, g_count)[active] + positions[:, None]
-    found = m._tab.n[flat]
+    found = m.tables.host.n[flat]
     decode = (to_cache[active] == 1).all(1) & (starts == positions[:, None]).all(1)
     decode &= (found != 0).all(1)
-    if not m._defers:
+    if not m.columns.defers:
         decode[:] = False
     row_blocks = found.tolist()
-    group_ids = m._group_ids
+    group_ids = m.columns.group_ids
     defer_row, source_of = m.pool.defer_row, m._source_of
     for i, row, pos, blocks, plain in zip(
         active.tolist(),
@@ -407,7 +399,7 @@ def _cache_busy(
             defer_row(blocks, group_ids, pos, request.block_hashes[pos], src)
         else:
             num_full = int((cached[i] + to_cache[i]).max())
-            m._cache(request, int(row), num_full * b, defer=m._defers)
+            m._cache(request, int(row), num_full * b, defer=m.columns.defers)
     done = active[decode]
     m.rows.columns[2][pair_index[done]] = (positions[decode] + 1)[:, None]
 
@@ -423,7 +415,7 @@ def free_batch(m: TorchKVCacheManager, requests: Sequence[RequestLike]) -> None:
         if row is not None and rid not in seen:
             seen.add(rid)
             order.append((rid, row))
-    if len(order) < m.batch_min or m._has_align:
+    if len(order) < m.batch_min or m.columns.mamba_align:
         for r in requests:
             m.free(r)
         return
@@ -435,7 +427,7 @@ def free_batch(m: TorchKVCacheManager, requests: Sequence[RequestLike]) -> None:
     if total:
         pair, rank = _expand(real)
         table_base = ((rows[:, None] + m.columns.table_rows) * w).ravel()
-        blocks = m._tab.n[(table_base + length.ravel() - 1)[pair] - rank].astype(np.int64)
+        blocks = m.tables.host.n[(table_base + length.ravel() - 1)[pair] - rank].astype(np.int64)
         unique, inverse, repeats = np.unique(blocks, return_inverse=True, return_counts=True)
         ref = pool.ref.n
         final = ref[unique] - repeats

@@ -17,14 +17,21 @@ Data layout (G groups, R = ``max_num_reqs`` rows)
                          ``None`` when no group is chunked
     chunk_or_one[G]      int64, ``chunk`` with 0 as 1 (a divisor that is never 0)
 
-and three facts: whether any group releases blocks (a window or a chunk), the sliding-window
+    group_ids[G]         ``array("q")``, 0 … G − 1 (the groups a decode step's new blocks are
+                         cached under, ``PendingWork``)
+
+and five facts: whether any group releases blocks (a window or a chunk), the sliding-window
 groups that cache only reachable blocks (``sparse_groups``, which a batch leaves to the single
-calls), and whether the vectorised step applies at all (``vectorisable``: one block size, no
-Mamba ``"align"`` group, no speculative blocks).
+calls), whether the vectorised step applies at all (``vectorisable``: one block size, no
+Mamba ``"align"`` group, no speculative blocks), whether a running step's releases and inserts
+wait in the pool's pending work (``defers``, ``hybridkv.optimized.pending``), and whether a
+Mamba ``"align"`` group serves every call one request at a time (``mamba_align``,
+``hybridkv.optimized.mamba``).
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,6 +50,9 @@ class GroupColumns:
     releases: bool
     sparse_groups: list[int]
     vectorisable: bool
+    defers: bool
+    mamba_align: bool
+    group_ids: array[int]
 
     @classmethod
     def build(
@@ -54,6 +64,8 @@ class GroupColumns:
         releases: bool,
         sparse_groups: Sequence[int],
         vectorisable: bool,
+        defers: bool = False,
+        mamba_align: bool = False,
     ) -> GroupColumns:
         """From each group's window (a huge number where none) and chunk (0 where none)."""
         if len(windows) != len(chunks):
@@ -66,4 +78,7 @@ class GroupColumns:
             releases=releases,
             sparse_groups=list(sparse_groups),
             vectorisable=vectorisable,
+            defers=defers,
+            mamba_align=mamba_align,
+            group_ids=array("q", range(len(windows))),
         )

@@ -3,12 +3,11 @@
 A Mamba ``"align"`` table holds a real block only where a state lives (the running state, the
 previous one, a prefill checkpoint, the speculative blocks) and nulls everywhere else, so its
 nulls are no prefix and the row thresholds and the vectorised step of
-``hybridkv.optimized.batch`` do not apply. A manager with such a group serves every allocation
-here, one request at a time, step for step as ``KVCacheManager.allocate_slots`` does, with the
-same flat state: the block tables ``_tab`` of ``hybridkv.optimized.manager``, the row counters
-of ``hybridkv.optimized.rows`` (``length``, ``cached``; ``nulls`` is the leading nulls of an
-attention group and, for a Mamba group, the positions already retired) and the
-``TorchBlockPool``.
+``hybridkv.optimized.batch`` do not apply. A manager with such a group serves every allocation here,
+one request at a time, step for step as ``KVCacheManager.allocate_slots`` does, with the same flat
+state: the block tables (``BlockTables``, ``hybridkv.optimized.block_tables``), the row counters of
+``hybridkv.optimized.rows`` (``length``, ``cached``; ``nulls`` is the leading nulls of an attention
+group and, for a Mamba group, the positions already retired) and the ``TorchBlockPool``.
 
 What the Mamba manager of the reference keeps besides a table lives in ``MambaState``, keyed by
 (request id, group): the allocated flag, the previous state's position, the checkpoint this
@@ -21,6 +20,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from hybridkv.optimized.group_rules import MAMBA
 from hybridkv.optimized.lookup import GroupHit
 from hybridkv.reference.events import EventBuilder
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
@@ -33,8 +33,6 @@ if TYPE_CHECKING:
 
     from hybridkv.optimized.manager import BlockIds, TorchKVCacheManager
 
-MAMBA_KIND = 3
-"""``GroupRule.kind`` of a Mamba ``"align"`` group (``hybridkv.optimized.manager.MAMBA``)."""
 
 Key = tuple[bytes, int]
 """A cache key: (block hash, group id), ``BlockHashWithGroupId``."""
@@ -115,7 +113,7 @@ def allocate(
             m._adopt(row, group_hits, skipped, m._adopted_blocks(group_hits, skipped))
             for g, rule in enumerate(m.rules):
                 m._mamba.running.add((row, g))
-                if rule.kind == MAMBA_KIND:
+                if rule.kind == MAMBA:
                     m.rows.nulls[m.rows.index(row, g)] = 0
                     _record_adopted(m, request_id, row, g, hits[g], num_local_computed)
     new_blocks = tuple(
@@ -151,7 +149,7 @@ def _num_blocks(
     for g, rule in enumerate(m.rules):
         group_hits = hits[g]
         held = m.rows.length[m.rows.index(row, g)] if row is not None else 0
-        if rule.kind == MAMBA_KIND:
+        if rule.kind == MAMBA:
             total += _mamba_num_blocks(
                 m, request_id, g, held, group_hits, total_computed, main, apply_cap, prefill_end
             )
@@ -245,7 +243,7 @@ def _checkpoint_position(
     if (
         row is None
         or index >= length
-        or m._tab.a[m._base(g, row) + index] == 0
+        or m.tables.host.a[m.tables.base(g, row) + index] == 0
         or ((request_id, g) in m._mamba.allocated and index >= length - spec.num_speculative_blocks)
     ):
         return position
@@ -258,11 +256,11 @@ def _allocate_group(
     """``allocate_new_blocks`` of one group: its new blocks (a Mamba group also returns the
     nulls and the speculative blocks it moved)."""
     rule = m.rules[g]
-    tab, lengths = m._tab.a, m.rows.length
+    tab, lengths = m.tables.host.a, m.rows.length
     i = m.rows.index(row, g)
-    base = m._base(g, row)
+    base = m.tables.base(g, row)
     length = lengths[i]
-    if rule.kind != MAMBA_KIND:
+    if rule.kind != MAMBA:
         count = rule.blocks_for_tokens(num_tokens) - length
         if count <= 0:
             return ()
@@ -321,8 +319,8 @@ def _record_adopted(
 ) -> None:
     """The positions of the real blocks of an admitted Mamba table: its adopted hit."""
     skipped = m.rules[g].skipped_positions(num_computed)
-    base = m._base(g, row)
-    tab = m._tab.a
+    base = m.tables.base(g, row)
+    tab = m.tables.host.a
     m._mamba.positions[request_id, g] = [
         pos for pos in range(skipped, len(group_hits)) if tab[base + pos]
     ]
@@ -331,9 +329,9 @@ def _record_adopted(
 def _write(m: TorchKVCacheManager, g: int, row: int, lo: int, blocks: Sequence[int]) -> None:
     if not blocks:
         return  # an empty slice assignment would resize the array, which its views forbid
-    base = m._base(g, row)
-    m._tab.a[base + lo : base + lo + len(blocks)] = _int_array(blocks)
-    m._touched(g, row, lo, lo + len(blocks))
+    base = m.tables.base(g, row)
+    m.tables.host.a[base + lo : base + lo + len(blocks)] = _int_array(blocks)
+    m.tables.touched(g, row, lo, lo + len(blocks))
 
 
 def _int_array(values: Sequence[int]) -> array[int]:
@@ -342,13 +340,13 @@ def _int_array(values: Sequence[int]) -> array[int]:
 
 def _remove_skipped(m: TorchKVCacheManager, request_id: str, row: int, computed: int) -> None:
     """``remove_skipped_blocks`` of every group, in group order."""
-    tab, rows = m._tab.a, m.rows
+    tab, rows = m.tables.host.a, m.rows
     for g, rule in enumerate(m.rules):
-        if rule.kind != MAMBA_KIND:
+        if rule.kind != MAMBA:
             m._release_skipped_group(row, g, computed)
             continue
         i = rows.index(row, g)
-        base = m._base(g, row)
+        base = m.tables.base(g, row)
         length = rows.length[i]
         skipped = rules.mamba_skipped_tokens(computed) // rule.block_size
         if skipped > 0:
@@ -360,7 +358,7 @@ def _remove_skipped(m: TorchKVCacheManager, request_id: str, row: int, computed:
                     if block:
                         released.append(block)
                         tab[base + index] = 0
-                m._touched(g, row, first, last)
+                m.tables.touched(g, row, first, last)
                 m.pool.free_blocks(released)
                 rows.nulls[i] = last
         last_state = m._mamba.last_state.get((request_id, g))
@@ -369,7 +367,7 @@ def _remove_skipped(m: TorchKVCacheManager, request_id: str, row: int, computed:
             if block:
                 m.pool.free_blocks([block])
                 tab[base + last_state] = 0
-                m._touched(g, row, last_state, last_state + 1)
+                m.tables.touched(g, row, last_state, last_state + 1)
 
 
 def free(m: TorchKVCacheManager, request_id: str) -> None:
@@ -405,12 +403,12 @@ def cache_mamba_group(
     boundaries: Sequence[int],
 ) -> None:
     """``MambaManager.cache_blocks`` of group ``g`` (``num_tokens``: its cacheable tokens)."""
-    hbs, tab = m.hash_block_size, m._tab.a
+    hbs, tab = m.hash_block_size, m.tables.host.a
     rule = m.rules[g]
     b = rule.block_size
     hashes = request.block_hashes
     i = m.rows.index(row, g)
-    base = m._base(g, row)
+    base = m.tables.base(g, row)
     start = m.rows.cached[i]
     num_full = min(num_tokens, len(hashes) * hbs) // b
     this_step = m._mamba.cached_this_step.setdefault(g, set())
@@ -449,13 +447,13 @@ def _cache_partial_tail(
     b = m.rules[g].block_size
     hbs = m.hash_block_size
     length = m.rows.length[m.rows.index(row, g)]
-    base = m._base(g, row)
+    base = m.tables.base(g, row)
     checkpoint = m._mamba.checkpoints.get((request_id, g))
     if checkpoint is not None:
         position, index = checkpoint
         if index >= length:
             return None  # reserved by an allocation that failed (see the reference)
-        return _cache_checkpoint(m, request, row, g, position, m._tab.a[base + index])
+        return _cache_checkpoint(m, request, row, g, position, m.tables.host.a[base + index])
     if num_tokens <= 0 or num_tokens % hbs:
         return None
     boundary = rules.mamba_prefill_checkpoint_position(
@@ -464,9 +462,9 @@ def _cache_partial_tail(
     if num_tokens != boundary or num_tokens > len(request.block_hashes) * hbs:
         return None  # not the boundary, or its hash lags behind (see the reference)
     index = rules.cdiv(num_tokens, b) - 1
-    if index >= length or m._tab.a[base + index] == 0:
+    if index >= length or m.tables.host.a[base + index] == 0:
         return None
-    block = m._tab.a[base + index]
+    block = m.tables.host.a[base + index]
     if _primary_tokens(m, block) == num_tokens:
         return None
     return _cache_partial_block(m, request, row, block, num_tokens, g, replace=False)

@@ -8,25 +8,20 @@ tensors (``block_table``, ``row_of``) and the batched calls ``allocate_slots_bat
 
 Data layout (G groups, R = ``max_num_reqs`` rows, W = ``max_blocks_per_req`` positions)
 --------------------------------------------------------------------------------------------
-::
-
-    tables[G, R, W]   int32 block ids; row r of group g is the block table of the request in
-                      row r (positions past its length are stale); on ``device``. With a CUDA
-                      device the host keeps an identical copy and every call ends by writing
-                      the entries it changed to the device (one indexed copy).
-
-An ``IntBuffer`` (one flat numpy buffer, memoryview and tensor views). Which request holds which
-row, and per row and group the table's length, leading nulls and cached positions, with the
-row's thresholds (when it next needs work; ``quiet_below`` says in one comparison that a step
-needs none, which decides most decode calls at once), live in ``RowTables``
-(``hybridkv.optimized.rows``), ``self.rows``. A request gets a row on its first successful
-allocation and gives it back when freed; ``row_of`` says which. Per-block state lives in
-``TorchBlockPool``; lookups in ``hybridkv.optimized.lookup``.
+The block tables, ``tables[G, R, W]`` int32 block ids (row r of group g is the block table of the
+request in row r), live in ``BlockTables`` (``hybridkv.optimized.block_tables``), ``self.tables``:
+one flat host buffer, mirrored on a CUDA ``device`` by one indexed copy of the changed entries at
+the end of every call. Which request holds which row, and per row and group the table's length,
+leading nulls and cached positions, with the row's thresholds (when it next needs work;
+``quiet_below`` says in one comparison that a step needs none, which decides most decode calls at
+once), live in ``RowTables`` (``hybridkv.optimized.rows``), ``self.rows``. A request gets a row on
+its first successful allocation and gives it back when freed; ``row_of`` says which. Per-block state
+lives in ``TorchBlockPool``; lookups in ``hybridkv.optimized.lookup``.
 
 A running request's step changes its own row and tables at once; what it changes in the pool
 (releasing the blocks that left its windows, caching its newly full blocks) waits in the
 pool's ``PendingWork`` (``hybridkv.optimized.pending``, which says why that is exact) where the
-layout allows (``_defers``), and every other call makes it first (``_settle``).
+layout allows (``columns.defers``), and every other call makes it first (``_settle``).
 
 Groups of one block size take the paths above. With different block sizes every group keeps its
 own positions (``block_table(g)`` is as wide as the largest group's need), sees the hashes at its
@@ -39,18 +34,18 @@ give the same results as the single ones).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from hybridkv.optimized import batch, mamba
-from hybridkv.optimized._buffers import IntBuffer
 from hybridkv.optimized.block_pool import TorchBlockPool
+from hybridkv.optimized.block_tables import BlockTables
 from hybridkv.optimized.group_columns import GroupColumns
+from hybridkv.optimized.group_rules import CHUNKED, FULL, MAMBA, NEVER, SLIDING, GroupRule
 from hybridkv.optimized.hash_memo import HashMemo
 from hybridkv.optimized.lookup import (
     NO_HIT,
@@ -58,7 +53,6 @@ from hybridkv.optimized.lookup import (
     HitBlocks,
     Lookup,
     TypeProbe,
-    WindowedFlags,
     lead_run,
 )
 from hybridkv.optimized.rows import RowTables
@@ -69,6 +63,7 @@ from hybridkv.optimized.thresholds import (
     PENDING_MAX,
     VECTOR_MIN,
 )
+from hybridkv.optimized.type_hits import TYPE_HITS, HitProbe, TypeHit
 from hybridkv.reference.events import (
     EventBuilder,
     KVCacheEvent,
@@ -87,73 +82,14 @@ from hybridkv.reference.validation import (
     validate_manager_config,
 )
 from hybridkv.spec import (
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
-    MambaSpec,
     SlidingWindowSpec,
     rules,
 )
 from hybridkv.spec.errors import check_non_negative, check_positive, require
 
-FULL, SLIDING, CHUNKED, MAMBA = range(4)  # MAMBA: a Mamba group in "align" mode
-_HUGE = 1 << 50
-"""Stands for "never" in the row thresholds (and the window of a group that never releases)."""
 BlockIds = tuple[tuple[int, ...], ...]
-TypeHit = tuple[GroupHit, ...]
-"""One attention type's hit, per group of the type (``TypeProbe.blocks``)."""
-
-
-@dataclass(frozen=True)
-class GroupRule:
-    """The hooks of one group's attention type (``SingleTypeKVCacheManager``'s), as values."""
-
-    kind: int
-    block_size: int
-    span: int = 0  # sliding window or attention chunk size
-    spec_blocks: int = 0  # a Mamba group's speculative blocks, after its state
-
-    @staticmethod
-    def of(spec: KVCacheSpec) -> GroupRule:
-        """The hooks of ``spec``'s attention type, from ``GROUP_RULES``."""
-        return GROUP_RULES[spec.kind](spec)
-
-    def skipped_positions(self, num_computed_tokens: int) -> int:
-        if self.kind == SLIDING:
-            skipped = rules.sliding_window_skipped_tokens(num_computed_tokens, self.span)
-        elif self.kind == CHUNKED:
-            skipped = rules.chunked_local_skipped_tokens(num_computed_tokens, self.span)
-        elif self.kind == MAMBA:
-            skipped = rules.mamba_skipped_tokens(num_computed_tokens)
-        else:
-            return 0  # full attention skips nothing
-        return rules.skipped_block_positions(skipped, self.block_size)
-
-    def blocks_for_tokens(self, num_tokens: int) -> int:
-        blocks = rules.attention_blocks_for_tokens(num_tokens, self.block_size)
-        return blocks + self.spec_blocks
-
-    @property
-    def releases(self) -> bool:
-        return self.kind in (SLIDING, CHUNKED)
-
-
-def _mamba_rule(spec: MambaSpec) -> GroupRule:
-    if spec.mamba_cache_mode == "align":
-        return GroupRule(MAMBA, spec.block_size, 0, spec.num_speculative_blocks)
-    # One running state ("none" mode): the states before the one holding the last computed
-    # token are released, exactly as a window of two tokens releases.
-    return GroupRule(SLIDING, spec.block_size, 2, spec.num_speculative_blocks)
-
-
-GROUP_RULES: dict[str, Callable[[Any], GroupRule]] = {
-    "full": lambda spec: GroupRule(FULL, spec.block_size),
-    "sliding_window": lambda spec: GroupRule(SLIDING, spec.block_size, spec.sliding_window),
-    "chunked_local": lambda spec: GroupRule(CHUNKED, spec.block_size, spec.attention_chunk_size),
-    "mamba": _mamba_rule,
-}
-"""Each attention type's hooks, by ``spec.kind``: the one place this backend dispatches on it."""
 
 
 class TorchKVCacheManager:
@@ -231,15 +167,8 @@ class TorchKVCacheManager:
         )
         g, r, w = self.num_groups, max_num_reqs, max_blocks_per_req
         self.max_num_reqs, self.max_blocks_per_req = r, w
-        self._tab = IntBuffer(g * r * w)
-        self._tables = self._tab.t.view(g, r, w)
-        if self.device.type == "cpu":
-            self._device_tables = self._tables
-        else:
-            self._device_tables = torch.zeros((g, r, w), dtype=torch.int32, device=self.device)
-        self._dirty: list[tuple[int, int]] = []
-        self._dirty_index: list[torch.Tensor] = []
-        self._defer_flush = False  # inside ``allocate_slots_batch``: it flushes once at its end
+        self.tables = BlockTables(g, r, w, self.device)
+        self._tab = self.tables.host  # the flat host tables, read on every path
         self.rows = RowTables(r, g)
         self._row_of = self.rows.row_of
         self.retention_interval = config.prefix_cache_retention_interval
@@ -286,7 +215,6 @@ class TorchKVCacheManager:
         # the flat tables, the distinct rules of the groups that release blocks (and which
         # one each such group follows), and what a row refresh reads of them.
         self._group_bases = [group * r * w for group in range(g)]
-        self._group_ids = array("q", range(g))
         self._group_base_column = np.array(self._group_bases, dtype=np.int64)[:, None]
         self._release_rules = list(dict.fromkeys(rule for _, rule in self._releasing))
         self._release_plan = [
@@ -314,25 +242,24 @@ class TorchKVCacheManager:
             and not self._has_align
             and not any(rule.spec_blocks for rule in self.rules)
         )
-        # Per-group constants of the vectorised paths.
+        # Per-group constants of the vectorised paths. A running request's step leaves its
+        # releases and inserts to the pool's pending work (``hybridkv.optimized.pending``,
+        # ``defers``) where they are plain: one block size, no Mamba ``"align"`` group, no
+        # speculative blocks, caching on without events or sparse retention (each of these
+        # needs the pool current at the step itself).
         self.columns = GroupColumns.build(
             r,
-            [rule.span if rule.kind == SLIDING else _HUGE for rule in self.rules],
+            [rule.span if rule.kind == SLIDING else NEVER for rule in self.rules],
             [rule.span if rule.kind == CHUNKED else 0 for rule in self.rules],
             releases=any(rule.releases for rule in self.rules),
             sparse_groups=sparse_groups,
             vectorisable=not self._general and not any(rule.spec_blocks for rule in self.rules),
-        )
-        # A running request's step leaves its releases and inserts to the pool's pending work
-        # (``hybridkv.optimized.pending``) where they are plain: one block size, no Mamba
-        # ``"align"`` group, no speculative blocks, caching on without events or sparse
-        # retention (each of these needs the pool current at the step itself).
-        self._defers = (
-            self._uniform_columns
+            defers=self._uniform_columns
             and not self._general
             and enable_caching
             and not enable_kv_cache_events
-            and not sparse_groups
+            and not sparse_groups,
+            mamba_align=self._has_align,
         )
         self._stats = PrefixCacheStats()
         self.block_hasher = HashMemo(self.hash_block_size)
@@ -370,39 +297,15 @@ class TorchKVCacheManager:
         """Group ``group_id``'s int32 ``[max_num_reqs, max_blocks_per_req]`` table on ``device``,
         updated in place by every call (row ``row_of(request_id)``, positions below the table
         length are valid)."""
-        return self._device_tables[group_id]
+        return self.tables.on_device[group_id]
 
     def row_of(self, request_id: str) -> int | None:
         """The table row the request occupies, or ``None`` if it holds no blocks."""
         return self.rows.row_of(request_id)
 
-    def _base(self, group_id: int, row: int) -> int:
-        return (group_id * self.max_num_reqs + row) * self.max_blocks_per_req
-
     def _table(self, group_id: int, row: int) -> list[int]:
         """Group ``group_id``'s block table of the request in row ``row``."""
-        base = self._base(group_id, row)
-        return self._tab.a[base : base + self.rows.length[self.rows.index(row, group_id)]].tolist()
-
-    def _touched(self, group_id: int, row: int, lo: int, hi: int) -> None:
-        if self._device_tables is not self._tables and hi > lo:
-            base = self._base(group_id, row)
-            self._dirty.append((base + lo, base + hi))
-
-    def _flush(self) -> None:
-        """Write the host entries changed since the last flush to the device tables."""
-        if not self._dirty and not self._dirty_index:
-            return
-        parts = [torch.arange(lo, hi, dtype=torch.int64) for lo, hi in self._dirty]
-        index = torch.cat(parts + self._dirty_index)
-        self._dirty.clear()
-        self._dirty_index.clear()
-        # Indices and values travel together: one host→device copy, split on the device.
-        n = index.shape[0]
-        packed = torch.cat((index, self._tab.t[index].to(torch.int64)))
-        on_device = packed.to(self.device, non_blocking=True)
-        flat = self._device_tables.view(-1)
-        flat.index_copy_(0, on_device[:n], on_device[n:].to(torch.int32))
+        return self.tables.table(group_id, row, self.rows.length[self.rows.index(row, group_id)])
 
     def _release_row(self, request_id: str, row: int) -> None:
         """Give the request's row back, with its Mamba bookkeeping and its source."""
@@ -485,7 +388,7 @@ class TorchKVCacheManager:
         """One type's longest hit of at most ``max_length`` tokens (the ``longest_hit`` hook,
         from ``TYPE_HITS``); with ``drop`` (EAGLE) one block shorter; its length a multiple of
         ``alignment`` (the scheduler block)."""
-        probe = _HitProbe(
+        probe = HitProbe(
             memo,
             max_length,
             min(max_length // spec.block_size, memo.length),
@@ -611,8 +514,7 @@ class TorchKVCacheManager:
                 try:
                     return self._step(request, row, computed, need, cache_up_to, kept_free)
                 finally:
-                    if not self._defer_flush:
-                        self._flush()
+                    self.tables.flush()
             hits = self._no_hits
             group_hits = self._no_group_hits
         elif (
@@ -672,8 +574,7 @@ class TorchKVCacheManager:
                     watermark_blocks,
                 )
             finally:
-                if not self._defer_flush:
-                    self._flush()
+                self.tables.flush()
         if full_sequence_must_fit and not self._whole_sequence_fits(
             request, num_new_computed_tokens, group_hits, watermark_blocks
         ):
@@ -689,8 +590,7 @@ class TorchKVCacheManager:
                 reserved_blocks + watermark_blocks,
             )
         finally:
-            if not self._defer_flush:
-                self._flush()
+            self.tables.flush()
 
     def _allocate(
         self,
@@ -782,7 +682,7 @@ class TorchKVCacheManager:
                 self._refresh_quiet(row)
             return None
         if cache_up_to >= rows.cache_at[row]:
-            self._cache(request, row, cache_up_to, defer=self._defers)
+            self._cache(request, row, cache_up_to, defer=self.columns.defers)
             self._refresh_cache(row)
             changed = True
         if changed:
@@ -841,7 +741,7 @@ class TorchKVCacheManager:
             return self._no_hits
         popped = self.pool.pop_n(total)
         tab, row_base, bases = self._tab.a, row * self.max_blocks_per_req, self._group_bases
-        tracking = self._device_tables is not self._tables
+        tracking = self.tables.mirrored
         new_blocks: list[tuple[int, ...]] = []
         taken = 0
         for g, count in enumerate(counts):
@@ -861,7 +761,7 @@ class TorchKVCacheManager:
             taken += count
             length[at + g] = have + count
             if tracking:
-                self._touched(g, row, have, have + count)
+                self.tables.touched(g, row, have, have + count)
         return tuple(new_blocks)
 
     def _extend_uniform(self, row: int, have: int, count: int) -> BlockIds:
@@ -873,14 +773,14 @@ class TorchKVCacheManager:
         popped = self.pool.pop_n(count * g_count)
         tab, length, at = self._tab.a, self.rows.length, row * g_count
         offset = row * self.max_blocks_per_req + have
-        tracking = self._device_tables is not self._tables
+        tracking = self.tables.mirrored
         length[at : at + g_count] = array("q", (have + count,)) * g_count
         if count == 1:  # a decode step's new block in every group
             for base, block in zip(self._group_bases, popped, strict=True):
                 tab[base + offset] = block
             if tracking:
                 for g in range(g_count):
-                    self._touched(g, row, have, have + 1)
+                    self.tables.touched(g, row, have, have + 1)
             return tuple(zip(popped))
         new_blocks: list[tuple[int, ...]] = []
         for g, base in enumerate(self._group_bases):
@@ -888,7 +788,7 @@ class TorchKVCacheManager:
             tab[base + offset : base + offset + count] = _int_array(part)
             new_blocks.append(tuple(part))
             if tracking:
-                self._touched(g, row, have, have + count)
+                self.tables.touched(g, row, have, have + count)
         return tuple(new_blocks)
 
     def _refresh(self, row: int) -> None:
@@ -914,7 +814,7 @@ class TorchKVCacheManager:
         if self._uniform_columns:
             capacity = min(length[at : at + self.num_groups]) * self.block_size
         else:
-            capacity = _HUGE
+            capacity = NEVER
             for g, rule in enumerate(self.rules):
                 capacity = min(capacity, (length[at + g] - rule.spec_blocks) * rule.block_size)
         self.rows.capacity[row] = capacity
@@ -931,7 +831,7 @@ class TorchKVCacheManager:
             first, end, b, span = window
             self.rows.release_at[row] = (min(nulls[at + first : at + end]) + 1) * b + span - 1
             return
-        release = _HUGE
+        release = NEVER
         for g, b, span, chunked in self._release_columns:
             if chunked:
                 start = -(-(nulls[at + g] + 1) * b // span) * span  # the next chunk's start
@@ -950,7 +850,7 @@ class TorchKVCacheManager:
         if self._uniform_columns:
             cache = (min(cached[at : at + self.num_groups]) + 1) * self.block_size
         else:
-            cache = _HUGE
+            cache = NEVER
             for g, rule in enumerate(self.rules):
                 cache = min(cache, (cached[at + g] + 1) * rule.block_size)
         self.rows.cache_at[row] = cache
@@ -1009,7 +909,7 @@ class TorchKVCacheManager:
             i = rows.index(row, g)
             rows.length[i] = rows.cached[i] = rows.kept[i] = size
             rows.nulls[i] = nulls
-            self._touched(g, row, 0, size)
+            self.tables.touched(g, row, 0, size)
 
     def _release_skipped(self, row: int, computed: int) -> None:
         """Release the blocks that left each window or chunk (``remove_skipped_blocks``), every
@@ -1028,7 +928,7 @@ class TorchKVCacheManager:
         length, nulls = rows.length, rows.nulls
         at, row_base = row * self.num_groups, row * self.max_blocks_per_req
         bases = self._group_bases
-        tracking = self._device_tables is not self._tables
+        tracking = self.tables.mirrored
         for g, which in self._release_plan:
             i = at + g
             target, held = targets[which], nulls[i]
@@ -1041,7 +941,7 @@ class TorchKVCacheManager:
                 if sizes is not None:
                     sizes.append(1)
                 if tracking:
-                    self._touched(g, row, held, target)
+                    self.tables.touched(g, row, held, target)
             elif target > held:
                 walk = self._skip_positions(row, g, target)
                 if walk:
@@ -1052,7 +952,7 @@ class TorchKVCacheManager:
         if not released:
             return
         pool = self.pool
-        if self._defers:
+        if self.columns.defers:
             if min(map(pool.src.a.__getitem__, released)) >= 0:
                 pool.pending.release(released)  # cached blocks: to the tail, made later
                 return
@@ -1083,7 +983,7 @@ class TorchKVCacheManager:
         nulls = rows.nulls[i]
         if skipped <= nulls:
             return []
-        at = self._base(g, row) + nulls
+        at = self.tables.base(g, row) + nulls
         if skipped - nulls == 1:  # a decode step's one block leaving the window
             released = [tab[at]]
             tab[at] = 0
@@ -1092,7 +992,7 @@ class TorchKVCacheManager:
             released.reverse()
             tab[at : at + skipped - nulls] = _int_array([0] * (skipped - nulls))
         rows.nulls[i] = skipped
-        self._touched(g, row, nulls, skipped)
+        self.tables.touched(g, row, nulls, skipped)
         return released
 
     def _source_of(self, request: RequestLike, row: int, num_hashes: int, num_tokens: int) -> int:
@@ -1163,7 +1063,7 @@ class TorchKVCacheManager:
             ):
                 # A decode step: one newly full block in every group.
                 src = self._source_of(request, row, num_full, num_full * b)
-                pool.defer_row(row_blocks, self._group_ids, last, hashes[last], src)
+                pool.defer_row(row_blocks, self.columns.group_ids, last, hashes[last], src)
                 cached[at : at + g_count] = array("q", (num_full,)) * g_count
                 return
         start = cached[at]
@@ -1314,7 +1214,7 @@ class TorchKVCacheManager:
         scale = b // self.hash_block_size
         hashes = request.block_hashes
         view = hashes[scale - 1 :: scale] if scale > 1 else hashes
-        tab, base = self._tab.a, self._base(g, row)
+        tab, base = self._tab.a, self.tables.base(g, row)
         positions = []
         kept = 0
         for pos in range(start, num_full):
@@ -1359,7 +1259,7 @@ class TorchKVCacheManager:
         index = boundary // b
         if index >= self.rows.length[self.rows.index(row, g)]:
             return
-        block = self._tab.a[self._base(g, row) + index]
+        block = self._tab.a[self.tables.base(g, row) + index]
         if block == 0:
             return
         hidx = boundary // hbs - 1
@@ -1511,7 +1411,7 @@ class TorchKVCacheManager:
     def _cached_prefix_tokens(self, request_id: str, row: int, g: int) -> int:
         """The largest ``block_hash_num_tokens`` of group ``g``'s table (0 when no block is
         cached), read at ``_prefix_positions``."""
-        pool, tab, base = self.pool, self._tab.a, self._base(g, row)
+        pool, tab, base = self.pool, self._tab.a, self.tables.base(g, row)
         length = self.rows.length[self.rows.index(row, g)]
         longest = -1
         for pos in self._prefix_positions(request_id, row, g):
@@ -1530,7 +1430,7 @@ class TorchKVCacheManager:
         pool, g_count = self.pool, self.num_groups
         cached: int | None = None
         for g in range(g_count):
-            base = self._base(g, row)
+            base = self.tables.base(g, row)
             length = self.rows.length[self.rows.index(row, g)]
             table = self._tab.t[base : base + length].to(torch.int64)
             held = table[pool.src.t[table] >= 0]
@@ -1601,7 +1501,7 @@ class TorchKVCacheManager:
     @property
     def host_nbytes(self) -> int:
         """Bytes of host memory in the manager's buffers (pool, tables and row counters)."""
-        return self.pool.nbytes + self._tab.nbytes + self.rows.nbytes
+        return self.pool.nbytes + self.tables.nbytes + self.rows.nbytes
 
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` if the pool, the rows and the tables disagree, or a request's
@@ -1641,8 +1541,8 @@ class TorchKVCacheManager:
                     holders[block] += 1
                     group = owner.setdefault(block, g)
                     require(group == g, f"block {block} is in groups {group} and {g}")
-                if self._device_tables is not self._tables:
-                    on_device = self._device_tables[g, row, : len(table)].cpu().tolist()
+                if self.tables.mirrored:
+                    on_device = self.tables.on_device[g, row, : len(table)].cpu().tolist()
                     require(on_device == table, f"device table of {request_id!r} is stale")
             if self._uniform_columns:
                 at = row * self.num_groups
@@ -1681,114 +1581,6 @@ class TorchKVCacheManager:
                 f"request {request_id!r}: estimate_cached_tokens {estimate} but its tables hold "
                 f"a prefix of {scan} cached tokens",
             )
-
-
-class _HitProbe(NamedTuple):
-    """One type's lookup: its memo, the token limit, the blocks within it, the alignment of
-    the hit (the scheduler block), the EAGLE drop, and the length from which to vectorise."""
-
-    memo: TypeProbe
-    max_length: int
-    length: int
-    align: int
-    drop: bool
-    vector_min: int
-
-
-def _full_attention_hit(spec: FullAttentionSpec, p: _HitProbe) -> TypeHit:
-    """The leading run of cached blocks, less the EAGLE drop, cut to the alignment."""
-    b = spec.block_size
-    if p.length >= p.vector_min:
-        num = p.memo.leading_hits(p.length)
-    else:
-        flags = WindowedFlags(p.memo, p.length, leftwards=False, span=p.length)
-        num = rules.full_attention_hit_blocks(flags, p.length)
-    hit_length = num * b
-    if p.drop and hit_length > 0:
-        hit_length -= min(p.align, b)
-    hit_length -= hit_length % p.align
-    return p.memo.blocks(0, rules.cdiv(hit_length, b))
-
-
-def _sliding_window_hit(spec: SlidingWindowSpec, p: _HitProbe) -> TypeHit:
-    """The rightmost run of cached blocks that covers the window (Prefix caching, Case 2)."""
-    b = spec.block_size
-    needed = rules.sliding_window_contiguous_blocks(spec.sliding_window, b, p.drop)
-    if p.align == b:
-        num, first = p.memo.window_hit(p.length, needed)
-        if p.drop and num > 0:
-            num -= 1
-        return p.memo.blocks(first, num)
-    flags = WindowedFlags(p.memo, p.length, leftwards=True, span=needed)
-    num, first = _aligned_window_hit(flags, p.length, needed, b, p.align, p.drop)
-    return p.memo.blocks(first, num)
-
-
-def _chunked_local_hit(spec: ChunkedLocalAttentionSpec, p: _HitProbe) -> TypeHit:
-    """The current chunk's cached blocks; the chunks before it are not needed."""
-    b = spec.block_size
-    chunk = spec.attention_chunk_size
-    flags = WindowedFlags(p.memo, p.length, leftwards=False, span=chunk // b + 1)
-    if p.length == p.max_length // b:
-        num, first = rules.chunked_local_hit_blocks(flags, p.max_length, b, chunk)
-        return p.memo.blocks(first, num)
-    # Fewer block hashes than blocks: the chunk still starts where ``max_length`` puts it, and
-    # the scan stops at the last hashed block (the reference's ``max_num_blocks``).
-    first = rules.chunked_local_skipped_tokens(p.max_length, chunk) // b
-    num = first
-    while num < p.length and flags[num]:
-        num += 1
-    return p.memo.blocks(first, num)
-
-
-def _mamba_hit(spec: MambaSpec, p: _HitProbe) -> TypeHit:
-    """The largest aligned block boundary whose state is cached (Case 3)."""
-    b = spec.block_size
-    flags = WindowedFlags(p.memo, p.length, leftwards=True, span=1)
-    for index in range(p.length - 1, -1, -1):
-        if not flags[index]:
-            continue
-        if b != p.align and (index + 1) * b % p.align:
-            continue
-        return p.memo.blocks(index, index + 1)
-    return p.memo.blocks(0, 0)
-
-
-TYPE_HITS: dict[str, Callable[[Any, _HitProbe], TypeHit]] = {
-    "full": _full_attention_hit,
-    "sliding_window": _sliding_window_hit,
-    "chunked_local": _chunked_local_hit,
-    "mamba": _mamba_hit,
-}
-"""Each attention type's longest hit, by ``spec.kind`` (``find_longest_cache_hit``)."""
-
-
-def _aligned_window_hit(
-    flags: Sequence[bool], length: int, needed: int, b: int, align: int, drop: bool
-) -> tuple[int, int]:
-    """``SlidingWindowManager.find_longest_cache_hit`` when the scheduler block is larger than
-    the group's: ``(hit blocks, first real block)``, step for step."""
-    step = align // b
-    run = 0
-    for index in range(length - 1, -1, -1):
-        if not flags[index]:
-            run = 0
-            continue
-        if run == 0:
-            kept = index if drop else index + 1
-            if kept % step:
-                continue
-        run += 1
-        if run >= needed:
-            num, first = index + run, index
-            break
-    else:
-        num, first = run, 0
-        num -= num % step
-    if drop and num > 0:
-        num -= 1
-        num -= num % step
-    return num, min(first, num)
 
 
 def _int_array(values: Sequence[int]) -> array[int]:

@@ -8,8 +8,8 @@
 2. residency: every group's ``block_table(g)`` is on the device;
 3. copies per step: decode steps (``allocate_slots_batch``) on the bench's Gemma-3-like layout,
    large and small batches, with requests crossing block boundaries and sliding windows
-   releasing blocks; per step, the flushes that wrote changed entries (the manager's ``_flush``
-   wrapped), and on CUDA the host→device memcpys that ``torch.profiler`` saw
+   releasing blocks; per step, the flushes that wrote changed entries (``BlockTables.copies``)
+   and on CUDA the host→device memcpys that ``torch.profiler`` saw
    (``ProfilerActivity.CPU`` + ``CUDA``); each must be at most one, and the device tables must
    equal the host's after every step.
 
@@ -60,8 +60,8 @@ def make_manager(
         config, max_model_len, caching, device=device, max_num_reqs=max_num_reqs, **engine
     )
     if device == "cpu":
-        # Dry run: a separate "device" copy of the tables, kept up to date by ``_flush``.
-        m._device_tables = m._tables.clone()
+        # Dry run: a separate "device" copy of the tables, kept up to date by the flushes.
+        m.tables.on_device = m.tables.on_host.clone()
     return m
 
 
@@ -149,22 +149,13 @@ def copies_per_step(device: str, batch: int, steps: int, stagger: int, profiled:
         assert m.allocate_slots(r, r.num_tokens) is not None
         r.num_computed_tokens = r.num_tokens
         requests.append(r)
-    flushes: list[int] = []
-    real_flush = m._flush
-
-    def counting_flush() -> None:
-        if m._dirty or m._dirty_index:
-            flushes.append(1)
-        real_flush()
-
-    m._flush = counting_flush  # type: ignore[method-assign]
     per_step_flushes, per_step_h2d = [], []
     names: Counter[str] = Counter()
     tables_ok = True
     for _ in range(steps):
         for r, t in zip(requests, tokens(rng, batch), strict=True):
             r.append_output_token_ids(t)
-        flushes.clear()
+        before = m.tables.copies
 
         def step() -> None:
             results = m.allocate_slots_batch(requests, 1)
@@ -176,10 +167,10 @@ def copies_per_step(device: str, batch: int, steps: int, stagger: int, profiled:
             names.update(seen)
         else:
             step()
-        per_step_flushes.append(len(flushes))
+        per_step_flushes.append(m.tables.copies - before)
         for r in requests:
             r.num_computed_tokens += 1
-        tables_ok &= torch.equal(m._device_tables.cpu(), m._tables)
+        tables_ok &= torch.equal(m.tables.on_device.cpu(), m.tables.on_host)
     m.check_invariants()
     print(f"  B={batch}, {steps} steps, up to {-(-batch // stagger)} requests enter a new block:")
     check(

@@ -112,7 +112,7 @@ def _decode_steps(
         run()
         for r in requests:
             r.num_computed_tokens += 1
-        assert torch.equal(m._device_tables.cpu(), m._tables)
+        assert torch.equal(m.tables.on_device.cpu(), m.tables.on_host)
     m.check_invariants()
 
 
@@ -124,21 +124,13 @@ BATCHES = [(64, 4), (8, 2)]
 @pytest.mark.parametrize(("batch", "stagger"), BATCHES)
 def test_a_step_flushes_its_table_changes_once(batch: int, stagger: int) -> None:
     m, requests = _decoding("cpu", batch, stagger)
-    m._device_tables = m._tables.clone()  # a separate "device" copy, kept by the flushes
-    flushes: list[int] = []
-    flush = m._flush
-
-    def counting_flush() -> None:
-        flushes.append(bool(m._dirty or m._dirty_index))
-        flush()
-
-    m._flush = counting_flush  # type: ignore[method-assign]
+    m.tables.on_device = m.tables.on_host.clone()  # a separate "device" copy, kept by flushes
     writes: list[int] = []
 
     def step() -> None:
-        flushes.clear()
+        before = m.tables.copies
         assert all(x is not None for x in m.allocate_slots_batch(requests, 1))
-        writes.append(sum(flushes))
+        writes.append(m.tables.copies - before)
 
     _decode_steps(m, requests, 12, step)
     assert max(writes) == 1  # some step changed the tables, and none wrote twice

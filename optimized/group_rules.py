@@ -1,0 +1,72 @@
+"""``GroupRule``: each KV cache group's attention-type hooks, as plain values.
+
+The reference gives every attention type its own ``SingleTypeKVCacheManager`` subclass, whose
+hooks say how many blocks a number of tokens needs and which leading blocks a request no longer
+reads (a sliding window's, a chunk's, a Mamba group's older states). The optimized backend reads
+the same rules (``hybridkv.spec.rules``) through one frozen value per group, so that its flat
+per-row state can be updated without a call through a manager object per group: ``kind`` says
+which rule applies, ``span`` is the window or chunk size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hybridkv.spec import KVCacheSpec, MambaSpec, rules
+
+FULL, SLIDING, CHUNKED, MAMBA = range(4)  # MAMBA: a Mamba group in "align" mode
+NEVER = 1 << 50
+"""Stands for "never" in the row thresholds (and the window of a group that never releases)."""
+
+
+@dataclass(frozen=True)
+class GroupRule:
+    """The hooks of one group's attention type (``SingleTypeKVCacheManager``'s), as values."""
+
+    kind: int
+    block_size: int
+    span: int = 0  # sliding window or attention chunk size
+    spec_blocks: int = 0  # a Mamba group's speculative blocks, after its state
+
+    @staticmethod
+    def of(spec: KVCacheSpec) -> GroupRule:
+        """The hooks of ``spec``'s attention type, from ``GROUP_RULES``."""
+        return GROUP_RULES[spec.kind](spec)
+
+    def skipped_positions(self, num_computed_tokens: int) -> int:
+        if self.kind == SLIDING:
+            skipped = rules.sliding_window_skipped_tokens(num_computed_tokens, self.span)
+        elif self.kind == CHUNKED:
+            skipped = rules.chunked_local_skipped_tokens(num_computed_tokens, self.span)
+        elif self.kind == MAMBA:
+            skipped = rules.mamba_skipped_tokens(num_computed_tokens)
+        else:
+            return 0  # full attention skips nothing
+        return rules.skipped_block_positions(skipped, self.block_size)
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        blocks = rules.attention_blocks_for_tokens(num_tokens, self.block_size)
+        return blocks + self.spec_blocks
+
+    @property
+    def releases(self) -> bool:
+        return self.kind in (SLIDING, CHUNKED)
+
+
+def _mamba_rule(spec: MambaSpec) -> GroupRule:
+    if spec.mamba_cache_mode == "align":
+        return GroupRule(MAMBA, spec.block_size, 0, spec.num_speculative_blocks)
+    # One running state ("none" mode): the states before the one holding the last computed
+    # token are released, exactly as a window of two tokens releases.
+    return GroupRule(SLIDING, spec.block_size, 2, spec.num_speculative_blocks)
+
+
+GROUP_RULES: dict[str, Callable[[Any], GroupRule]] = {
+    "full": lambda spec: GroupRule(FULL, spec.block_size),
+    "sliding_window": lambda spec: GroupRule(SLIDING, spec.block_size, spec.sliding_window),
+    "chunked_local": lambda spec: GroupRule(CHUNKED, spec.block_size, spec.attention_chunk_size),
+    "mamba": _mamba_rule,
+}
+"""Each attention type's hooks, by ``spec.kind``: the one place this backend dispatches on it."""
