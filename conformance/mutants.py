@@ -355,7 +355,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "opt_batch_release_not_busy",
         "a step skips a request whose only work is a window or chunk release (its quiet "
         "threshold leaves the release out)",
-        "manager",
+        "row_thresholds",
         (
             "        quiet = min(rows.capacity[row], rows.release_at[row]) + 1\n",
             "        quiet = rows.capacity[row] + 1\n",
@@ -369,13 +369,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "opt_batch_cache_not_busy",
         "a step skips a request whose only work is caching a newly full block (its quiet "
         "threshold leaves the caching out)",
-        "manager",
+        "row_thresholds",
         (
             "            quiet = min(quiet, rows.cache_at[row])\n",
             "            pass\n",
         ),
         (
-            "np.minimum(quiet, nxt[2, rows]) if self.enable_caching else quiet",
+            "np.minimum(quiet, nxt[2, rows]) if self._caching else quiet",
             "quiet",
         ),
     ),

@@ -339,7 +339,7 @@ def _step_busy(
         active = np.flatnonzero(new.sum(1)).tolist()
     if to_cache is not None and bool(to_cache.any()):
         _cache_busy(m, requests, rows, pair_index, table_base, cached, to_cache)
-    m._refresh_rows(rows)
+    m.thresholds.refresh_rows(rows)
     out: list[KVCacheBlocks | None] = [KVCacheBlocks(((),) * m.num_groups)] * len(requests)
     if active:
         g_count = m.num_groups

@@ -103,7 +103,7 @@ def allocate(
     )
     if needed + watermark_blocks > m.pool.num_free_blocks - reserved_blocks:
         if row is not None:
-            m._refresh(row)  # windows may have released blocks
+            m.thresholds.refresh(row)  # windows may have released blocks
         return None
     if row is None:
         row = m.rows.take(request_id)
@@ -121,7 +121,7 @@ def allocate(
     )
     if not delay_cache_blocks:
         cache(m, request, row, min(total_computed + num_new_tokens, request.num_tokens))
-    m._refresh(row)
+    m.thresholds.refresh(row)
     return KVCacheBlocks(new_blocks)
 
 

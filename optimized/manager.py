@@ -14,9 +14,11 @@ one flat host buffer, mirrored on a CUDA ``device`` by one indexed copy of the c
 the end of every call. Which request holds which row, and per row and group the table's length,
 leading nulls and cached positions, with the row's thresholds (when it next needs work;
 ``quiet_below`` says in one comparison that a step needs none, which decides most decode calls at
-once), live in ``RowTables`` (``hybridkv.optimized.rows``), ``self.rows``. A request gets a row on
-its first successful allocation and gives it back when freed; ``row_of`` says which. Per-block state
-lives in ``TorchBlockPool``; lookups in ``hybridkv.optimized.lookup``.
+once), live in ``RowTables`` (``hybridkv.optimized.rows``), ``self.rows``, and ``RowThresholds``
+(``hybridkv.optimized.row_thresholds``), ``self.thresholds``, recomputes the thresholds after a
+step. A request gets a row on its first successful allocation and gives it back when freed;
+``row_of`` says which. Per-block state lives in ``TorchBlockPool``; lookups in
+``hybridkv.optimized.lookup``.
 
 A running request's step changes its own row and tables at once; what it changes in the pool
 (releasing the blocks that left its windows, caching its newly full blocks) waits in the
@@ -55,6 +57,7 @@ from hybridkv.optimized.lookup import (
     TypeProbe,
     lead_run,
 )
+from hybridkv.optimized.row_thresholds import RowThresholds
 from hybridkv.optimized.rows import RowTables
 from hybridkv.optimized.thresholds import (
     BATCH_MIN,
@@ -260,6 +263,18 @@ class TorchKVCacheManager:
             and not enable_kv_cache_events
             and not sparse_groups,
             mamba_align=self._has_align,
+        )
+        # When each row next needs work (``hybridkv.optimized.row_thresholds``).
+        self.thresholds = RowThresholds(
+            self.rows,
+            self.rules,
+            self.columns,
+            block_size=self.block_size,
+            caching=enable_caching,
+            uniform=self._uniform_columns,
+            general=self._general,
+            one_window=self._one_window,
+            release_columns=self._release_columns,
         )
         self._stats = PrefixCacheStats()
         self.block_hasher = HashMemo(self.hash_block_size)
@@ -628,7 +643,7 @@ class TorchKVCacheManager:
         admitted = self._extend(row, required)
         if cache_up_to >= 0:
             self._cache(request, row, cache_up_to)
-        self._refresh(row)
+        self.thresholds.refresh(row)
         return KVCacheBlocks(admitted)
 
     def _step(
@@ -651,7 +666,7 @@ class TorchKVCacheManager:
         changed = False
         if processed >= rows.release_at[row]:
             self._release_skipped(row, processed)
-            self._refresh_release(row)
+            self.thresholds.refresh_release(row)
             changed = True
         new_blocks: tuple[tuple[int, ...], ...] | None = None
         if need > rows.capacity[row]:
@@ -663,7 +678,7 @@ class TorchKVCacheManager:
                 count = -(-need // self.block_size) - have
                 if not self._fits(count * g_count + kept_free):
                     if changed:
-                        self._refresh_quiet(row)
+                        self.thresholds.refresh_quiet(row)
                     return None
                 new_blocks = self._extend_uniform(row, have, count)
             else:
@@ -672,21 +687,21 @@ class TorchKVCacheManager:
                 total = sum(max(c - length[at + g], 0) for g, c in enumerate(required))
                 if not self._fits(total + kept_free):
                     if changed:
-                        self._refresh_quiet(row)
+                        self.thresholds.refresh_quiet(row)
                     return None
                 new_blocks = self._extend(row, required)
-            self._refresh_capacity(row)
+            self.thresholds.refresh_capacity(row)
             changed = True
         elif kept_free and not self._fits(kept_free):
             if changed:
-                self._refresh_quiet(row)
+                self.thresholds.refresh_quiet(row)
             return None
         if cache_up_to >= rows.cache_at[row]:
             self._cache(request, row, cache_up_to, defer=self.columns.defers)
-            self._refresh_cache(row)
+            self.thresholds.refresh_cache(row)
             changed = True
         if changed:
-            self._refresh_quiet(row)
+            self.thresholds.refresh_quiet(row)
         if len(pool.pending) >= PENDING_MAX:
             self._settle()  # long without another call: bounded memory
         return self._no_blocks if new_blocks is None else KVCacheBlocks(new_blocks)
@@ -790,87 +805,6 @@ class TorchKVCacheManager:
             if tracking:
                 self.tables.touched(g, row, have, have + count)
         return tuple(new_blocks)
-
-    def _refresh(self, row: int) -> None:
-        """Recompute the row's thresholds from its counters (``RowTables``)."""
-        self._refresh_capacity(row)
-        self._refresh_release(row)
-        self._refresh_cache(row)
-        self._refresh_quiet(row)
-
-    def _refresh_quiet(self, row: int) -> None:
-        """The row's ``quiet_below``, from its three thresholds (after any of them changed;
-        the other refreshes leave it to this)."""
-        rows = self.rows
-        quiet = min(rows.capacity[row], rows.release_at[row]) + 1
-        if self.enable_caching:
-            quiet = min(quiet, rows.cache_at[row])
-        rows.quiet_below[row] = quiet
-
-    def _refresh_capacity(self, row: int) -> None:
-        """The row's ``capacity``: the tokens its shortest table holds (after a take)."""
-        at = row * self.num_groups
-        length = self.rows.length
-        if self._uniform_columns:
-            capacity = min(length[at : at + self.num_groups]) * self.block_size
-        else:
-            capacity = NEVER
-            for g, rule in enumerate(self.rules):
-                capacity = min(capacity, (length[at + g] - rule.spec_blocks) * rule.block_size)
-        self.rows.capacity[row] = capacity
-
-    def _refresh_release(self, row: int) -> None:
-        """The row's ``release_at``: where its first window or chunk next lets a block go
-        (after a release)."""
-        at = row * self.num_groups
-        nulls = self.rows.nulls
-        window = self._one_window
-        if window is not None:
-            # One sliding window for every releasing group, next to each other: their least
-            # leading nulls decide.
-            first, end, b, span = window
-            self.rows.release_at[row] = (min(nulls[at + first : at + end]) + 1) * b + span - 1
-            return
-        release = NEVER
-        for g, b, span, chunked in self._release_columns:
-            if chunked:
-                start = -(-(nulls[at + g] + 1) * b // span) * span  # the next chunk's start
-                release = min(release, start)
-            else:
-                release = min(release, (nulls[at + g] + 1) * b + span - 1)
-        self.rows.release_at[row] = release
-
-    def _refresh_cache(self, row: int) -> None:
-        """The row's ``cache_at``: the tokens at which its next block is full (after caching)."""
-        if self._general:
-            self.rows.cache_at[row] = 0  # scheduler-block rounding, prompt tails, Mamba: look
-            return
-        at = row * self.num_groups
-        cached = self.rows.cached
-        if self._uniform_columns:
-            cache = (min(cached[at : at + self.num_groups]) + 1) * self.block_size
-        else:
-            cache = NEVER
-            for g, rule in enumerate(self.rules):
-                cache = min(cache, (cached[at + g] + 1) * rule.block_size)
-        self.rows.cache_at[row] = cache
-
-    def _refresh_rows(self, rows: npt.NDArray[np.int64]) -> None:
-        """``_refresh`` for many rows of a vectorisable layout (int64), in numpy calls."""
-        b = self.block_size
-        length, nulls, cached = self.rows.gather(self.rows.pair_index(rows))
-        nxt = self.rows.thresholds
-        nxt[0, rows] = length.min(1) * b
-        columns = self.columns
-        if columns.releases:
-            release = (nulls + 1) * b + columns.window_less_one
-            if columns.chunk is not None:
-                starts = -((nulls + 1) * b // -columns.chunk_or_one) * columns.chunk_or_one
-                release = np.where(columns.chunk > 0, starts, release)
-            nxt[1, rows] = release.min(1)
-        nxt[2, rows] = (cached.min(1) + 1) * b
-        quiet = np.minimum(nxt[0, rows], nxt[1, rows]) + 1
-        nxt[3, rows] = np.minimum(quiet, nxt[2, rows]) if self.enable_caching else quiet
 
     @staticmethod
     def _adopted_blocks(hits: Sequence[GroupHit], skipped: Sequence[int]) -> npt.NDArray[Any]:
@@ -1371,7 +1305,7 @@ class TorchKVCacheManager:
                 raise KeyError(request.request_id)
             return
         self._cache(request, row, num_computed_tokens)
-        self._refresh(row)
+        self.thresholds.refresh(row)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's whole block table per group (empty lists for an unknown request)."""
@@ -1552,7 +1486,7 @@ class TorchKVCacheManager:
             if src >= 0:
                 row_sources[src] = row_sources.get(src, 0) + 1
             stored = rows.thresholds[:, row].tolist()
-            self._refresh(row)
+            self.thresholds.refresh(row)
             require(
                 stored == rows.thresholds[:, row].tolist(),
                 f"thresholds of {request_id!r} are stale",

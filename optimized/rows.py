@@ -23,8 +23,8 @@ Data layout (G groups, R = ``max_num_reqs`` rows)
                      last position adopted as a hit or entered into the cache under a retention
                      mask (which may leave the positions after it, up to ``cached``, uncached);
                      ``estimate_cached_tokens`` reads the block before it
-    next[4, R]       int64, per row, when it next needs work (derived from ``state`` by the
-                     manager's ``_refresh``):
+    next[4, R]       int64, per row, when it next needs work (derived from ``state`` by
+                     ``RowThresholds``, ``hybridkv.optimized.row_thresholds``):
         capacity     the tokens its tables hold (a step needing more takes blocks)
         release_at   the processed tokens (computed less ``num_in_flight_tokens``, async
                      scheduling) at which a window or chunk next releases a block

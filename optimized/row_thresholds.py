@@ -1,0 +1,158 @@
+"""``RowThresholds``: when each row next needs work, derived from its counters by the group rules.
+
+A running request's step can do three things: take blocks (its tokens outgrow its tables),
+release blocks (a window or chunk moves past a block) and cache blocks (a block becomes full).
+Each row keeps, in ``RowTables``, the token counts at which the next of each happens
+(``capacity``, ``release_at``, ``cache_at``) and the least of them as ``quiet_below``: a step
+below it does nothing, which decides most decode calls with one comparison. This class
+recomputes them from the row's counters (table lengths, leading nulls, cached positions) after
+the step changed them, one threshold at a time (the single-request paths, which know what they
+changed) or for many rows at once in numpy (the batched step).
+
+The rules are those of the groups' attention types (``GroupRule``): a table of ``n`` positions
+holds ``n × block_size`` tokens (less a Mamba group's speculative blocks); a sliding window of
+``w`` tokens lets its next block go once ``(nulls + 1) × block_size + w − 1`` tokens are
+processed (``sliding_window_skipped_tokens``), a chunk of ``c`` tokens at the start of the
+chunk after that block; the next block is full at ``(cached + 1) × block_size`` tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from hybridkv.optimized.group_columns import GroupColumns
+from hybridkv.optimized.group_rules import NEVER, GroupRule
+from hybridkv.optimized.rows import RowTables
+
+OneWindow = tuple[int, int, int, int]
+"""The releasing groups as one slice of a row's counters, when they are neighbours under one
+sliding-window rule: (first group, end group, block size, window)."""
+ReleaseColumn = tuple[int, int, int, bool]
+"""A releasing group: (group, block size, window or chunk size, chunked?)."""
+
+
+class RowThresholds:
+    """Recomputes the rows' thresholds in ``RowTables`` (see the module docstring)."""
+
+    __slots__ = (
+        "_block_size",
+        "_caching",
+        "_columns",
+        "_general",
+        "_num_groups",
+        "_one_window",
+        "_release_columns",
+        "_rows",
+        "_rules",
+        "_uniform",
+    )
+
+    def __init__(
+        self,
+        rows: RowTables,
+        rules: Sequence[GroupRule],
+        columns: GroupColumns,
+        *,
+        block_size: int,
+        caching: bool,
+        uniform: bool,
+        general: bool,
+        one_window: OneWindow | None,
+        release_columns: Sequence[ReleaseColumn],
+    ) -> None:
+        self._rows = rows
+        self._rules = list(rules)
+        self._columns = columns
+        self._num_groups = len(self._rules)
+        self._block_size = block_size
+        self._caching = caching
+        self._uniform = uniform  # every table of a row as long, one block size
+        self._general = general  # caching looks at every call (block sizes differ, Mamba align)
+        self._one_window = one_window
+        self._release_columns = list(release_columns)
+
+    def refresh(self, row: int) -> None:
+        """Recompute all of the row's thresholds from its counters."""
+        self.refresh_capacity(row)
+        self.refresh_release(row)
+        self.refresh_cache(row)
+        self.refresh_quiet(row)
+
+    def refresh_quiet(self, row: int) -> None:
+        """The row's ``quiet_below``, from its three thresholds (after any of them changed;
+        the other refreshes leave it to this)."""
+        rows = self._rows
+        quiet = min(rows.capacity[row], rows.release_at[row]) + 1
+        if self._caching:
+            quiet = min(quiet, rows.cache_at[row])
+        rows.quiet_below[row] = quiet
+
+    def refresh_capacity(self, row: int) -> None:
+        """The row's ``capacity``: the tokens its shortest table holds (after a take)."""
+        g_count = self._num_groups
+        at = row * g_count
+        length = self._rows.length
+        if self._uniform:
+            capacity = min(length[at : at + g_count]) * self._block_size
+        else:
+            capacity = NEVER
+            for g, rule in enumerate(self._rules):
+                capacity = min(capacity, (length[at + g] - rule.spec_blocks) * rule.block_size)
+        self._rows.capacity[row] = capacity
+
+    def refresh_release(self, row: int) -> None:
+        """The row's ``release_at``: where its first window or chunk next lets a block go
+        (after a release)."""
+        at = row * self._num_groups
+        nulls = self._rows.nulls
+        window = self._one_window
+        if window is not None:
+            # One sliding window for every releasing group, next to each other: their least
+            # leading nulls decide.
+            first, end, b, span = window
+            self._rows.release_at[row] = (min(nulls[at + first : at + end]) + 1) * b + span - 1
+            return
+        release = NEVER
+        for g, b, span, chunked in self._release_columns:
+            if chunked:
+                start = -(-(nulls[at + g] + 1) * b // span) * span  # the next chunk's start
+                release = min(release, start)
+            else:
+                release = min(release, (nulls[at + g] + 1) * b + span - 1)
+        self._rows.release_at[row] = release
+
+    def refresh_cache(self, row: int) -> None:
+        """The row's ``cache_at``: the tokens at which its next block is full (after caching)."""
+        if self._general:
+            self._rows.cache_at[row] = 0  # scheduler-block rounding, prompt tails, Mamba: look
+            return
+        g_count = self._num_groups
+        at = row * g_count
+        cached = self._rows.cached
+        if self._uniform:
+            cache = (min(cached[at : at + g_count]) + 1) * self._block_size
+        else:
+            cache = NEVER
+            for g, rule in enumerate(self._rules):
+                cache = min(cache, (cached[at + g] + 1) * rule.block_size)
+        self._rows.cache_at[row] = cache
+
+    def refresh_rows(self, rows: npt.NDArray[np.int64]) -> None:
+        """``refresh`` for many rows of a vectorisable layout (int64), in numpy calls."""
+        b = self._block_size
+        length, nulls, cached = self._rows.gather(self._rows.pair_index(rows))
+        nxt = self._rows.thresholds
+        nxt[0, rows] = length.min(1) * b
+        columns = self._columns
+        if columns.releases:
+            release = (nulls + 1) * b + columns.window_less_one
+            if columns.chunk is not None:
+                starts = -((nulls + 1) * b // -columns.chunk_or_one) * columns.chunk_or_one
+                release = np.where(columns.chunk > 0, starts, release)
+            nxt[1, rows] = release.min(1)
+        nxt[2, rows] = (cached.min(1) + 1) * b
+        quiet = np.minimum(nxt[0, rows], nxt[1, rows]) + 1
+        nxt[3, rows] = np.minimum(quiet, nxt[2, rows]) if self._caching else quiet
