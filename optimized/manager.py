@@ -238,6 +238,11 @@ class TorchKVCacheManager:
             and releasing == list(range(releasing[0], releasing[-1] + 1))
             else None
         )  # fmt: skip
+        # A group's table starts this far from the previous group's (``BlockTables``), and the
+        # nulls one strided write puts into the window groups' tables (``_release_one_each``).
+        self._group_stride = r * w
+        window_groups = 0 if self._one_window is None else releasing[-1] + 1 - releasing[0]
+        self._window_nulls = memoryview(array("i", [0] * window_groups))
         # One block size, no Mamba ``"align"`` group, no speculative blocks: every allocation
         # extends all of a row's tables to one length.
         self._uniform_columns = (
@@ -855,7 +860,12 @@ class TorchKVCacheManager:
         if window is not None:
             # ``sliding_window_skipped_tokens``, then ``skipped_block_positions``, inline.
             skipped = computed - window[3] + 1
-            targets = [skipped // window[2] if skipped > 0 else 0]
+            target = skipped // window[2] if skipped > 0 else 0
+            one = self._release_one_each(row, target, window[0], window[1])
+            if one is not None:
+                self._free_released(one, None)
+                return
+            targets = [target]
         else:
             targets = [rule.skipped_positions(computed) for rule in self._release_rules]
         rows, tab = self.rows, self._tab.a
@@ -883,8 +893,39 @@ class TorchKVCacheManager:
                         sizes = [1] * len(released)
                     sizes.append(len(walk))
                     released.extend(walk)
-        if not released:
-            return
+        if released:
+            self._free_released(released, sizes)
+
+    def _release_one_each(self, row: int, target: int, first: int, end: int) -> list[int] | None:
+        """A decode step's release under one sliding window (``_one_window``, groups ``first``
+        … ``end − 1``): when every window group's leading nulls end at ``target − 1`` and its
+        table reaches ``target``, each lets its block at ``target − 1`` go. Those blocks sit
+        one group's table apart in the flat tables, so one strided read and one strided write
+        release them all, in group order. ``None`` (nothing changed) when that is not the
+        case."""
+        rows = self.rows
+        at = row * self.num_groups
+        held = target - 1
+        nulls = rows.nulls[at + first : at + end]
+        if min(nulls) != held or max(nulls) != held:
+            return None
+        if min(rows.length[at + first : at + end]) < target:
+            return None
+        stride = self._group_stride
+        start = stride * first + row * self.max_blocks_per_req + held
+        stop = start + (end - first) * stride
+        tab = self._tab.a
+        released: list[int] = tab[start:stop:stride].tolist()
+        tab[start:stop:stride] = self._window_nulls
+        rows.nulls[at + first : at + end] = array("q", (target,)) * (end - first)
+        if self.tables.mirrored:
+            for g in range(first, end):
+                self.tables.touched(g, row, held, target)
+        return released
+
+    def _free_released(self, released: list[int], sizes: list[int] | None) -> None:
+        """Hand a step's released blocks (walk order; ``sizes``: each group's count where one
+        released several) to the pool: deferred where they are cached, else freed at once."""
         pool = self.pool
         if self.columns.defers:
             if min(map(pool.src.a.__getitem__, released)) >= 0:
@@ -991,7 +1032,10 @@ class TorchKVCacheManager:
         plain = not self.columns.sparse_groups and pool.event_builder is None
         if defer and plain and num_full > 0:
             last = num_full - 1
-            row_blocks = [tab[base + row_base + last] for base in bases]
+            # The row's block at ``last`` in every group: one strided read (``BlockTables``).
+            stride = self._group_stride
+            first_at = row_base + last
+            row_blocks: list[int] = tab[first_at : first_at + g_count * stride : stride].tolist()
             if min(cached[at : at + g_count]) == last == max(cached[at : at + g_count]) and min(
                 row_blocks
             ):
