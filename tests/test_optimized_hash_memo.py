@@ -417,8 +417,9 @@ def test_the_memo_equals_the_definition_and_keeps_its_tree(
     ops: list[tuple[str, int, list[int], str | None]],
 ) -> None:
     """Random sources (prompts made of three blocks, so that they share prefixes) register
-    and leave; every prompt's hashes equal the definition's, the tree stays consistent, and
-    while no source has left a prompt adopts its longest common prefix with any source."""
+    and leave (or are replaced under their index); every prompt's hashes equal the
+    definition's, the tree stays consistent, and while no source has left a prompt adopts its
+    longest common prefix with any source."""
     memo = HashMemo(B)
     sources: dict[int, HandSource] = {}
     forgotten = False
@@ -427,6 +428,10 @@ def test_the_memo_equals_the_definition_and_keeps_its_tree(
         if op == "remember":
             source = HandSource(tokens, salt)
             memo.remember(index, source)
+            # Another source under a registered index: the one it replaces has left (the pool
+            # forgets an index before reusing it; a source whose blocks lay on the leaver's
+            # run is then found no more, and hashes them itself).
+            forgotten |= index in sources
             sources[index] = source
         elif op == "forget":
             memo.forget(index)
