@@ -560,7 +560,8 @@ class TorchBlockPool:
         num_groups = self.num_groups
         first = pos * num_groups
         if len(group_ids) == num_groups:
-            source.reserve(first + num_groups, self.end)
+            if first + num_groups > len(source.blocks):
+                source.reserve(first + num_groups, self.end)
             source.blocks[first : first + num_groups] = array("i", blocks)
         else:
             for block, group_id in zip(blocks, group_ids, strict=True):

@@ -668,11 +668,10 @@ class TorchKVCacheManager:
         rows = self.rows
         # A step still in flight reads the window's blocks: only processed tokens count.
         processed = max(0, computed - int(getattr(request, "num_in_flight_tokens", 0)))
-        changed = False
+        released = took = cached = False
         if processed >= rows.release_at[row]:
             self._release_skipped(row, processed)
-            self.thresholds.refresh_release(row)
-            changed = True
+            released = True
         new_blocks: tuple[tuple[int, ...], ...] | None = None
         if need > rows.capacity[row]:
             g_count = self.num_groups
@@ -682,8 +681,8 @@ class TorchKVCacheManager:
                 have = rows.length[row * g_count]
                 count = -(-need // self.block_size) - have
                 if not self._fits(count * g_count + kept_free):
-                    if changed:
-                        self.thresholds.refresh_quiet(row)
+                    if released:
+                        self.thresholds.after_step(row, True, False, False)
                     return None
                 new_blocks = self._extend_uniform(row, have, count)
             else:
@@ -691,22 +690,20 @@ class TorchKVCacheManager:
                 at, length = row * g_count, rows.length
                 total = sum(max(c - length[at + g], 0) for g, c in enumerate(required))
                 if not self._fits(total + kept_free):
-                    if changed:
-                        self.thresholds.refresh_quiet(row)
+                    if released:
+                        self.thresholds.after_step(row, True, False, False)
                     return None
                 new_blocks = self._extend(row, required)
-            self.thresholds.refresh_capacity(row)
-            changed = True
+            took = True
         elif kept_free and not self._fits(kept_free):
-            if changed:
-                self.thresholds.refresh_quiet(row)
+            if released:
+                self.thresholds.after_step(row, True, False, False)
             return None
         if cache_up_to >= rows.cache_at[row]:
             self._cache(request, row, cache_up_to, defer=self.columns.defers)
-            self.thresholds.refresh_cache(row)
-            changed = True
-        if changed:
-            self.thresholds.refresh_quiet(row)
+            cached = True
+        if released or took or cached:
+            self.thresholds.after_step(row, released, took, cached)
         if len(pool.pending) >= PENDING_MAX:
             self._settle()  # long without another call: bounded memory
         return self._no_blocks if new_blocks is None else KVCacheBlocks(new_blocks)

@@ -6,8 +6,8 @@ Each row keeps, in ``RowTables``, the token counts at which the next of each hap
 (``capacity``, ``release_at``, ``cache_at``) and the least of them as ``quiet_below``: a step
 below it does nothing, which decides most decode calls with one comparison. This class
 recomputes them from the row's counters (table lengths, leading nulls, cached positions) after
-the step changed them, one threshold at a time (the single-request paths, which know what they
-changed) or for many rows at once in numpy (the batched step).
+a step changed them: those the step moved, in one call (the single-request paths, which know
+what they changed), or all of them for many rows at once in numpy (the batched step).
 
 The rules are those of the groups' attention types (``GroupRule``): a table of ``n`` positions
 holds ``n × block_size`` tokens (less a Mamba group's speculative blocks); a sliding window of
@@ -76,69 +76,58 @@ class RowThresholds:
 
     def refresh(self, row: int) -> None:
         """Recompute all of the row's thresholds from its counters."""
-        self.refresh_capacity(row)
-        self.refresh_release(row)
-        self.refresh_cache(row)
-        self.refresh_quiet(row)
+        self.after_step(row, True, True, True)
 
-    def refresh_quiet(self, row: int) -> None:
-        """The row's ``quiet_below``, from its three thresholds (after any of them changed;
-        the other refreshes leave it to this)."""
+    def after_step(self, row: int, released: bool, took: bool, cached: bool) -> None:
+        """Recompute the thresholds a step moved, then ``quiet_below``, in one call: ``release_at``
+        after it ``released`` blocks, ``capacity`` after it ``took`` blocks, ``cache_at`` after
+        it ``cached`` blocks (the others stay as they are)."""
         rows = self._rows
+        g_count = self._num_groups
+        at = row * g_count
+        if took:
+            # The tokens its shortest table holds.
+            length = rows.length
+            if self._uniform:
+                capacity = min(length[at : at + g_count]) * self._block_size
+            else:
+                capacity = NEVER
+                for g, rule in enumerate(self._rules):
+                    capacity = min(capacity, (length[at + g] - rule.spec_blocks) * rule.block_size)
+            rows.capacity[row] = capacity
+        if released:
+            # Where its first window or chunk next lets a block go.
+            nulls = rows.nulls
+            window = self._one_window
+            if window is not None:
+                # One sliding window for every releasing group, next to each other: their least
+                # leading nulls decide.
+                first, end, b, span = window
+                release = (min(nulls[at + first : at + end]) + 1) * b + span - 1
+            else:
+                release = NEVER
+                for g, b, span, chunked in self._release_columns:
+                    if chunked:
+                        start = -(-(nulls[at + g] + 1) * b // span) * span  # the next chunk
+                        release = min(release, start)
+                    else:
+                        release = min(release, (nulls[at + g] + 1) * b + span - 1)
+            rows.release_at[row] = release
+        if cached:
+            # The tokens at which its next block is full.
+            if self._general:
+                cache = 0  # scheduler-block rounding, prompt tails, Mamba: look every call
+            elif self._uniform:
+                cache = (min(rows.cached[at : at + g_count]) + 1) * self._block_size
+            else:
+                cache = NEVER
+                for g, rule in enumerate(self._rules):
+                    cache = min(cache, (rows.cached[at + g] + 1) * rule.block_size)
+            rows.cache_at[row] = cache
         quiet = min(rows.capacity[row], rows.release_at[row]) + 1
         if self._caching:
             quiet = min(quiet, rows.cache_at[row])
         rows.quiet_below[row] = quiet
-
-    def refresh_capacity(self, row: int) -> None:
-        """The row's ``capacity``: the tokens its shortest table holds (after a take)."""
-        g_count = self._num_groups
-        at = row * g_count
-        length = self._rows.length
-        if self._uniform:
-            capacity = min(length[at : at + g_count]) * self._block_size
-        else:
-            capacity = NEVER
-            for g, rule in enumerate(self._rules):
-                capacity = min(capacity, (length[at + g] - rule.spec_blocks) * rule.block_size)
-        self._rows.capacity[row] = capacity
-
-    def refresh_release(self, row: int) -> None:
-        """The row's ``release_at``: where its first window or chunk next lets a block go
-        (after a release)."""
-        at = row * self._num_groups
-        nulls = self._rows.nulls
-        window = self._one_window
-        if window is not None:
-            # One sliding window for every releasing group, next to each other: their least
-            # leading nulls decide.
-            first, end, b, span = window
-            self._rows.release_at[row] = (min(nulls[at + first : at + end]) + 1) * b + span - 1
-            return
-        release = NEVER
-        for g, b, span, chunked in self._release_columns:
-            if chunked:
-                start = -(-(nulls[at + g] + 1) * b // span) * span  # the next chunk's start
-                release = min(release, start)
-            else:
-                release = min(release, (nulls[at + g] + 1) * b + span - 1)
-        self._rows.release_at[row] = release
-
-    def refresh_cache(self, row: int) -> None:
-        """The row's ``cache_at``: the tokens at which its next block is full (after caching)."""
-        if self._general:
-            self._rows.cache_at[row] = 0  # scheduler-block rounding, prompt tails, Mamba: look
-            return
-        g_count = self._num_groups
-        at = row * g_count
-        cached = self._rows.cached
-        if self._uniform:
-            cache = (min(cached[at : at + g_count]) + 1) * self._block_size
-        else:
-            cache = NEVER
-            for g, rule in enumerate(self._rules):
-                cache = min(cache, (cached[at + g] + 1) * rule.block_size)
-        self._rows.cache_at[row] = cache
 
     def refresh_rows(self, rows: npt.NDArray[np.int64]) -> None:
         """``refresh`` for many rows of a vectorisable layout (int64), in numpy calls."""
