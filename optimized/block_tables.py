@@ -24,6 +24,7 @@ positions); ``flush`` sends indices and values together, in one copy.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -40,8 +41,10 @@ class BlockTables:
 
     __slots__ = (
         "_indices",
+        "_nulls",
         "_ranges",
         "copies",
+        "group_stride",
         "held",
         "host",
         "on_device",
@@ -52,6 +55,9 @@ class BlockTables:
 
     def __init__(self, groups: int, rows: int, width: int, device: torch.device) -> None:
         self.rows, self.width = rows, width
+        self.group_stride = rows * width
+        """How far group g + 1's table of a row starts after group g's (``base``)."""
+        self._nulls = memoryview(array("i", [0] * groups))
         self.host = IntBuffer(groups * rows * width)
         self.on_host = self.host.t.view(groups, rows, width)
         self.on_device = (
@@ -89,6 +95,26 @@ class BlockTables:
         """The first ``length`` positions of group ``group_id``'s table in row ``row``."""
         base = self.base(group_id, row)
         return self.host.a[base : base + length].tolist()
+
+    def across(self, first: int, end: int, row: int, pos: int) -> list[int]:
+        """The blocks at position ``pos`` of row ``row`` in groups ``first`` … ``end − 1``, in
+        group order: one strided read (the groups' tables lie ``group_stride`` apart)."""
+        start = self.base(first, row) + pos
+        stride = self.group_stride
+        blocks: list[int] = self.host.a[start : start + (end - first) * stride : stride].tolist()
+        return blocks
+
+    def clear_across(self, first: int, end: int, row: int, pos: int) -> list[int]:
+        """``across``, then nulls in those positions (one strided write, recorded when
+        mirrored)."""
+        blocks = self.across(first, end, row, pos)
+        start = self.base(first, row) + pos
+        stride = self.group_stride
+        self.host.a[start : start + (end - first) * stride : stride] = self._nulls[: end - first]
+        if self.on_device is not self.on_host:
+            for group_id in range(first, end):
+                self.touched(group_id, row, pos, pos + 1)
+        return blocks
 
     def touched(self, group_id: int, row: int, lo: int, hi: int) -> None:
         """Positions ``lo`` … ``hi − 1`` of that table changed (recorded when mirrored)."""

@@ -10,7 +10,7 @@ which rule applies, ``span`` is the window or chunk size.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,3 +70,32 @@ GROUP_RULES: dict[str, Callable[[Any], GroupRule]] = {
     "mamba": _mamba_rule,
 }
 """Each attention type's hooks, by ``spec.kind``: the one place this backend dispatches on it."""
+
+
+OneWindow = tuple[int, int, int, int]
+"""The releasing groups as one slice of a row's counters, when they are neighbours under one
+sliding-window rule (Gemma's, gpt-oss's): (first group, end group, block size, window)."""
+ReleaseColumn = tuple[int, int, int, bool]
+"""A releasing group: (group, block size, window or chunk size, chunked?)."""
+
+
+def release_columns(rules: Sequence[GroupRule]) -> list[ReleaseColumn]:
+    """The groups whose windows or chunks release blocks, in group order."""
+    return [
+        (g, rule.block_size, rule.span, rule.kind == CHUNKED)
+        for g, rule in enumerate(rules)
+        if rule.releases
+    ]
+
+
+def one_window(rules: Sequence[GroupRule]) -> OneWindow | None:
+    """The releasing groups as one ``OneWindow``, or ``None`` unless they are neighbours that
+    all follow one sliding-window rule."""
+    releasing = [g for g, rule in enumerate(rules) if rule.releases]
+    distinct = {rules[g] for g in releasing}
+    if len(distinct) != 1:
+        return None
+    (rule,) = distinct
+    if rule.kind != SLIDING or releasing != list(range(releasing[0], releasing[-1] + 1)):
+        return None
+    return releasing[0], releasing[-1] + 1, rule.block_size, rule.span

@@ -47,7 +47,15 @@ from hybridkv.optimized import batch, mamba
 from hybridkv.optimized.block_pool import TorchBlockPool
 from hybridkv.optimized.block_tables import BlockTables
 from hybridkv.optimized.group_columns import GroupColumns
-from hybridkv.optimized.group_rules import CHUNKED, FULL, MAMBA, NEVER, SLIDING, GroupRule
+from hybridkv.optimized.group_rules import (
+    CHUNKED,
+    FULL,
+    MAMBA,
+    NEVER,
+    SLIDING,
+    GroupRule,
+    one_window,
+)
 from hybridkv.optimized.hash_memo import HashMemo
 from hybridkv.optimized.lookup import (
     NO_HIT,
@@ -215,34 +223,17 @@ class TorchKVCacheManager:
             )
         ]
         # Per-group constants of the single-request paths: where each group's table starts in
-        # the flat tables, the distinct rules of the groups that release blocks (and which
-        # one each such group follows), and what a row refresh reads of them.
-        self._group_bases = [group * r * w for group in range(g)]
+        # the flat tables, and the distinct rules of the groups that release blocks (and which
+        # one each such group follows).
+        self._group_bases = [self.tables.base(group, 0) for group in range(g)]
         self._group_base_column = np.array(self._group_bases, dtype=np.int64)[:, None]
         self._release_rules = list(dict.fromkeys(rule for _, rule in self._releasing))
         self._release_plan = [
             (group, self._release_rules.index(rule)) for group, rule in self._releasing
         ]
-        self._release_columns = [
-            (group, rule.block_size, rule.span, rule.kind == CHUNKED)
-            for group, rule in self._releasing
-        ]
         # The releasing groups as one slice of a row's counters, when they are neighbours of
-        # one sliding-window rule (Gemma's, gpt-oss's): (first, end, block size, window).
-        releasing = [group for group, _ in self._releasing]
-        self._one_window = (
-            (releasing[0], releasing[-1] + 1, self._release_rules[0].block_size,
-             self._release_rules[0].span)
-            if len(self._release_rules) == 1
-            and self._release_rules[0].kind == SLIDING
-            and releasing == list(range(releasing[0], releasing[-1] + 1))
-            else None
-        )  # fmt: skip
-        # A group's table starts this far from the previous group's (``BlockTables``), and the
-        # nulls one strided write puts into the window groups' tables (``_release_one_each``).
-        self._group_stride = r * w
-        window_groups = 0 if self._one_window is None else releasing[-1] + 1 - releasing[0]
-        self._window_nulls = memoryview(array("i", [0] * window_groups))
+        # one sliding-window rule (``group_rules.one_window``).
+        self._one_window = one_window(self.rules)
         # One block size, no Mamba ``"align"`` group, no speculative blocks: every allocation
         # extends all of a row's tables to one length.
         self._uniform_columns = (
@@ -278,8 +269,6 @@ class TorchKVCacheManager:
             caching=enable_caching,
             uniform=self._uniform_columns,
             general=self._general,
-            one_window=self._one_window,
-            release_columns=self._release_columns,
         )
         self._stats = PrefixCacheStats()
         self.block_hasher = HashMemo(self.hash_block_size)
@@ -668,37 +657,36 @@ class TorchKVCacheManager:
         rows = self.rows
         # A step still in flight reads the window's blocks: only processed tokens count.
         processed = max(0, computed - int(getattr(request, "num_in_flight_tokens", 0)))
-        released = took = cached = False
+        released = cached = False
         if processed >= rows.release_at[row]:
             self._release_skipped(row, processed)
             released = True
         new_blocks: tuple[tuple[int, ...], ...] | None = None
-        if need > rows.capacity[row]:
-            g_count = self.num_groups
+        took = need > rows.capacity[row]
+        g_count = self.num_groups
+        total = have = count = 0
+        required: list[int] = []
+        if took:
             if self._uniform_columns:
                 # Every group of the row is as long (each allocation extends all of them to
                 # the same length): the same count of new blocks for each.
                 have = rows.length[row * g_count]
                 count = -(-need // self.block_size) - have
-                if not self._fits(count * g_count + kept_free):
-                    if released:
-                        self.thresholds.after_step(row, True, False, False)
-                    return None
-                new_blocks = self._extend_uniform(row, have, count)
+                total = count * g_count
             else:
                 required = [rule.blocks_for_tokens(need) for rule in self.rules]
                 at, length = row * g_count, rows.length
                 total = sum(max(c - length[at + g], 0) for g, c in enumerate(required))
-                if not self._fits(total + kept_free):
-                    if released:
-                        self.thresholds.after_step(row, True, False, False)
-                    return None
-                new_blocks = self._extend(row, required)
-            took = True
-        elif kept_free and not self._fits(kept_free):
+        if (took or kept_free) and not self._fits(total + kept_free):
             if released:
                 self.thresholds.after_step(row, True, False, False)
             return None
+        if took:
+            new_blocks = (
+                self._extend_uniform(row, have, count)
+                if self._uniform_columns
+                else self._extend(row, required)
+            )
         if cache_up_to >= rows.cache_at[row]:
             self._cache(request, row, cache_up_to, defer=self.columns.defers)
             cached = True
@@ -898,8 +886,8 @@ class TorchKVCacheManager:
         … ``end − 1``): when every window group's leading nulls end at ``target − 1`` and its
         table reaches ``target``, each lets its block at ``target − 1`` go. Those blocks sit
         one group's table apart in the flat tables, so one strided read and one strided write
-        release them all, in group order. ``None`` (nothing changed) when that is not the
-        case."""
+        release them all, in group order (``BlockTables.clear_across``). ``None`` (nothing
+        changed) when that is not the case."""
         rows = self.rows
         at = row * self.num_groups
         held = target - 1
@@ -908,16 +896,8 @@ class TorchKVCacheManager:
             return None
         if min(rows.length[at + first : at + end]) < target:
             return None
-        stride = self._group_stride
-        start = stride * first + row * self.max_blocks_per_req + held
-        stop = start + (end - first) * stride
-        tab = self._tab.a
-        released: list[int] = tab[start:stop:stride].tolist()
-        tab[start:stop:stride] = self._window_nulls
+        released = self.tables.clear_across(first, end, row, held)
         rows.nulls[at + first : at + end] = array("q", (target,)) * (end - first)
-        if self.tables.mirrored:
-            for g in range(first, end):
-                self.tables.touched(g, row, held, target)
         return released
 
     def _free_released(self, released: list[int], sizes: list[int] | None) -> None:
@@ -1029,10 +1009,7 @@ class TorchKVCacheManager:
         plain = not self.columns.sparse_groups and pool.event_builder is None
         if defer and plain and num_full > 0:
             last = num_full - 1
-            # The row's block at ``last`` in every group: one strided read (``BlockTables``).
-            stride = self._group_stride
-            first_at = row_base + last
-            row_blocks: list[int] = tab[first_at : first_at + g_count * stride : stride].tolist()
+            row_blocks = self.tables.across(0, g_count, row, last)
             if min(cached[at : at + g_count]) == last == max(cached[at : at + g_count]) and min(
                 row_blocks
             ):

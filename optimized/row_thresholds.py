@@ -24,14 +24,8 @@ import numpy as np
 import numpy.typing as npt
 
 from hybridkv.optimized.group_columns import GroupColumns
-from hybridkv.optimized.group_rules import NEVER, GroupRule
+from hybridkv.optimized.group_rules import NEVER, GroupRule, one_window, release_columns
 from hybridkv.optimized.rows import RowTables
-
-OneWindow = tuple[int, int, int, int]
-"""The releasing groups as one slice of a row's counters, when they are neighbours under one
-sliding-window rule: (first group, end group, block size, window)."""
-ReleaseColumn = tuple[int, int, int, bool]
-"""A releasing group: (group, block size, window or chunk size, chunked?)."""
 
 
 class RowThresholds:
@@ -60,8 +54,6 @@ class RowThresholds:
         caching: bool,
         uniform: bool,
         general: bool,
-        one_window: OneWindow | None,
-        release_columns: Sequence[ReleaseColumn],
     ) -> None:
         self._rows = rows
         self._rules = list(rules)
@@ -71,8 +63,8 @@ class RowThresholds:
         self._caching = caching
         self._uniform = uniform  # every table of a row as long, one block size
         self._general = general  # caching looks at every call (block sizes differ, Mamba align)
-        self._one_window = one_window
-        self._release_columns = list(release_columns)
+        self._one_window = one_window(self._rules)
+        self._release_columns = release_columns(self._rules)
 
     def refresh(self, row: int) -> None:
         """Recompute all of the row's thresholds from its counters."""

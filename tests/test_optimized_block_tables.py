@@ -89,3 +89,15 @@ def test_one_copy_flushes_even_when_its_block_raises() -> None:
         _fail_inside_one_copy(tables)
     assert _state(tables) == (1, False)
     assert int(tables.on_device[0, 0, 0]) == 5
+
+
+def test_across_reads_one_position_of_a_row_in_every_group_and_clear_across_nulls_it() -> None:
+    tables = _mirrored(groups=3, rows=2, width=4)
+    for g in range(3):
+        tables.host.a[tables.base(g, 1) + 2] = 10 + g
+    assert tables.across(0, 3, 1, 2) == [10, 11, 12]
+    assert tables.clear_across(1, 3, 1, 2) == [11, 12]
+    assert tables.across(0, 3, 1, 2) == [10, 0, 0]
+    tables.flush()  # the two nulled entries were recorded, and travel in one copy
+    assert tables.copies == 1
+    assert tables.on_device[:, 1, 2].tolist() == [0, 0, 0]  # group 0's 10 was never touched

@@ -7,7 +7,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.optimized.group_columns import GroupColumns
-from hybridkv.optimized.group_rules import CHUNKED, FULL, NEVER, SLIDING, GroupRule
+from hybridkv.optimized.group_rules import (
+    CHUNKED,
+    FULL,
+    NEVER,
+    SLIDING,
+    GroupRule,
+    one_window,
+    release_columns,
+)
 from hybridkv.optimized.row_thresholds import RowThresholds
 from hybridkv.optimized.rows import RowTables
 
@@ -27,13 +35,6 @@ def _thresholds(rules: list[GroupRule], caching: bool = True) -> tuple[RowTables
         sparse_groups=[],
         vectorisable=True,
     )
-    releasing = [g for g, r in enumerate(rules) if r.releases]
-    windows = [g for g in releasing if rules[g].kind == SLIDING]
-    one_window = (
-        (windows[0], windows[-1] + 1, BLOCK, rules[windows[0]].span)
-        if windows and windows == releasing and windows == list(range(windows[0], windows[-1] + 1))
-        else None
-    )
     thresholds = RowThresholds(
         rows,
         rules,
@@ -42,8 +43,6 @@ def _thresholds(rules: list[GroupRule], caching: bool = True) -> tuple[RowTables
         caching=caching,
         uniform=True,
         general=False,
-        one_window=one_window,
-        release_columns=[(g, BLOCK, rules[g].span, rules[g].kind == CHUNKED) for g in releasing],
     )
     return rows, thresholds
 
@@ -122,3 +121,15 @@ def test_refreshing_many_rows_at_once_equals_refreshing_each(
         taken.append(row)
     many.refresh_rows(np.array(taken, dtype=np.int64))
     assert many_rows.thresholds[:, taken].tolist() == one_rows.thresholds[:, taken].tolist()
+
+
+def test_neighbouring_groups_of_one_sliding_window_rule_release_as_one_slice() -> None:
+    assert one_window([FULL_RULE, WINDOW_RULE, WINDOW_RULE]) == (1, 3, BLOCK, 8)
+    assert one_window([WINDOW_RULE, FULL_RULE, WINDOW_RULE]) is None  # not neighbours
+    assert one_window([FULL_RULE, WINDOW_RULE, GroupRule(SLIDING, BLOCK, span=16)]) is None
+    assert one_window([FULL_RULE, CHUNK_RULE]) is None
+    assert one_window([FULL_RULE]) is None
+    assert release_columns([FULL_RULE, CHUNK_RULE, WINDOW_RULE]) == [
+        (1, BLOCK, 16, True),
+        (2, BLOCK, 8, False),
+    ]
