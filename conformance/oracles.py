@@ -20,6 +20,7 @@ would share its bugs.
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -714,8 +715,6 @@ def run_hit_oracle(num_states: int, seed: int = 0) -> OracleStats:
     """The reference's longest hit against brute force on random built cache states."""
     import random
 
-    from hybridkv.conformance.mutants import random_cache_state
-
     rng = random.Random(seed)
     stats = OracleStats(failures=[])
     assert stats.failures is not None
@@ -983,3 +982,24 @@ def run_adapter_hit_oracle(
                 f"{name}: state {index} (seed {seed}) raised {type(error).__name__}: {error}"
             )
     return stats
+
+
+def random_cache_state(
+    rng: random.Random, *, aligned: bool = True
+) -> tuple[list[GroupCacheState], list[int], int]:
+    """1–4 groups of mixed types with random cached flags, a prompt, and the block size."""
+    block_size = rng.choice([1, 2, 3, 4])
+    num_tokens = rng.randint(1, 30)
+    groups = []
+    for _ in range(rng.choice([1, 2, 3, 3, 4, 4])):
+        kind = rng.choice(["full", "sliding_window", "chunked_local"])
+        if kind == "chunked_local":
+            choices = [1, 2, 3] if aligned else [1, 2, 3, 1.5, 2.5]
+            param = int(block_size * rng.choice(choices)) or 1
+        else:
+            param = rng.randint(2, 12)
+        density = rng.random()
+        cached = tuple(rng.random() < density for _ in range(num_tokens // block_size))
+        groups.append(GroupCacheState(kind, param, cached))  # type: ignore[arg-type]
+    prompt = [rng.randint(0, 100) for _ in range(num_tokens)]
+    return groups, prompt, block_size

@@ -21,8 +21,8 @@ from hybridkv.conformance.adapters import (
     reference_backend,
 )
 from hybridkv.conformance.invariants import ConformanceError
+from hybridkv.conformance.kill_table import KillRow, kill_table
 from hybridkv.conformance.machine import RunStats, run_differential
-from hybridkv.conformance.mutants import KillRow, kill_table
 from hybridkv.reference import KVCacheManager, Request
 from hybridkv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, SlidingWindowSpec
 

@@ -30,8 +30,7 @@ from hybridkv.conformance.harnesses import (
     hybrid_hit_is_longest_accepted,
     hybrid_hit_without_full_attention,
 )
-from hybridkv.conformance.mutants import random_cache_state
-from hybridkv.conformance.oracles import GroupCacheState, run_adapter_hit_oracle
+from hybridkv.conformance.oracles import GroupCacheState, random_cache_state, run_adapter_hit_oracle
 from hybridkv.conformance.strategies import document_models, random_models
 from hybridkv.reference import (
     KVCacheManager,
