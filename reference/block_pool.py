@@ -14,11 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from hybridkv.policies.guard import GuardedPolicy
+from hybridkv.policies.protocol import EvictionPolicy
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.events import EventBuilder, KVCacheEvent
 from hybridkv.reference.free_queue import FreeKVCacheBlockQueue
 from hybridkv.reference.kv_cache_block import BlockHashWithGroupId, KVCacheBlock
 from hybridkv.reference.request import RequestLike
+from hybridkv.spec import KVCacheSpec
 from hybridkv.spec.errors import require
 
 
@@ -50,6 +53,8 @@ class BlockPool:
         hash_block_size: int = 1,
         num_hash_lookahead_tokens: int = 0,
         event_builder: EventBuilder | None = None,
+        eviction_policy: EvictionPolicy | None = None,
+        group_specs: Sequence[KVCacheSpec] = (),
     ) -> None:
         if enable_kv_cache_events and event_builder is None:
             raise ValueError("enable_kv_cache_events needs an event_builder (the groups' specs)")
@@ -68,6 +73,13 @@ class BlockPool:
         # Keys of a block beside its primary one (a partial entry next to a full-block key).
         self.extra_keys_by_block: dict[int, set[BlockHashWithGroupId]] = {}
         self.events: list[KVCacheEvent] = []
+        # ``None``: vLLM's order, kept by the free queue itself. A policy chooses the victims;
+        # the queue still holds the free set (O(1) membership and removal).
+        self.policy = (
+            None if eviction_policy is None else GuardedPolicy(eviction_policy, group_specs)
+        )
+        if self.policy is not None:
+            self.policy.released([block.block_id for block in self.blocks[1:]], [])
 
     # --- Free blocks ------------------------------------------------------------------------
 
@@ -81,21 +93,46 @@ class BlockPool:
         return 1.0 - (self.num_free_blocks / (self.num_blocks - 1))
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Take ``num_blocks`` from the head of the free queue, evicting their cached hashes."""
-        blocks = self.free_block_queue.popleft_n(num_blocks)
+        """Take ``num_blocks`` from the head of the free queue (or the policy's choice),
+        evicting their cached hashes."""
+        if self.policy is None:
+            blocks = self.free_block_queue.popleft_n(num_blocks)
+        else:
+            blocks = self._policy_victims(num_blocks)
         for block in blocks:
-            self.maybe_evict_cached_block(block)
+            self._remove_cached_block_hashes(block)
             block.ref_cnt += 1
+        return blocks
+
+    def _policy_victims(self, num_blocks: int) -> list[KVCacheBlock]:
+        """The policy's victims, checked before any leaves the free queue."""
+        assert self.policy is not None
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(
+                f"cannot take {num_blocks} blocks from a free queue of {self.num_free_blocks}"
+            )
+
+        def is_free(block_id: int) -> bool:
+            return 0 < block_id < self.num_blocks and self.blocks[block_id].ref_cnt == 0
+
+        blocks = [self.blocks[i] for i in self.policy.choose(num_blocks, is_free)]
+        for block in blocks:
+            self.free_block_queue.remove(block)
+        self.policy.taken([block.block_id for block in blocks])
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """A cache hit adopts ``blocks``: one more holder each; evictable ones leave the queue."""
+        touched: list[int] = []
         for block in blocks:
             if block.is_null:
                 continue
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
+            touched.append(block.block_id)
+        if self.policy is not None:
+            self.policy.touched(touched)
 
     def free_blocks(self, ordered_blocks: Sequence[KVCacheBlock]) -> None:
         """Drop one holder of each block, walked in eviction order.
@@ -115,6 +152,10 @@ class BlockPool:
                 (keep if cached else reuse_first).append(block)
         self.free_block_queue.prepend_n(reuse_first)
         self.free_block_queue.append_n(keep)
+        if self.policy is not None:
+            self.policy.released(
+                [block.block_id for block in reuse_first], [block.block_id for block in keep]
+            )
 
     # --- Prefix cache -----------------------------------------------------------------------
 
@@ -167,6 +208,11 @@ class BlockPool:
             self._insert_block_hash((hashes[index], group_id), block, (index + 1) * block_size)
             new_hashes.append(hashes[index])
             positions.append(index)
+            if self.policy is not None:
+                parent_hash = hashes[index - 1] if index else None
+                self.policy.cached(
+                    block.block_id, hashes[index], group_id, parent_hash, (index + 1) * block_size
+                )
         if self.event_builder is not None and self.enable_kv_cache_events:
             parent = hashes[num_cached_blocks - 1] if num_cached_blocks else None
             self.events.append(
@@ -213,6 +259,10 @@ class BlockPool:
         ):
             self._remove_cached_block_hashes(block)
         self._insert_block_hash(key, block, num_tokens)
+        if self.policy is not None and not already:
+            index = num_tokens // self.hash_block_size - 1
+            parent_hash = request.block_hashes[index - 1] if index else None
+            self.policy.cached(block.block_id, key[0], group_id, parent_hash, num_tokens)
         if self.event_builder is not None and self.enable_kv_cache_events and not already:
             hbs = self.hash_block_size
             start = num_tokens - hbs
@@ -263,7 +313,10 @@ class BlockPool:
 
     def maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         """Forget every cached key of ``block`` (this block only); whether it held any."""
-        return bool(self._remove_cached_block_hashes(block))
+        removed = bool(self._remove_cached_block_hashes(block))
+        if removed and self.policy is not None:
+            self.policy.uncached(block.block_id)
+        return removed
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash, only when no request holds a block; keep the queue order."""
@@ -276,6 +329,8 @@ class BlockPool:
             block.block_hash_num_tokens = None
         if self.enable_kv_cache_events and self.event_builder is not None:
             self.events.append(self.event_builder.cleared())
+        if self.policy is not None:
+            self.policy.reset()
         return True
 
     def take_events(self) -> list[KVCacheEvent]:

@@ -19,6 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hybridkv.policies.protocol import EvictionPolicy
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.block_pool import BlockPool
 from hybridkv.reference.engine_settings import EngineSettings
@@ -50,6 +51,7 @@ class KVCacheCoordinator(ABC):
         enable_caching: bool,
         enable_kv_cache_events: bool,
         event_builder_class: type[EventBuilder] = EventBuilder,
+        eviction_policy: EvictionPolicy | None = None,
     ) -> None:
         self.config = config
         self.settings = settings
@@ -66,6 +68,8 @@ class KVCacheCoordinator(ABC):
                 if enable_kv_cache_events
                 else None
             ),
+            eviction_policy=eviction_policy,
+            group_specs=[group.spec for group in config.groups],
         )
         self.managers: list[SingleTypeKVCacheManager] = [
             manager_class(group.spec)(
@@ -313,8 +317,10 @@ def make_coordinator(
     enable_caching: bool,
     enable_kv_cache_events: bool,
     event_builder_class: type[EventBuilder] = EventBuilder,
+    eviction_policy: EvictionPolicy | None = None,
 ) -> KVCacheCoordinator:
-    """The coordinator the document prescribes for this configuration."""
+    """The coordinator the document prescribes for this configuration (``eviction_policy``:
+    ``None`` for vLLM's free-queue order)."""
     if not enable_caching:
         cls: type[KVCacheCoordinator] = NoPrefixCacheCoordinator
     elif len(config.groups) == 1:
@@ -327,4 +333,5 @@ def make_coordinator(
         enable_caching=enable_caching,
         enable_kv_cache_events=enable_kv_cache_events,
         event_builder_class=event_builder_class,
+        eviction_policy=eviction_policy,
     )

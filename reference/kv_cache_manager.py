@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from hybridkv.policies import EvictionPolicy, resolve_policy
 from hybridkv.reference.coordinator import make_coordinator
 from hybridkv.reference.events import (
     EventBuilder,
@@ -58,6 +59,9 @@ class KVCacheManager:
       an engine logs them unless told not to).
     - ``event_builder_class``: builds the KV events (``EventBuilder``: the core's dataclasses);
       an engine's integration passes a subclass that builds the engine's own event classes.
+    - ``eviction_policy``: which free blocks new tokens reuse: ``"lru"`` (vLLM's order, the
+      default), a shipped policy's name, ``"module:Class"`` or an ``EvictionPolicy`` instance
+      (``hybridkv.policies``).
     """
 
     def __init__(
@@ -73,7 +77,9 @@ class KVCacheManager:
         num_hash_lookahead_tokens: int = 0,
         log_stats: bool = True,
         event_builder_class: type[EventBuilder] = EventBuilder,
+        eviction_policy: str | EvictionPolicy = "lru",
     ) -> None:
+        policy = resolve_policy(eviction_policy)
         settings = validate_manager_config(
             config,
             max_model_len,
@@ -97,7 +103,9 @@ class KVCacheManager:
             enable_caching=enable_caching,
             enable_kv_cache_events=enable_kv_cache_events,
             event_builder_class=event_builder_class,
+            eviction_policy=policy,
         )
+        self.eviction_policy = "lru" if policy is None else policy.name
         self.block_pool = self.coordinator.block_pool
         self.num_groups = len(config.groups)
         self.log_stats = log_stats
