@@ -228,11 +228,19 @@ def infinite_cache_bound(
                 f"block_size {block_size} must divide the trace's {request.block_tokens}-token "
                 f"blocks"
             )
-        hit_tokens += _prefix_hit(request, covered, block_size)
-        _cover(request, covered)
+        hit_tokens += prefix_hit_tokens(request, covered, block_size)
         prompt += request.input_length
         count += 1
     return CacheBound(hit_tokens, prompt, count)
+
+
+def prefix_hit_tokens(request: BlockTraceRequest, covered: dict[int, int], block_size: int) -> int:
+    """The infinite-cache hit of ``request`` after the prompts ``covered`` records, which then
+    records this one too (one step of ``infinite_cache_bound``, for a replay that computes the
+    bound as it reads the trace)."""
+    hit = _prefix_hit(request, covered, block_size)
+    _cover(request, covered)
+    return hit
 
 
 def _prefix_hit(request: BlockTraceRequest, covered: dict[int, int], block_size: int) -> int:

@@ -1,0 +1,309 @@
+"""Replay a block-hash trace through a KV cache manager, on a clock.
+
+The loop is vLLM v1's scheduler in miniature, on simulated time:
+
+* a request arrives at its trace timestamp (``time_scale`` stretches or compresses them) and
+  waits, first come first served;
+* each step has ``max_num_batched_tokens`` tokens: running requests first, in admission order
+  (a decode needs one token, an unfinished prefill its next chunk); when ``allocate_slots``
+  returns ``None`` the latest-admitted running request is preempted (freed, back to the front
+  of the queue, to be admitted again from its cached prefix);
+* waiting requests are admitted while the budget and ``max_num_seqs`` allow and no request was
+  preempted this step;
+* the step lasts what the ``CostModel`` says; requests whose prompt is computed emit one output
+  token per step until they have ``output_length`` of them.
+
+What is measured is what the field reports: the prompt tokens hit at a request's *first*
+admission (a re-admission after preemption hits its own earlier blocks, and is counted apart,
+as vLLM's ``PrefixCacheStats`` splits preempted requests), beside the infinite-cache bound of
+the same requests computed from the trace's ids in the same pass; TTFT, end-to-end latency and
+queueing time per request; preemptions; tokens per second of simulated time.
+
+A request of ``input_length + output_length > max_model_len`` is skipped at arrival and
+counted, never an abort of the run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import ParamSpec, TypeVar
+
+from hybridkv.block_trace import BlockTraceError, BlockTraceRequest, prefix_hit_tokens
+from hybridkv.lab.cost_model import CostModel
+from hybridkv.lab.result import ReplayResult
+from hybridkv.reference import Request
+from hybridkv.simulate import Manager
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+OUTPUT_TOKEN_BASE = 1 << 40
+"""Output tokens are ``OUTPUT_TOKEN_BASE + (request index << 20) + k``: no trace token (``hash id ×
+block tokens + offset``) and no other request's output is ever equal to one."""
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """The scheduler's limits and the clock."""
+
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int = 131072
+    time_scale: float = 1.0
+    cost_model: CostModel = field(default_factory=CostModel)
+    attention_mix: tuple[tuple[float, int | None], ...] = ((1.0, None),)
+    """``(share of the KV bytes per token, window)`` per attention kind, for the context a step
+    attends: a full-attention share reads the whole context, a windowed one at most its window."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not self.time_scale > 0:
+            raise ValueError(f"time_scale must be > 0, got {self.time_scale!r}")
+
+    def attended(self, context: int) -> float:
+        """Context tokens a step reads for a request of ``context`` tokens, weighted by kind."""
+        return sum(
+            share * (context if window is None else min(context, window))
+            for share, window in self.attention_mix
+        )
+
+
+@dataclass
+class _Live:
+    """A request in the replay: its trace line, its manager request and its clock."""
+
+    trace: BlockTraceRequest
+    request: Request
+    arrival_ms: float
+    admitted: bool = False
+    first_token_ms: float | None = None
+    queue_ms: float | None = None
+    emitted: int = 0
+
+
+RequestMaker = Callable[[str, Sequence[int]], Request]
+
+
+class Replay:
+    """One replay of ``trace`` through ``manager``; ``run`` returns the ``ReplayResult``."""
+
+    def __init__(
+        self,
+        manager: Manager,
+        trace: Iterable[BlockTraceRequest],
+        make_request: RequestMaker,
+        *,
+        block_size: int,
+        config: ReplayConfig | None = None,
+        mamba_block_size: int | None = None,
+    ) -> None:
+        self.manager = manager
+        self.trace = iter(trace)
+        self.make_request = make_request
+        self.block_size = block_size
+        self.config = ReplayConfig() if config is None else config
+        self.mamba_block_size = mamba_block_size
+        self.result = ReplayResult()
+        self.now_ms = 0.0
+        self.waiting: deque[_Live] = deque()
+        self.running: list[_Live] = []
+        self._next: BlockTraceRequest | None = None
+        self._covered: dict[int, int] = {}
+        self._manager_seconds = 0.0
+
+    def run(self, on_step: Callable[[ReplayResult], None] | None = None) -> ReplayResult:
+        """Step until the trace is exhausted and every request has finished or been refused."""
+        start = time.perf_counter()
+        self._next = next(self.trace, None)
+        while True:
+            self._arrive()
+            if not self.running and not self.waiting:
+                if self._next is None:
+                    break
+                self.now_ms = max(self.now_ms, self._arrival_ms(self._next))
+                continue
+            self._step()
+            if on_step is not None:
+                on_step(self.result)
+        self.result.simulated_ms = self.now_ms
+        self.result.wall_seconds = time.perf_counter() - start
+        self.result.manager_seconds = self._manager_seconds
+        return self.result
+
+    # --- Arrivals ---------------------------------------------------------------------------
+
+    def _arrival_ms(self, trace: BlockTraceRequest) -> float:
+        return trace.timestamp_ms * self.config.time_scale
+
+    def _arrive(self) -> None:
+        """Requests whose arrival time has come join the queue (too long ones are skipped)."""
+        while self._next is not None and self._arrival_ms(self._next) <= self.now_ms:
+            trace = self._next
+            self._next = next(self.trace, None)
+            if trace.input_length + trace.output_length > self.config.max_model_len:
+                self.result.skipped += 1
+                continue
+            if trace.block_tokens % self.block_size:
+                raise BlockTraceError(
+                    f"the manager's hash block size {self.block_size} must divide the trace's "
+                    f"{trace.block_tokens}-token blocks"
+                )
+            self.result.bound_hit_tokens += prefix_hit_tokens(trace, self._covered, self.block_size)
+            request = self.make_request(f"r{trace.index}", trace.prompt_tokens())
+            self.waiting.append(_Live(trace, request, self._arrival_ms(trace)))
+            self.result.requests += 1
+
+    # --- One step ---------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        self._call(self.manager.new_step_starts)
+        scheduled = self._schedule()
+        self.result.steps += 1
+        self.now_ms += self.config.cost_model.step_ms(*self._work(scheduled))
+        self._advance(scheduled)
+
+    def _schedule(self) -> list[tuple[_Live, int]]:
+        """The requests that compute this step and how many tokens each computes."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[_Live, int]] = []
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            live = self.running[index]
+            request = live.request
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = self._chunk(request, request.num_computed_tokens, min(remaining, budget))
+            allocated, preempted_now = self._allocate_or_preempt(live, num_new)
+            preempted = preempted or preempted_now
+            if not allocated:
+                break
+            scheduled.append((live, num_new))
+            budget -= num_new
+            index += 1
+        if not preempted:
+            scheduled += self._admit(budget)
+        return scheduled
+
+    def _chunk(self, request: Request, start: int, num_new: int) -> int:
+        """A Mamba "align" model's prefill chunk ends on a Mamba block boundary, and its last
+        chunk stops at the last boundary before the prompt's end, so those states are cached."""
+        block = self.mamba_block_size
+        if block is None or start >= request.num_prompt_tokens:
+            return num_new
+        end = start + num_new
+        last_boundary = (request.num_prompt_tokens - 1) // block * block
+        if start < last_boundary < end:
+            return last_boundary - start
+        if end < request.num_tokens and end // block * block > start:
+            return end // block * block - start
+        return num_new
+
+    def _allocate_or_preempt(self, live: _Live, num_new: int) -> tuple[bool, bool]:
+        """Slots for a running request, preempting the latest-admitted until they fit."""
+        preempted = False
+        while self._call(self.manager.allocate_slots, live.request, num_new) is None:
+            victim = self.running.pop()
+            self._call(self.manager.free, victim.request)
+            victim.request.num_computed_tokens = 0
+            self.result.preemptions += 1
+            preempted = True
+            if victim is live and not self.running:
+                self._refuse(victim)
+                return False, preempted
+            self.waiting.appendleft(victim)
+            if victim is live:
+                return False, preempted
+        return True, preempted
+
+    def _admit(self, budget: int) -> list[tuple[_Live, int]]:
+        """Admit waiting requests in order while the budget, the seats and the pool allow."""
+        admitted: list[tuple[_Live, int]] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            live = self.waiting[0]
+            request = live.request
+            blocks, num_hits, boundary = self._call(self.manager.get_computed_blocks, request)
+            request.shared_prefix_boundary = boundary
+            num_new = self._chunk(request, num_hits, min(request.num_tokens - num_hits, budget))
+            new = self._call(self.manager.allocate_slots, request, num_new, num_hits, blocks)
+            if new is None:
+                if self.running or admitted:
+                    break
+                self.waiting.popleft()  # more than the whole pool: it can never run
+                self._call(self.manager.free, request)
+                self._refuse(live)
+                continue
+            self.waiting.popleft()
+            self.running.append(live)
+            request.num_computed_tokens = num_hits
+            self._count_admission(live, num_hits)
+            admitted.append((live, num_new))
+            budget -= num_new
+        return admitted
+
+    def _count_admission(self, live: _Live, num_hits: int) -> None:
+        if live.admitted:
+            self.result.readmissions += 1
+            self.result.readmission_hit_tokens += num_hits
+            self.result.readmission_prompt_tokens += live.request.num_tokens
+            return
+        live.admitted = True
+        live.queue_ms = self.now_ms - live.arrival_ms
+        self.result.prompt_tokens += live.trace.input_length
+        self.result.hit_tokens += num_hits
+
+    def _work(self, scheduled: list[tuple[_Live, int]]) -> tuple[int, int, int]:
+        """Prefill tokens, decoding requests and attended context tokens of this step."""
+        prefill = decode = 0
+        context = 0.0
+        for live, num_new in scheduled:
+            request = live.request
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                prefill += num_new
+            else:
+                decode += 1
+            context += self.config.attended(request.num_computed_tokens + num_new)
+        return prefill, decode, int(context)
+
+    def _advance(self, scheduled: list[tuple[_Live, int]]) -> None:
+        """The "model" runs: computed tokens advance; complete requests emit their next token."""
+        for live, num_new in scheduled:
+            request = live.request
+            request.num_computed_tokens += num_new
+            self.result.computed_tokens += num_new
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk: no output yet
+            if live.first_token_ms is None:
+                live.first_token_ms = self.now_ms
+            live.emitted += 1
+            if live.emitted >= max(1, live.trace.output_length):
+                self.running.remove(live)
+                self._call(self.manager.free, request)
+                self._finish(live)
+                continue
+            token = OUTPUT_TOKEN_BASE + (live.trace.index << 20) + live.emitted
+            request.append_output_token_ids(token)
+
+    def _finish(self, live: _Live) -> None:
+        assert live.first_token_ms is not None
+        assert live.queue_ms is not None
+        self.result.finished += 1
+        self.result.output_tokens += live.emitted
+        self.result.ttft_ms.append(live.first_token_ms - live.arrival_ms)
+        self.result.e2e_ms.append(self.now_ms - live.arrival_ms)
+        self.result.queue_ms.append(live.queue_ms)
+
+    def _refuse(self, live: _Live) -> None:
+        self.result.refused += 1
+
+    def _call(self, call: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        """One manager call, its wall time added to the run's manager time."""
+        start = time.perf_counter()
+        value = call(*args, **kwargs)
+        self._manager_seconds += time.perf_counter() - start
+        return value

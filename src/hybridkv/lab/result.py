@@ -1,0 +1,97 @@
+"""What a replay measured: hits at first admission beside the bound, latency, throughput."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0–100) by linear interpolation between order statistics (numpy's
+    default); 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+@dataclass
+class ReplayResult:
+    """Counts and per-request times of one replay (times in simulated milliseconds)."""
+
+    requests: int = 0
+    skipped: int = 0
+    refused: int = 0
+    finished: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    bound_hit_tokens: int = 0
+    readmissions: int = 0
+    readmission_hit_tokens: int = 0
+    readmission_prompt_tokens: int = 0
+    computed_tokens: int = 0
+    output_tokens: int = 0
+    simulated_ms: float = 0.0
+    wall_seconds: float = 0.0
+    manager_seconds: float = 0.0
+    ttft_ms: list[float] = field(default_factory=list)
+    e2e_ms: list[float] = field(default_factory=list)
+    queue_ms: list[float] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        """Prompt tokens hit at first admission / prompt tokens of admitted requests."""
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def bound_hit_rate(self) -> float:
+        """The infinite-cache bound of the same requests (arrived ones), same block size.
+
+        Its denominator is the prompt tokens of every arrived request; it equals
+        ``prompt_tokens`` once every request was admitted (none refused)."""
+        total = self.prompt_tokens
+        return self.bound_hit_tokens / total if total else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Prompt and output tokens computed per second of simulated time."""
+        seconds = self.simulated_ms / 1e3
+        return (self.computed_tokens) / seconds if seconds else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """The figures as a flat dict with stable keys."""
+
+        def spread(values: Sequence[float]) -> dict[str, float]:
+            return {f"p{q}": round(percentile(values, q), 3) for q in (50, 90, 99)}
+
+        return {
+            "requests": self.requests,
+            "skipped": self.skipped,
+            "refused": self.refused,
+            "finished": self.finished,
+            "steps": self.steps,
+            "preemptions": self.preemptions,
+            "prompt_tokens": self.prompt_tokens,
+            "hit_tokens": self.hit_tokens,
+            "hit_rate": round(self.hit_rate, 6),
+            "bound_hit_tokens": self.bound_hit_tokens,
+            "bound_hit_rate": round(self.bound_hit_rate, 6),
+            "readmissions": self.readmissions,
+            "readmission_hit_tokens": self.readmission_hit_tokens,
+            "readmission_prompt_tokens": self.readmission_prompt_tokens,
+            "computed_tokens": self.computed_tokens,
+            "output_tokens": self.output_tokens,
+            "simulated_seconds": round(self.simulated_ms / 1e3, 3),
+            "tokens_per_second": round(self.tokens_per_second, 1),
+            "ttft_ms": spread(self.ttft_ms),
+            "e2e_ms": spread(self.e2e_ms),
+            "queue_ms": spread(self.queue_ms),
+            "wall_seconds": round(self.wall_seconds, 3),
+            "manager_seconds": round(self.manager_seconds, 3),
+        }
