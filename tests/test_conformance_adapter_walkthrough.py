@@ -1,6 +1,6 @@
-"""The README's "Check your own implementation" works as written, for a stranger.
+"""``docs/check-your-implementation.md`` works as written, for a stranger.
 
-The adapter is taken verbatim from the README, written to a module of its own and checked with
+The adapter is taken verbatim from that page, written to a module of its own and checked with
 ``python -m hybridkv.conformance --adapter`` in a subprocess (a small budget: 12 traces, a few
 examples); a deliberately broken copy must fail with the trace's name in the report.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from markdown_pages import fenced_block
 
-PAGE = "README.md"
+PAGE = "docs/check-your-implementation.md"
 ADAPTER_SOURCE = fenced_block(PAGE, "2. A worked adapter", "python")
 COMMAND = fenced_block(PAGE, "3. The command", "text").strip()
 
