@@ -31,6 +31,9 @@ for requirement in requires("vllm") or []:
     if not skip.match(name):
         print(requirement)
 PY
+    echo "Installing vLLM's requirements without its GPU stack: pip's resolver error" \
+        "\"vllm 0.33.0 requires torch==2.14.0\" is expected and harmless (the CPU torch 2.13.0" \
+        "of hybridkv's dev extras is kept on purpose)" >&2
     "$PYTHON" -m pip install -q -r /tmp/hybridkv-vllm-requirements.txt || return 1
 }
 if ! (install); then

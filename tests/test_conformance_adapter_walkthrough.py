@@ -1,6 +1,6 @@
-"""The README's "Check your own implementation" works as written, for a stranger.
+"""``docs/check-your-implementation.md`` works as written, for a stranger.
 
-The adapter is taken verbatim from the README, written to a module of its own and checked with
+The adapter is taken verbatim from that page, written to a module of its own and checked with
 ``python -m hybridkv.conformance --adapter`` in a subprocess (a small budget: 12 traces, a few
 examples); a deliberately broken copy must fail with the trace's name in the report.
 """
@@ -14,12 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from markdown_pages import fenced_block
 
-ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text(encoding="utf-8")
-SECTION = README.split("## Check your own implementation", 1)[1].split("\n## ", 1)[0]
-ADAPTER_SOURCE = SECTION.split("```python\n", 1)[1].split("```", 1)[0]
-COMMAND = SECTION.split("```text\n", 1)[1].split("```", 1)[0].strip()
+PAGE = "docs/check-your-implementation.md"
+ADAPTER_SOURCE = fenced_block(PAGE, "2. A worked adapter", "python")
+COMMAND = fenced_block(PAGE, "3. The command", "text").strip()
 
 BROKEN_SOURCE = '''
 from hybridkv.conformance.adapters import Lookup
@@ -44,7 +43,7 @@ SMALL_BUDGET = ["--traces", "12", "--examples", "40", "--steps", "6", "--hit-sta
 
 
 def _run(folder: Path, spec: str, *, script: bool = False) -> subprocess.CompletedProcess[str]:
-    """The command, run from ``folder`` (where the adapter module is) as the README says, with
+    """The command, run from ``folder`` (where the adapter module is) as the page says, with
     ``python -m`` or, with ``script``, the ``hybridkv`` script beside this interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     command = (
@@ -70,13 +69,13 @@ def adapter_folder(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_the_readme_command_names_the_readme_adapter() -> None:
+def test_the_pages_command_names_the_pages_adapter() -> None:
     assert COMMAND == "python -m hybridkv.conformance --adapter my_adapter:make_adapter"
     assert "class MyAdapter:" in ADAPTER_SOURCE
     assert "ProtocolAdapter" not in ADAPTER_SOURCE
 
 
-def test_the_readme_adapter_passes_the_whole_suite(adapter_folder: Path) -> None:
+def test_the_pages_adapter_passes_the_whole_suite(adapter_folder: Path) -> None:
     result = _run(adapter_folder, "my_adapter:make_adapter")
     out = result.stdout
     assert result.returncode == 0, out[-4000:] + result.stderr[-2000:]

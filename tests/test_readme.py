@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
+from markdown_pages import ROOT, fenced_block, read_page
 
-ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text(encoding="utf-8")
+README = read_page("README.md")
 
 
 def test_the_quick_start_runs() -> None:
-    quick_start = README.split("## Quick start", 1)[1]
-    code = quick_start.split("```python\n", 1)[1].split("```", 1)[0]
+    code = fenced_block("README.md", "Quick start", "python")
     namespace: dict[str, object] = {}
     exec(compile(code, "README.md", "exec"), namespace)
     assert namespace["num_hit_tokens"] == 0
