@@ -26,11 +26,11 @@ class ConformanceError(AssertionError):
 def skipped_block_count(spec: KVCacheSpec, num_computed_tokens: int) -> int:
     """Positions before the window (or chunk) of the next token: the most nulls a table has.
 
-    One exception, inherited from vLLM and pinned by the golden traces (README, "A limitation
-    inherited from vLLM"): with a chunk that is not a multiple of the block size, a single-pass
-    lookup can return a hit whose chunk starts before its null positions end, and admission
-    adopts those nulls. They still never reach past the hit's last block, so the bound there
-    is every position the computed tokens fill.
+    One exception, inherited from vLLM and pinned by the golden traces (docs/checks.md, "A
+    limitation inherited from vLLM"): with a chunk that is not a multiple of the block size, a
+    single-pass lookup can return a hit whose chunk starts before its null positions end, and
+    admission adopts those nulls. They still never reach past the hit's last block, so the bound
+    there is every position the computed tokens fill.
     """
     if isinstance(spec, ChunkedLocalAttentionSpec) and spec.attention_chunk_size % spec.block_size:
         return rules.cdiv(num_computed_tokens, spec.block_size)

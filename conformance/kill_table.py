@@ -3,7 +3,7 @@
 ``python -m hybridkv.conformance.kill_table --table`` prints one row per planted bug (the
 catalogues of ``mutants_reference``, ``mutants_optimized`` and ``mutants_planner``, and the
 contract bugs of ``planted_bugs``), a mark per check: which checks catch it without the others.
-Not run in CI; the README's table is its output.
+Not run in CI; the table in docs/checks.md is its output.
 """
 
 from __future__ import annotations

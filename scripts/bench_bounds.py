@@ -1,4 +1,6 @@
-"""What bounds the benchmark's missed targets, measured (README, "What bounds them").
+"""What bounds the benchmark's missed targets, measured.
+
+docs/optimized-backend.md, "What bounds them", holds its output.
 
 ``python scripts/bench_bounds.py`` prints, on this interpreter, one torch thread:
 

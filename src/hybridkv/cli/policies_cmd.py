@@ -1,8 +1,8 @@
 """``hybridkv policies``: every catalogue model under the three grouping policies, one table.
 
-The README's policy table is this command's output (``--format markdown``): per model and
-policy, the KV cache groups, padding slots, blocks and requests of ``max_model_len`` that fit,
-with vLLM's maximum concurrency; the policy that fits the most is in bold. Two layouts that
+The policy table of docs/grouping-policies.md is this command's output (``--format markdown``): per
+model and policy, the KV cache groups, padding slots, blocks and requests of ``max_model_len`` that
+fit, with vLLM's maximum concurrency; the policy that fits the most is in bold. Two layouts that
 are not catalogue models join them: gpt-oss-20b with an EAGLE draft layer (13 full + 12
 sliding) and 6 full + 5 sliding layers of gpt-oss-20b's shape.
 """
