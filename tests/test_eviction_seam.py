@@ -212,11 +212,14 @@ def test_policy_choices_resolve_or_are_refused_by_name() -> None:
     mine = LRUPolicy()
     assert resolve_policy(mine) is mine
     for choice, message in [
-        ("fifo", "eviction_policy 'fifo' is not a policy name (lru) nor 'module:Class'"),
+        ("fifo", "eviction_policy 'fifo' is not a policy name (hybrid, lru) nor 'module:Class'"),
         ("no_such_module:X", "eviction_policy 'no_such_module:X': cannot import"),
         ("hybridkv.policies:Nope", "hybridkv.policies has no class 'Nope'"),
         ("collections:OrderedDict", "OrderedDict lacks the EvictionPolicy methods"),
-        (42, "eviction_policy must be one of ['lru'], 'module:Class' or an EvictionPolicy"),
+        (
+            42,
+            "eviction_policy must be one of ['hybrid', 'lru'], 'module:Class' or an EvictionPolicy",
+        ),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             resolve_policy(choice)

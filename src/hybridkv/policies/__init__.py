@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 
+from hybridkv.policies.hybrid import HybridPolicy
 from hybridkv.policies.lru import LRUPolicy
 from hybridkv.policies.protocol import CachedBlock, EvictionPolicy, PolicyError
 
@@ -17,12 +18,16 @@ __all__ = [
     "POLICIES",
     "CachedBlock",
     "EvictionPolicy",
+    "HybridPolicy",
     "LRUPolicy",
     "PolicyError",
     "resolve_policy",
 ]
 
-POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy}
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "hybrid": HybridPolicy,
+}
 """The shipped policies by name."""
 
 DEFAULT = "lru"
