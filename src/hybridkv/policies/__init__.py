@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import importlib
 
+from hybridkv.policies.arc import ARCPolicy
 from hybridkv.policies.hybrid import HybridPolicy
 from hybridkv.policies.lru import LRUPolicy
 from hybridkv.policies.protocol import CachedBlock, EvictionPolicy, PolicyError
 
 __all__ = [
     "POLICIES",
+    "ARCPolicy",
     "CachedBlock",
     "EvictionPolicy",
     "HybridPolicy",
@@ -27,6 +29,7 @@ __all__ = [
 POLICIES: dict[str, type[EvictionPolicy]] = {
     "lru": LRUPolicy,
     "hybrid": HybridPolicy,
+    "arc": ARCPolicy,
 }
 """The shipped policies by name."""
 
