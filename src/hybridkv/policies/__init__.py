@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 
 from hybridkv.policies.arc import ARCPolicy
+from hybridkv.policies.cost import CostPolicy
 from hybridkv.policies.hybrid import HybridPolicy
 from hybridkv.policies.lru import LRUPolicy
 from hybridkv.policies.protocol import CachedBlock, EvictionPolicy, PolicyError
@@ -19,6 +20,7 @@ __all__ = [
     "POLICIES",
     "ARCPolicy",
     "CachedBlock",
+    "CostPolicy",
     "EvictionPolicy",
     "HybridPolicy",
     "LRUPolicy",
@@ -30,6 +32,7 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     "lru": LRUPolicy,
     "hybrid": HybridPolicy,
     "arc": ARCPolicy,
+    "cost": CostPolicy,
 }
 """The shipped policies by name."""
 
