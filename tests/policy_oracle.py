@@ -109,7 +109,7 @@ def oracle_counts(policy: RecordingHybrid) -> dict[Key, tuple[int, int, int]]:
         path = _path(policy, key)
         for reader in path or ():
             serves[reader] += 1
-            tails[reader] += children[key] == 0
+            tails[reader] += children[key] != 1
     return {key: (children[key], serves[key], tails[key]) for key in held}
 
 

@@ -40,22 +40,25 @@ def _two_branches(policy: HybridPolicy) -> KVCacheManager:
 
 def test_interior_window_blocks_go_before_chains_and_branch_tails() -> None:
     """Free blocks without a key first (the partial last blocks and the unused ones), then the
-    sliding-window blocks no branch end reads (blocks 0-2 of the shared stem, and a's and b's
-    block 3: the hits ending at the branch ends read blocks 4 and 5 only), then the full
-    chains and each branch's last window, least recently released first within a tier."""
+    sliding-window blocks no tail end reads (block 0 of the shared stem, and a's and b's block
+    3: the hits ending at the branch point, block 2, read blocks 1 and 2; those at the branch
+    ends read blocks 4 and 5), then the full chains and the windows before the branch point
+    and the branch ends, least recently released first within a tier."""
     policy = HybridPolicy()
     manager = _two_branches(policy)
     order = list(policy.choose(manager.block_pool.num_free_blocks))
     tiers = policy.tiers()
-    assert [tiers[b] for b in order] == [NO_KEY] * 13 + [INTERIOR] * 10 + [KEEP] * 17
-    assert order[13:23] == [11, 8, 18, 15, 26, 10, 9, 30, 17, 16]
-    assert order[23:] == [6, 5, 4, 13, 12, 20, 19, 24, 23, 22, 3, 2, 1, 28, 27, 32, 31]
+    assert [tiers[b] for b in order] == [NO_KEY] * 13 + [INTERIOR] * 6 + [KEEP] * 21
+    assert order[13:19] == [11, 8, 18, 15, 26, 30]
+    assert order[19:] == [6, 5, 4, 13, 12, 20, 19, 24, 23, 22, 3, 2, 1, 28, 27, 10, 9, 32, 31,
+                          17, 16]  # fmt: skip
     manager.check_invariants()
 
 
 def test_the_branch_released_last_keeps_its_whole_hit() -> None:
-    """c needs 24 new blocks: the 13 without a key, the 10 interior window blocks and one
-    block of a chain; b's branch, released last, still hits all 24 tokens, a's none."""
+    """c needs 24 new blocks: the 13 without a key, the 6 interior window blocks and 5 of the
+    chains and windows released first (a's); b's branch, released last, still hits all 24
+    tokens, a's none."""
     manager = _two_branches(HybridPolicy())
     assert admit(manager, "c", [*range(900, 928), 1]) is not None
     hits = [

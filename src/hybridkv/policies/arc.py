@@ -4,12 +4,13 @@ Rule (Megiddo & Modha, "ARC: A Self-Tuning, Low Overhead Replacement Cache", FAS
 over the blocks of one pool: a cached block is in T1 (accessed once: cached, never hit since)
 or T2 (hit at least once: ``touched`` while it held a key); a key evicted from T1 is
 remembered in the ghost list B1, one from T2 in B2, the two bounded together by the pool's
-block count ``c`` (oldest ghost dropped first). Caching a key found in B1 means T1 was too
-small: the target ``p`` for T1 grows by ``max(1, |B2| // |B1|)`` (at most ``c``), and the
-block joins T2; a key found in B2 shrinks ``p`` by ``max(1, |B1| // |B2|)`` (at least 0). To
-reuse a block: free blocks without a key first (nothing to lose, as in vLLM's queue), then the
-least recently released free block of T1 when T1 holds more than ``p`` blocks (held or free),
-else of T2, falling back to the other list when the chosen one has no free block.
+block count ``c`` (the longer list's oldest ghost dropped first, a simplification of ARC's
+case IV). Caching a key found in B1 means T1 was too small: the target ``p`` for T1 grows by
+``max(1, |B2| // |B1|)`` (at most ``c``), and the block joins T2; a key found in B2 shrinks
+``p`` by ``max(1, |B1| // |B2|)`` (at least 0). To reuse a block: free blocks without a key
+first (nothing to lose, as in vLLM's queue), then the least recently released free block of T1
+when T1 holds more than ``p`` blocks (held or free), else of T2, falling back to the other list
+when the chosen one has no free block.
 
 Only free blocks can be evicted, so T1 and T2 count every cached block but only their free
 members are candidates. Each call costs O(1) per block (ordered dicts); ``choose`` replays the

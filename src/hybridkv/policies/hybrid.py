@@ -8,9 +8,10 @@ queue orders ties):
    every cached prefix end (``rules.can_serve_hit``); a full-attention block whose parent key is
    gone (its chain to the root is broken); a Mamba state at a prefix the full-attention groups
    no longer cache; a second block holding a key another block already serves;
-2. a branch's interior window blocks: read by some prefix end, but by no branch end;
+2. a branch's interior window blocks: read by some prefix end, but by none at a branch end or
+   branch point (several cached children: the prefix the diverging requests share ends there);
 3. the rest (Mamba states at cached prefixes, kinds without a rule);
-4. full-attention chains and the last window at each branch end.
+4. full-attention chains and the last window before each branch end and branch point.
 
 A block holding several keys takes its highest tier. Sources: vllm#21017 and vllm#51909
 (out-of-window and never-hit blocks flush the prefixes that could hit); SGLang's

@@ -7,11 +7,12 @@ placeholder while a cached descendant hangs below it.
 
 Per node the tree keeps, incrementally:
 
-* ``cached_children``: children whose key is held (a node with none is a branch end);
+* ``cached_children``: children whose key is held; a node with none is a branch end, one with
+  several a branch point (where requests diverge, the prefix they share ends);
 * for sliding-window and chunked-local groups, ``end``: a hit may end here (the node is cached
   and every block the hit reads, ``rules.hit_block_span``, is cached along its path), ``tail``:
-  an end that is a branch end, and ``serves`` / ``tails``: how many ends (branch-end ends) read
-  this node. A node no end reads can serve no hit.
+  an end at a branch end or branch point (a radix tree's node end), and ``serves`` /
+  ``tails``: how many ends (tail ends) read this node. A node no end reads can serve no hit.
 
 A change at a node can move ``end`` only for the nodes whose span reaches back over it: its
 descendants within one span (the span's start never falls along a path), its parent (a branch
@@ -161,7 +162,7 @@ class KeyTree:
         node = self.nodes[key]
         path = self.end_path(key)
         end = path is not None
-        tail = end and node.cached_children == 0
+        tail = end and node.cached_children != 1
         if (end, tail) == (node.end, node.tail):
             return
         for k in node.contrib:
