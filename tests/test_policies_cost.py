@@ -37,24 +37,29 @@ def test_the_flops_model_grows_with_the_context_each_type_reads() -> None:
     [(1.0, [5, 2, 1, 3, 4]), (0.0, [5, 1, 2, 3, 4]), (0.5, [5, 2, 1, 3, 4])],
 )
 def test_alpha_weighs_flops_per_byte_against_recency(alpha: float, order: list[int]) -> None:
-    """Blocks 1-4 (full at 4 tokens, Mamba at 4, full at 24, Mamba at 24) released in that
-    order; block 5 holds no key. α = 1 ranks by FLOPs per byte alone, α = 0 by release."""
+    """Blocks 1-4 (full at 4 tokens, Mamba at 4, full at 24, Mamba at 24; no chain, so all are
+    candidates) released in that order; block 5 holds no key. α = 1 ranks by FLOPs per byte
+    alone, α = 0 by release."""
     policy = CostPolicy(alpha=alpha)
     policy.released([1, 2, 3, 4, 5], [])
-    for block_id, spec, tokens in ((1, FULL, 4), (2, MAMBA, 4), (3, FULL, 24), (4, MAMBA, 24)):
-        policy.cached(CachedBlock(block_id, bytes([block_id]), 0, spec, None, tokens))
+    for block_id, name, group, spec, tokens in (
+        (1, b"p", 0, FULL, 4),
+        (2, b"p", 1, MAMBA, 4),  # the full group holds both prefixes: no state is useless
+        (3, b"q", 0, FULL, 24),
+        (4, b"q", 1, MAMBA, 24),
+    ):
+        policy.cached(CachedBlock(block_id, name, group, spec, None, tokens))
     policy.touched([1, 2, 3, 4])
     policy.released([], [1, 2, 3, 4])
     assert list(policy.choose(5)) == order
     stamp, horizon = 2, 5  # block 3 released third; five blocks announced at start
-    assert policy.score(3) == alpha * math.log2(1 + 70.0) + (1 - alpha) * stamp / horizon
-    assert policy.score(5) is None
+    assert policy.score(3, stamp) == alpha * math.log2(1 + 70.0) + (1 - alpha) * stamp / horizon
 
 
-def test_on_the_document_example_the_cheapest_blocks_go_first() -> None:
+def test_on_the_document_example_chain_interiors_go_last() -> None:
     """After a and b (a's first three blocks, then its own) are freed: the 13 blocks without
-    a key, then by score; the sliding-window blocks of the stem's start (least context) first,
-    b's full-attention tail (most context, released last) last."""
+    a key, then the candidates by score (every window block, and the last full block of each
+    chain: a's 6 and b's 28), then the full-attention blocks with a cached child by score."""
     policy = CostPolicy()
     manager = KVCacheManager(document_config(41), max_model_len=64, eviction_policy=policy)
     a = admit(manager, "a", [*range(24), 7])
@@ -65,10 +70,9 @@ def test_on_the_document_example_the_cheapest_blocks_go_first() -> None:
     manager.free(b)
     order = list(policy.choose(manager.block_pool.num_free_blocks))
     assert order[:13] == [33, 29, 25, 21, 14, 7, 34, 35, 36, 37, 38, 39, 40]
-    assert order[13:] == [8, 13, 15, 12, 11, 20, 4, 19, 18, 1, 5, 6, 2, 3, 28, 27, 22, 9, 26,
-                          10, 23, 32, 31, 24, 16, 30, 17]  # fmt: skip
-    scores = [policy.score(block_id) for block_id in order[13:]]
-    assert scores == sorted(scores)  # type: ignore[type-var]
+    assert order[13:33] == [8, 13, 15, 12, 11, 20, 19, 18, 6, 28, 27, 9, 26, 10, 32, 31, 24,
+                            16, 30, 17]  # fmt: skip
+    assert order[33:] == [4, 1, 5, 2, 3, 22, 23]
     manager.check_invariants()
 
 

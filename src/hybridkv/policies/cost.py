@@ -3,12 +3,17 @@
 Rule (Marconi, Pan et al., MLSys'25, "Marconi: Prefix Caching for the Era of Hybrid LLMs";
 ``ruipeterpan/marconi`` ``radix_cache_hybrid.py:503-560``): every candidate gets
 ``α · efficiency + (1 − α) · recency`` and the minimum is evicted, where efficiency is the
-recompute FLOPs the cached entry saves per byte it frees. Free blocks without a key go first
-(nothing to lose, as in vLLM's queue), least recently released first.
+recompute FLOPs the cached entry saves per byte it frees. Marconi's candidates are the radix
+nodes with at most one child: evicting one never cuts another entry's prefix. Here, in order:
+free blocks without a key (nothing to lose, as in vLLM's queue), then blocks that can serve no
+hit (``hybrid``'s rule, least recently released first), then the candidates by score (blocks
+with no full-attention key that has a cached child: window blocks, Mamba states, the ends of
+full-attention chains), then full-attention chain interiors by score.
 
 Adapted so that each block's score is fixed when it is released (a heap then orders the free
-blocks in O(log n); Marconi min-max normalises both terms over the current candidates, which
-costs a pass over them per eviction):
+blocks in O(log n); the structure comes from ``hybrid``'s incremental key trees; Marconi
+min-max normalises both terms over the current candidates, which costs a pass over them per
+eviction):
 
 * efficiency is ``log2(1 + FLOPs ÷ bytes)`` of the block's keys (bits), bytes being the spec's
   page size (``page_size_bytes``: one block of one layer, or one padded Mamba state);
@@ -32,11 +37,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from hybridkv.policies.free_set import ReleaseClock, ScoredFreeSet
+from hybridkv.policies.hybrid import NO_KEY, USELESS, HybridPolicy
 from hybridkv.policies.key_tree import window_of
 from hybridkv.policies.protocol import CachedBlock
 
 DEFAULT_ALPHA = 0.5
+CANDIDATE, CHAIN = 2, 3
 DEFAULT_MAMBA_FLOPS_PER_STATE_BYTE = 6.0
 
 
@@ -58,8 +64,8 @@ def recompute_flops(block: CachedBlock, mamba_flops_per_state_byte: float) -> fl
     return float(tokens) * (24.0 * width * width + 4.0 * width * context)
 
 
-class CostPolicy:
-    """Evict the free block of least ``α · log2(1 + FLOPs/byte) + (1 − α) · recency``."""
+class CostPolicy(HybridPolicy):
+    """Evict the candidate of least ``α · log2(1 + FLOPs/byte) + (1 − α) · recency``."""
 
     name = "cost"
 
@@ -76,65 +82,57 @@ class CostPolicy:
             )
         self.alpha = alpha
         self.mamba_flops_per_state_byte = mamba_flops_per_state_byte
-        self._clock = ReleaseClock()
-        self._free = ScoredFreeSet()
-        self._stamp: dict[int, int] = {}
         self._efficiency: dict[int, float] = {}  # block -> FLOPs per byte of its keys
         self._horizon = 0
+        super().__init__()
 
     def cached(self, block: CachedBlock) -> None:
         flops = recompute_flops(block, self.mamba_flops_per_state_byte)
         per_byte = flops / block.spec.page_size_bytes
         block_id = block.block_id
         self._efficiency[block_id] = self._efficiency.get(block_id, 0.0) + per_byte
-        self._rank(block_id)
+        super().cached(block)
 
     def released(self, without_hash: Sequence[int], with_hash: Sequence[int]) -> None:
         if not self._horizon:
             self._horizon = len(without_hash) + len(with_hash)
-        for ids, stamps in (
-            (without_hash, self._clock.at_head(without_hash)),
-            (with_hash, self._clock.at_tail(with_hash)),
-        ):
-            for block_id, stamp in zip(ids, stamps, strict=True):
-                self._stamp[block_id] = stamp
-                self._rank(block_id)
-
-    def touched(self, block_ids: Sequence[int]) -> None:
-        for block_id in block_ids:
-            self._free.discard(block_id)
-            self._stamp.pop(block_id, None)
-
-    def choose(self, n: int) -> Sequence[int]:
-        return self._free.smallest(n)
+        super().released(without_hash, with_hash)
 
     def taken(self, block_ids: Sequence[int]) -> None:
-        self.touched(block_ids)
+        super().taken(block_ids)
         for block_id in block_ids:
             self._efficiency.pop(block_id, None)
 
     def uncached(self, block_id: int) -> None:
         self._efficiency.pop(block_id, None)
-        self._rank(block_id)
+        super().uncached(block_id)
 
     def reset(self) -> None:
         self._efficiency = {}
-        for block_id in self._stamp:
-            self._rank(block_id)
+        super().reset()
 
-    def score(self, block_id: int) -> float | None:
-        """The free block's score (``None`` for a free block without a key)."""
-        key = self._free.key(block_id)
-        return None if key[0] == 0 else key[1]
-
-    def _rank(self, block_id: int) -> None:
-        stamp = self._stamp.get(block_id)
-        if stamp is None:
-            return
-        efficiency = self._efficiency.get(block_id)
-        if efficiency is None:
-            self._free.put(block_id, (0, stamp))
-            return
+    def score(self, block_id: int, stamp: int) -> float:
+        """The block's score were it released at ``stamp``."""
         recency = stamp / max(self._horizon, 1)
-        score = self.alpha * math.log2(1.0 + efficiency) + (1.0 - self.alpha) * recency
-        self._free.put(block_id, (1, score, stamp))
+        efficiency = self._efficiency.get(block_id, 0.0)
+        return self.alpha * math.log2(1.0 + efficiency) + (1.0 - self.alpha) * recency
+
+    def sort_key(self, block_id: int, stamp: int) -> tuple[float, ...]:
+        """No key, then useless (release order), then candidates, then chain interiors, each
+        by score."""
+        tier = self.tier(block_id)
+        if tier in (NO_KEY, USELESS):
+            return (tier, stamp)
+        return (
+            CANDIDATE if self._candidate(block_id) else CHAIN,
+            self.score(block_id, stamp),
+            stamp,
+        )
+
+    def _candidate(self, block_id: int) -> bool:
+        """Marconi's candidates: no full-attention key of the block has a cached child."""
+        nodes = self.tree.nodes
+        return not any(
+            nodes[key].kind == "full" and nodes[key].cached_children
+            for key in self.keys_of(block_id)
+        )

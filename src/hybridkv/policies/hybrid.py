@@ -59,7 +59,7 @@ class HybridPolicy:
         ):
             for block_id, stamp in zip(ids, stamps, strict=True):
                 self._stamp[block_id] = stamp
-                self._free.put(block_id, (self.tier(block_id), stamp))
+                self._free.put(block_id, self.sort_key(block_id, stamp))
 
     def touched(self, block_ids: Sequence[int]) -> None:
         for block_id in block_ids:
@@ -82,9 +82,17 @@ class HybridPolicy:
         self._tree = KeyTree()
         self._keys = {}
         for block_id, stamp in self._stamp.items():
-            self._free.put(block_id, (NO_KEY, stamp))
+            self._free.put(block_id, self.sort_key(block_id, stamp))
 
     # --- classes ---------------------------------------------------------------------------
+
+    def sort_key(self, block_id: int, stamp: int) -> tuple[float, ...]:
+        """Where a free block sorts (least reused first): its tier, then its release stamp."""
+        return (self.tier(block_id), stamp)
+
+    def keys_of(self, block_id: int) -> tuple[Key, ...]:
+        """The keys the block holds."""
+        return tuple(self._keys.get(block_id, ()))
 
     def tier(self, block_id: int) -> int:
         """The block's tier now (``NO_KEY`` … ``KEEP``)."""
@@ -133,4 +141,4 @@ class HybridPolicy:
         for block_id in todo:
             stamp = self._stamp.get(block_id)
             if stamp is not None:
-                self._free.put(block_id, (self.tier(block_id), stamp))
+                self._free.put(block_id, self.sort_key(block_id, stamp))

@@ -129,8 +129,9 @@ class KeyTree:
     def _flip(self, key: Key, node: Node, delta: int, dirty: set[Key]) -> None:
         """``node`` became cached (+1) or lost its last holder (−1)."""
         parent = self.nodes.get(node.parent) if node.parent is not None else None
-        if parent is not None:
+        if parent is not None and node.parent is not None:
             parent.cached_children += delta
+            dirty.add(node.parent)
         if node.kind == "full":
             dirty.update(node.children)
             held = self.full_holders.get(key[0], 0) + delta
