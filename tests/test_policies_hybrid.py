@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from policy_oracle import RecordingHybrid, check_against_oracle
 from policy_workload import KV, Op, admit, chunked_config, document_config, run_ops
 
-from hybridkv.policies import CachedBlock, HybridPolicy
+from hybridkv.policies import CachedBlock, HybridPolicy, LRUPolicy
 from hybridkv.policies.hybrid import INTERIOR, KEEP, NO_KEY, OTHER, USELESS
 from hybridkv.reference import KVCacheManager, Request
 from hybridkv.spec import (
@@ -26,7 +26,7 @@ A = list(range(24))
 B = A[:12] + list(range(500, 512))  # shares a's first three blocks, then branches
 
 
-def _two_branches(policy: HybridPolicy) -> KVCacheManager:
+def _two_branches(policy: HybridPolicy | LRUPolicy) -> KVCacheManager:
     """a (six blocks) and b (a's first three, then three of its own), both freed."""
     manager = KVCacheManager(document_config(41), max_model_len=64, eviction_policy=policy)
     a = admit(manager, "a", [*A, 7])
@@ -53,6 +53,16 @@ def test_interior_window_blocks_go_before_chains_and_branch_tails() -> None:
     assert order[19:] == [6, 5, 4, 13, 12, 20, 19, 24, 23, 22, 3, 2, 1, 28, 27, 10, 9, 32, 31,
                           17, 16]  # fmt: skip
     manager.check_invariants()
+
+
+def test_without_tails_last_the_useful_blocks_keep_vllms_order() -> None:
+    """With ``tails_last=False`` and no useless block, the order is exactly LRU's."""
+    policy = HybridPolicy(tails_last=False)
+    lru = LRUPolicy()
+    managers = [_two_branches(policy), _two_branches(lru)]
+    n = managers[0].block_pool.num_free_blocks
+    assert list(policy.choose(n)) == list(lru.choose(n))
+    assert sorted(set(policy.tiers().values())) == [NO_KEY, OTHER]
 
 
 def test_the_branch_released_last_keeps_its_whole_hit() -> None:

@@ -13,7 +13,10 @@ queue orders ties):
 3. the rest (Mamba states at cached prefixes, kinds without a rule);
 4. full-attention chains and the last window before each branch end and branch point.
 
-A block holding several keys takes its highest tier. Sources: vllm#21017 and vllm#51909
+A block holding several keys takes its highest tier. ``HybridPolicy(tails_last=False)`` keeps
+only tiers 0, 1 and 3: useless blocks first, then plain LRU.
+
+Sources: vllm#21017 and vllm#51909
 (out-of-window and never-hit blocks flush the prefixes that could hit); SGLang's
 ``SWARadixCache`` trimming interior nodes to the trailing window first (sglang#26907) and
 evicting the branch-tail window last (sglang#35515); Prefix caching, Cases 0-2 of the design
@@ -38,7 +41,9 @@ class HybridPolicy:
 
     name = "hybrid"
 
-    def __init__(self) -> None:
+    def __init__(self, *, tails_last: bool = True) -> None:
+        # False: only useless blocks are singled out, every other keyed block is LRU (tier 3).
+        self.tails_last = tails_last
         self._tree = KeyTree()
         self._clock = ReleaseClock()
         self._free = ScoredFreeSet()
@@ -107,14 +112,17 @@ class HybridPolicy:
         if next(iter(node.blocks)) != block_id:
             return USELESS  # lookups return the first holder
         if node.kind == "full":
-            return USELESS if tree.orphan(key) else KEEP
+            return USELESS if tree.orphan(key) else self._kept(KEEP)
         if node.kind in WINDOW_KINDS:
             if not node.serves:
                 return USELESS
-            return KEEP if node.tails else INTERIOR
+            return self._kept(KEEP if node.tails else INTERIOR)
         if node.kind == "mamba" and tree.full_groups and key[0] not in tree.full_holders:
             return USELESS
         return OTHER
+
+    def _kept(self, tier: int) -> int:
+        return tier if self.tails_last else OTHER
 
     def tiers(self) -> dict[int, int]:
         """Every free block's tier (for tests and profiles)."""
