@@ -83,6 +83,8 @@ MANIFEST: tuple[Target, ...] = (
     Target(f"{RULES}.min_padding_group_size", scale=2.0),
     Target(f"{RULES}.max_concurrent_batches"),
     Target(f"{RULES}.mamba_state_blocks"),
+    Target(f"{RULES}.hit_block_span", scale=2.0),
+    Target(f"{RULES}.can_serve_hit", scale=2.0),
     # --- conformance/harnesses.py: equivalence, oracles, pool state --------------------------
     Target(f"{HARNESSES}.sliding_window_scan_equivalence", scale=3.0),
     Target(f"{HARNESSES}.hybrid_hit_is_longest_accepted", scale=4.0),

@@ -793,3 +793,64 @@ def hybrid_hit_length(
         hit_length = length
         if simple_hybrid:
             return hit_length, longest
+
+
+# --- Eviction: which cached block can still serve a cache hit (issue 23) ----------------------
+
+
+def hit_block_span(
+    kind: str, window_or_chunk: int, block_size: int, prefix_end_tokens: int
+) -> tuple[int, int]:
+    """Block positions ``[lo, hi)`` a cache hit ending at ``prefix_end_tokens`` reads in a group.
+
+    ``hi`` is the first block past the hit (every block holding a token before the end). Full
+    attention reads from block 0 (Prefix caching, Case 0); a sliding window reads the blocks
+    holding the ``window − 1`` tokens before the end (Case 1); chunked local attention reads the
+    blocks of the chunk the next token falls in, none at a chunk boundary; Mamba reads the one
+    state at the end (Allocation, Case 4). ``window_or_chunk`` is the window or chunk size in
+    tokens (ignored for full attention and Mamba).
+
+    pre: kind in ("full", "sliding_window", "chunked_local", "mamba")
+    pre: 0 < window_or_chunk <= 64
+    pre: 0 < block_size <= 16
+    pre: 0 <= prefix_end_tokens <= 256
+    post: 0 <= __return__[0] <= __return__[1] == cdiv(prefix_end_tokens, block_size)
+    post: kind != "full" or __return__[0] == 0
+    post: kind != "mamba" or __return__[1] - __return__[0] == min(1, prefix_end_tokens)
+    post: kind != "sliding_window" or __return__[0] * block_size <= max(0, prefix_end_tokens - window_or_chunk + 1) < (__return__[0] + 1) * block_size or __return__[0] == __return__[1]
+    post: kind != "chunked_local" or __return__[0] == __return__[1] or __return__[0] * block_size <= prefix_end_tokens // window_or_chunk * window_or_chunk < (__return__[0] + 1) * block_size
+    """  # noqa: E501
+    hi = cdiv(prefix_end_tokens, block_size)
+    if kind == "sliding_window":
+        lo = max(0, prefix_end_tokens - window_or_chunk + 1) // block_size
+    elif kind == "chunked_local":
+        lo = prefix_end_tokens // window_or_chunk * window_or_chunk // block_size
+    elif kind == "mamba":
+        lo = max(hi - 1, 0)
+    else:
+        lo = 0
+    return min(lo, hi), hi
+
+
+def can_serve_hit(
+    kind: str, window_or_chunk: int, block_index: int, block_size: int, prefix_end_tokens: int
+) -> bool:
+    """Whether the block at ``block_index`` is read by a hit ending at ``prefix_end_tokens``.
+
+    A cached block no cached prefix end reads can never serve a hit: an eviction policy may
+    reuse it first at no loss (sliding-window blocks outside every window, chunked blocks of a
+    finished chunk, a Mamba state that is no prefix end).
+
+    pre: kind in ("full", "sliding_window", "chunked_local", "mamba")
+    pre: 0 < window_or_chunk <= 64
+    pre: 0 < block_size <= 16
+    pre: 0 <= block_index <= 32
+    pre: 0 <= prefix_end_tokens <= 256
+    post: not __return__ or block_index * block_size < prefix_end_tokens
+    post: kind != "full" or __return__ == (block_index * block_size < prefix_end_tokens)
+    post: kind != "mamba" or __return__ == (prefix_end_tokens > 0 and block_index == (prefix_end_tokens - 1) // block_size)
+    post: kind != "sliding_window" or not __return__ or (block_index + 1) * block_size > prefix_end_tokens - window_or_chunk + 1
+    post: kind != "sliding_window" or __return__ or block_index * block_size >= prefix_end_tokens or (block_index + 1) * block_size <= prefix_end_tokens - window_or_chunk + 1
+    """  # noqa: E501
+    lo, hi = hit_block_span(kind, window_or_chunk, block_size, prefix_end_tokens)
+    return lo <= block_index < hi

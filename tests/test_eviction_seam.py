@@ -14,7 +14,7 @@ import pytest
 
 from hybridkv.conformance.adapters import manager_backend
 from hybridkv.conformance.golden import replay_trace, trace_names
-from hybridkv.policies import CachedBlock, LRUPolicy, PolicyError, resolve_policy
+from hybridkv.policies import POLICIES, CachedBlock, LRUPolicy, PolicyError, resolve_policy
 from hybridkv.reference import KVCacheManager, Request
 from hybridkv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, SlidingWindowSpec
 
@@ -211,12 +211,13 @@ def test_policy_choices_resolve_or_are_refused_by_name() -> None:
     assert isinstance(resolve_policy("hybridkv.policies.lru:LRUPolicy"), LRUPolicy)
     mine = LRUPolicy()
     assert resolve_policy(mine) is mine
+    names = ", ".join(sorted(POLICIES))
     for choice, message in [
-        ("fifo", "eviction_policy 'fifo' is not a policy name (lru) nor 'module:Class'"),
+        ("fifo", f"eviction_policy 'fifo' is not a policy name ({names}) nor 'module:Class'"),
         ("no_such_module:X", "eviction_policy 'no_such_module:X': cannot import"),
         ("hybridkv.policies:Nope", "hybridkv.policies has no class 'Nope'"),
         ("collections:OrderedDict", "OrderedDict lacks the EvictionPolicy methods"),
-        (42, "eviction_policy must be one of ['lru'], 'module:Class' or an EvictionPolicy"),
+        (42, f"eviction_policy must be one of {sorted(POLICIES)}, 'module:Class' or an"),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             resolve_policy(choice)

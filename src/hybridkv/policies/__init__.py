@@ -10,19 +10,30 @@ from __future__ import annotations
 
 import importlib
 
+from hybridkv.policies.arc import ARCPolicy
+from hybridkv.policies.cost import CostPolicy
+from hybridkv.policies.hybrid import HybridPolicy
 from hybridkv.policies.lru import LRUPolicy
 from hybridkv.policies.protocol import CachedBlock, EvictionPolicy, PolicyError
 
 __all__ = [
     "POLICIES",
+    "ARCPolicy",
     "CachedBlock",
+    "CostPolicy",
     "EvictionPolicy",
+    "HybridPolicy",
     "LRUPolicy",
     "PolicyError",
     "resolve_policy",
 ]
 
-POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy}
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "hybrid": HybridPolicy,
+    "arc": ARCPolicy,
+    "cost": CostPolicy,
+}
 """The shipped policies by name."""
 
 DEFAULT = "lru"
