@@ -204,7 +204,7 @@ class BlockPool:
             ):
                 continue
             if block.block_hash is not None:
-                self._remove_cached_block_hashes(block)
+                self._trade_keys(block)
             self._insert_block_hash((hashes[index], group_id), block, (index + 1) * block_size)
             new_hashes.append(hashes[index])
             positions.append(index)
@@ -250,14 +250,14 @@ class BlockPool:
         entry = self.cached_block_hash_to_block.get(key, {})
         already = block.block_hash == key or block.block_id in entry
         if replace_existing_hashes:
-            self._remove_cached_block_hashes(block)
+            self._trade_keys(block)
             already = False
         elif (
             not already
             and block.block_hash_num_tokens is not None
             and block.block_hash_num_tokens < num_tokens
         ):
-            self._remove_cached_block_hashes(block)
+            self._trade_keys(block)
         self._insert_block_hash(key, block, num_tokens)
         if self.policy is not None and not already:
             index = num_tokens // self.hash_block_size - 1
@@ -310,6 +310,12 @@ class BlockPool:
         if self.enable_kv_cache_events and builder is not None:
             self.events.extend(builder.removed(key[0], key[1]) for key in removed)
         return removed
+
+    def _trade_keys(self, block: KVCacheBlock) -> None:
+        """Drop ``block``'s keys before it takes another (a partial entry traded for a full
+        one, a Mamba checkpoint replaced): the policy hears that the old keys are gone."""
+        if self._remove_cached_block_hashes(block) and self.policy is not None:
+            self.policy.uncached(block.block_id)
 
     def maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         """Forget every cached key of ``block`` (this block only); whether it held any."""
