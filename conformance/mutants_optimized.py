@@ -144,7 +144,7 @@ OPTIMIZED_MUTANTS: tuple[Mutant, ...] = (
     optimized_mutant(
         "opt_run_returns_duplicates",
         "a lookup's run of a source's blocks may return a block cached after another of its key",
-        "lookup",
+        "source_runs",
         ("if block == end or block in dups:", "if block == end:"),
         ("        if pool.dups:\n            good &=", "        if False:\n            good &="),
     ),
