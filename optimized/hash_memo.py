@@ -13,7 +13,7 @@ The hash of block ``i`` is a function of the hash of block ``i − 1`` and the b
 (``G``), and that of block 0 a function of the block's ids and the cache salt (``G0``): the
 hashes of a prompt are a deterministic function of its token values, its salt and the block
 size (and ``NONE_HASH``, fixed for the process). The memo keeps *memo sources*: the pool's
-sources (``hybridkv.optimized.block_pool.Source``) of requests hashed by this memo, at its block
+sources (``hybridkv.optimized.sources.Source``) of requests hashed by this memo, at its block
 size, without lookahead; their hash lists are those of their own tokens (by induction: every
 hash this memo returns is one). So if a request's hash of block ``j − 1`` equals a source's
 (or ``j`` is 0 and the salts are equal), and its blocks ``j … m − 1`` hold the source's token

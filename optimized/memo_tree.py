@@ -1,7 +1,7 @@
 """The hash memo's tree: cached requests' hashes indexed by the token prefixes they continue.
 
 A ``BranchTree`` holds the *memo sources*: the pool's sources
-(``hybridkv.optimized.block_pool.Source``) of requests hashed by the memo, at its block size,
+(``hybridkv.optimized.sources.Source``) of requests hashed by the memo, at its block size,
 without lookahead. ``hybridkv.optimized.hash_memo`` says why a hash adopted from one is exact;
 this module keeps the index the adoption walks, and the pool fills and empties it
 (``remember``, ``forget``, ``clear``).

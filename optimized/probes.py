@@ -16,8 +16,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hybridkv.optimized.block_pool import GROUP_MIX, TorchBlockPool, hash_key
+from hybridkv.optimized.block_pool import TorchBlockPool
 from hybridkv.optimized.hit_blocks import Ints
+from hybridkv.optimized.sources import GROUP_MIX, hash_key
 from hybridkv.optimized.thresholds import TAIL_MAX
 from hybridkv.optimized.verification import Verification
 from hybridkv.reference.request import RequestLike

@@ -20,9 +20,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hybridkv.optimized.block_pool import Source, TorchBlockPool
+from hybridkv.optimized.block_pool import TorchBlockPool
 from hybridkv.optimized.hit_blocks import Ints
 from hybridkv.optimized.probes import MISS, Probes
+from hybridkv.optimized.sources import Source
 from hybridkv.optimized.thresholds import RUN_MIN, RUN_SCALAR_MAX, VECTOR_MIN
 from hybridkv.reference.request import RequestLike
 

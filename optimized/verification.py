@@ -22,7 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hybridkv.optimized.block_pool import Source, TorchBlockPool
+from hybridkv.optimized.block_pool import TorchBlockPool
+from hybridkv.optimized.sources import Source
 from hybridkv.optimized.thresholds import AGREE_MIN_STEP
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.request import RequestLike

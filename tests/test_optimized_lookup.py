@@ -356,8 +356,8 @@ def test_duplicate_entries_are_found_by_either_walk(
 ) -> None:
     """Blocks 1 … 12 cached under four keys, three times each (by ``insert_array``): the later
     two of each key are duplicates, whichever walk finds them."""
-    monkeypatch.setattr("hybridkv.optimized.block_pool.SETTLE_SCALAR_MAX", scalar_max)
-    monkeypatch.setattr("hybridkv.optimized.block_pool.TAIL_MAX", tail)
+    monkeypatch.setattr("hybridkv.optimized.cache_chains.SETTLE_SCALAR_MAX", scalar_max)
+    monkeypatch.setattr("hybridkv.optimized.cache_chains.TAIL_MAX", tail)
     pool = TorchBlockPool(32, 1, enable_caching=True)
     hashes = [BlockHash(bytes([i + 1]) * 32) for i in range(4)]
     src = pool.new_source([0] * 16, hashes, None)

@@ -216,7 +216,8 @@ def test_blocks_cached_without_lookups_are_settled_in_bounded_batches(
 ) -> None:
     """A long run of steps without a lookup checks its cached blocks for duplicates every
     ``SETTLE_MAX`` of them, so the waiting list stays short and the marks are still made."""
-    monkeypatch.setattr("hybridkv.optimized.block_pool.SETTLE_MAX", 8)
+    monkeypatch.setattr("hybridkv.optimized.prefix_cache.SETTLE_MAX", 8)
+    monkeypatch.setattr("hybridkv.optimized.bulk_inserts.SETTLE_MAX", 8)
     opt, ref = managers(600)
     tokens = prompt(9, 41)
     for manager in (opt, ref):
