@@ -135,7 +135,7 @@ OPTIMIZED_MUTANTS: tuple[Mutant, ...] = (
     optimized_mutant(
         "opt_pending_release_order",
         "the pending releases free their blocks to the tail last to first",
-        "block_pool",
+        "free_queue",
         (
             "            self.link_after_array(self.prev.a[self.tail], blocks)\n",
             "            self.link_after_array(self.prev.a[self.tail], blocks[::-1].copy())\n",
@@ -144,7 +144,7 @@ OPTIMIZED_MUTANTS: tuple[Mutant, ...] = (
     optimized_mutant(
         "opt_run_returns_duplicates",
         "a lookup's run of a source's blocks may return a block cached after another of its key",
-        "lookup",
+        "source_runs",
         ("if block == end or block in dups:", "if block == end:"),
         ("        if pool.dups:\n            good &=", "        if False:\n            good &="),
     ),
@@ -152,7 +152,7 @@ OPTIMIZED_MUTANTS: tuple[Mutant, ...] = (
         "opt_run_trusts_stale_blocks",
         "evicting a block leaves it in its source's record, so a lookup's run trusts a block "
         "the source no longer holds",
-        "block_pool",
+        "prefix_cache",
         ("            recorded[tag] = self.end\n", "            pass\n"),
     ),
     optimized_mutant(
@@ -173,7 +173,7 @@ OPTIMIZED_MUTANTS: tuple[Mutant, ...] = (
     optimized_mutant(
         "opt_touch_keeps_queued",
         "a cache hit on an evictable block leaves it in the free queue",
-        "block_pool",
+        "free_queue",
         (
             "            if ref[block] == 0:\n                self.remove(block)\n"
             "            ref[block] += 1",
@@ -183,7 +183,7 @@ OPTIMIZED_MUTANTS: tuple[Mutant, ...] = (
     optimized_mutant(
         "opt_touch_many_keeps_queued",
         "a vectorised adoption leaves evictable hit blocks in the free queue",
-        "block_pool",
+        "free_queue",
         (
             "        for block in blocks[ref[blocks] == 0].tolist():\n"
             "            self.remove(block)\n",

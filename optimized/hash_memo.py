@@ -13,7 +13,7 @@ The hash of block ``i`` is a function of the hash of block ``i − 1`` and the b
 (``G``), and that of block 0 a function of the block's ids and the cache salt (``G0``): the
 hashes of a prompt are a deterministic function of its token values, its salt and the block
 size (and ``NONE_HASH``, fixed for the process). The memo keeps *memo sources*: the pool's
-sources (``hybridkv.optimized.block_pool.Source``) of requests hashed by this memo, at its block
+sources (``hybridkv.optimized.sources.Source``) of requests hashed by this memo, at its block
 size, without lookahead; their hash lists are those of their own tokens (by induction: every
 hash this memo returns is one). So if a request's hash of block ``j − 1`` equals a source's
 (or ``j`` is 0 and the salts are equal), and its blocks ``j … m − 1`` hold the source's token
@@ -21,46 +21,8 @@ values, its hashes of blocks ``j … m − 1`` are the source's: each follows fr
 and the same tokens. The memo compares both (the parent hash as bytes, the tokens as packed
 values), never trusting a hash alone, so a hash collision cannot mislead it.
 
-Data layout
------------
-``branches``, a dict (the index; see "Branches" below)::
-
-    (parent hash or None, block j's token bytes, cache salt or None) -> Branch(source, j)
-
-- the parent is the source's hash of block ``j − 1`` (``None`` for block 0);
-- the token bytes are block ``j``'s ids packed as unsigned 64-bit ints (the source's
-  ``packed``, a request's ``packed_token_ids``), so a block's bytes have one length;
-- the salt is the source's cache salt for block 0 only (later blocks are salted through their
-  parent, as in ``extra_keys_for_block``); an empty salt is none, as in the hash.
-
-``registered``, a dict: the pool's source index -> (the source, its branch or ``None``).
-
-Branches
---------
-A branch says: "this source's blocks from ``j`` on continue the prefix that ends with the key's
-parent hash". The branches form a tree over token prefixes (a radix tree whose edges are runs
-of a source's blocks): a branch's *children* are the branches whose key's parent is a hash of
-its source at or after ``j``. Looking up a request walks it from the root: probe the key of
-block 0; compare the request's packed ids with the branch's source from ``j`` on (one C loop
-up to the branch's ``fork``, where its last child leaves it and so where a request that
-shares the run most likely does, one over the rest, then a bisection of a range that
-differs), adopting the source's hashes up to the first block that differs (``m``); probe the
-key of block ``m`` with the adopted parent hash; and so on until a probe misses. The blocks
-from there on are hashed. A prompt that shares a long cached prefix adopts it with a couple of
-probes and comparisons, whatever its length in blocks.
-
-A source registers when the pool caches one of its blocks (``remember``): it walks the tree
-the same way, and where its probe misses it adds its branch (at most one per source; none
-if its whole hash list lies on the tree already). It leaves when the pool evicts its last
-cached block or drops it (``forget``): a branch without children goes; one with children is
-taken over by the child that branches off last (its source shares every block of the branch
-up to there, so every other child still hangs off its run), whose own key goes. Growing
-sources (a decoding request's hash list lengthens) extend their run in place.
-``reset_prefix_cache`` empties the memo (``clear``).
-
-So the memo holds no more branches than registered sources, and no more registered sources
-than sources with a cached block in the pool: never more entries than cached blocks. It holds
-the sources by reference (the pool holds them anyway, and drops them only after they leave).
+The memo's index of those sources, its tree of branches, is ``hybridkv.optimized.memo_tree``
+(``BranchTree``, which ``HashMemo`` extends with the hashing calls below).
 
 Calls
 -----
@@ -80,102 +42,28 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import Protocol
 
 from hybridkv.optimized.hashing import hash_full_blocks_torch, hash_packed_blocks
+from hybridkv.optimized.memo_tree import (
+    Branch,
+    BranchTree,
+    MemoKey,
+    MemoSource,
+    agreeing_blocks,
+    salt_key,
+)
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.request import BlockHasher
-from hybridkv.spec.errors import require
 
-MemoKey = tuple[BlockHash | None, bytes, str | None]
-
-
-class MemoSource(Protocol):
-    """What the memo reads from a pool source: the request's hashes, packed ids and salt."""
-
-    @property
-    def hashes(self) -> Sequence[BlockHash]: ...
-
-    @property
-    def packed(self) -> array[int] | None: ...
-
-    @property
-    def salt(self) -> object: ...
+__all__ = ["Branch", "HashMemo", "MemoKey", "MemoSource", "agreeing_blocks", "salt_key"]
 
 
-class Branch:
-    """Blocks ``start …`` of ``source`` (pool index ``src``), continuing the prefix of ``key``.
-
-    ``fork`` is the start of the child added last (once a child leaves, the largest start
-    left; -1 without children): where a request that shares the branch's run is likely to
-    leave it, so a lookup compares up to there first."""
-
-    __slots__ = ("children", "fork", "key", "parent", "source", "src", "start")
-
-    def __init__(
-        self, key: MemoKey, src: int, source: MemoSource, start: int, parent: Branch | None
-    ) -> None:
-        self.key = key
-        self.src = src
-        self.source = source
-        self.start = start
-        self.parent = parent
-        self.children: set[Branch] = set()
-        self.fork = -1
-
-
-def salt_key(salt: object) -> tuple[bool, str | None]:
-    """Whether the memo can key a salt, and its key (an empty salt is none, as in the hash)."""
-    if salt is None:
-        return True, None
-    if isinstance(salt, str):
-        return True, salt or None
-    return False, None
-
-
-def agreeing_blocks(
-    ours: memoryview, theirs: memoryview, block_size: int, lo: int, hi: int, hint: int = -1
-) -> int:
-    """The first block in ``[lo, hi)`` where two packed id arrays differ (``hi`` if none):
-    one comparison up to ``hint`` (a likely first difference) and one of the rest, then a
-    bisection of the range that differs. Each comparison is one C loop over memoryviews of the
-    arrays, without a copy."""
-    good, bad = lo, hi
-    if lo < hint < hi:
-        if ours[lo * block_size : hint * block_size] == theirs[lo * block_size : hint * block_size]:
-            good = hint
-        else:
-            bad = hint
-    if (
-        bad == hi
-        and ours[good * block_size : hi * block_size] == theirs[good * block_size : hi * block_size]
-    ):
-        return hi
-    # Blocks [lo, good) agree; [good, bad) holds a difference.
-    while bad - good > 1:
-        mid = (good + bad) // 2
-        if (
-            ours[good * block_size : mid * block_size]
-            == theirs[good * block_size : mid * block_size]
-        ):
-            good = mid
-        else:
-            bad = mid
-    return good
-
-
-class HashMemo:
+class HashMemo(BranchTree):
     """A block hasher that adopts the hashes of cached requests (see the module docstring)."""
 
     def __init__(self, block_size: int, hasher: BlockHasher = hash_full_blocks_torch) -> None:
-        self.block_size = block_size
+        super().__init__(block_size)
         self.hasher = hasher
-        self.branches: dict[MemoKey, Branch] = {}
-        self.registered: dict[int, tuple[MemoSource, Branch | None]] = {}
-
-    def __len__(self) -> int:
-        """The number of branches (at most the number of registered sources)."""
-        return len(self.branches)
 
     # --- Hashing ------------------------------------------------------------------------------
 
@@ -248,7 +136,7 @@ class HashMemo:
         hashes: list[BlockHash] = []
         if self.branches and keyable and num_full > 0:
             with memoryview(packed) as ours:
-                hashes = self._walk(ours, num_full, salt)[0]
+                hashes = self.walk(ours, num_full, salt)[0]
         index = len(hashes)
         if index < num_full:
             parent = hashes[-1] if hashes else None
@@ -271,138 +159,3 @@ class HashMemo:
                 )
             hashes.extend(rest)
         return hashes
-
-    def _walk(
-        self, ours: memoryview, count: int, salt: str | None
-    ) -> tuple[list[BlockHash], Branch | None, MemoKey | None]:
-        """Follow the tree along packed ids ``ours`` (``count`` full blocks, salt ``salt``).
-
-        Returns the hashes adopted (of blocks ``0 … k − 1``), the last branch followed (the
-        parent of a branch at ``k``) and the key probed at ``k`` that missed (``None`` if the
-        walk covered all ``count`` blocks or stopped at a source it cannot read).
-        """
-        b = self.block_size
-        hashes: list[BlockHash] = []
-        key: MemoKey = (None, ours[:b].tobytes(), salt)
-        last: Branch | None = None
-        at = 0
-        get = self.branches.get
-        while True:
-            branch = get(key)
-            if branch is None:
-                return hashes, last, key
-            source = branch.source
-            theirs, packed = source.hashes, source.packed
-            if packed is None:
-                return hashes, last, None
-            end = min(count, len(theirs), len(packed) // b)
-            # The branch's key names the request's parent hash (or salt) and block ``at``;
-            # the source must still hold them (its salt, its hash of block at − 1).
-            if at >= end or (theirs[at - 1] != key[0] if at else salt_key(source.salt)[1] != salt):
-                return hashes, last, None
-            with memoryview(packed) as view:
-                reached = agreeing_blocks(ours, view, b, at, end, branch.fork)
-            if reached == at:
-                return hashes, last, None
-            hashes += theirs[at:reached]
-            at = reached
-            last = branch
-            if at >= count:
-                return hashes, last, None
-            key = (theirs[at - 1], ours[at * b : (at + 1) * b].tobytes(), None)
-
-    # --- Filled and emptied by the pool ------------------------------------------------------
-
-    def remember(self, src: int, source: MemoSource) -> None:
-        """Pool source ``src`` (a memo source) has a cached block: register it (once)."""
-        entry = self.registered.get(src)
-        if entry is not None:
-            if entry[0] is source:
-                return
-            self.forget(src)  # the index now names another source
-        self.registered[src] = (source, None)
-        keyable, salt = salt_key(source.salt)
-        packed, hashes = source.packed, source.hashes
-        b = self.block_size
-        count = min(len(hashes), len(packed) // b) if packed is not None else 0
-        if not keyable or packed is None or count == 0:
-            return
-        with memoryview(packed) as ours:
-            adopted, parent, key = self._walk(ours, count, salt)
-            at = len(adopted)
-            block = ours[at * b : (at + 1) * b].tobytes()
-        if key is None:
-            return  # its blocks lie on the tree already (or past a source it cannot read)
-        # The key the walk missed, from the source's own hashes (equal, as they are exact).
-        own: MemoKey = (hashes[at - 1] if at else None, block, None if at else salt)
-        if own in self.branches:
-            return
-        branch = Branch(own, src, source, at, parent)
-        self.branches[own] = branch
-        if parent is not None:
-            parent.children.add(branch)
-            parent.fork = at
-        self.registered[src] = (source, branch)
-
-    def forget(self, src: int) -> None:
-        """Pool source ``src`` has no cached block any more (or is dropped): unregister it."""
-        entry = self.registered.pop(src, None)
-        if entry is None or entry[1] is None:
-            return
-        branch = entry[1]
-        if not branch.children:
-            del self.branches[branch.key]
-            parent = branch.parent
-            if parent is not None:
-                parent.children.discard(branch)
-                if parent.fork == branch.start:
-                    parent.fork = max((child.start for child in parent.children), default=-1)
-            return
-        # The child that branches off last shares every block of this branch up to its own
-        # start, so all other children still hang off its run: it takes the branch over.
-        heir = max(branch.children, key=lambda child: child.start)
-        branch.children.discard(heir)
-        del self.branches[heir.key]
-        for child in heir.children:
-            child.parent = branch
-        branch.children |= heir.children
-        branch.src, branch.source = heir.src, heir.source
-        branch.fork = max((child.start for child in branch.children), default=-1)
-        self.registered[heir.src] = (heir.source, branch)
-
-    def clear(self) -> None:
-        self.branches.clear()
-        self.registered.clear()
-
-    def check_invariants(self) -> None:
-        """Raise ``InvariantError`` if the tree is inconsistent: every branch is registered
-        under its key and its source, hangs off its parent after the parent's start, and names
-        its source's block and parent hash; no more branches than registered sources."""
-        b = self.block_size
-        require(len(self.branches) <= len(self.registered), "more branches than sources")
-        for src, (source, owned) in self.registered.items():
-            if owned is not None:
-                require(owned.src == src and owned.source is source, f"source {src}: wrong branch")
-                require(self.branches.get(owned.key) is owned, f"source {src}: branch not indexed")
-        for key, branch in self.branches.items():
-            require(branch.key == key, "a branch under another key")
-            require(
-                self.registered.get(branch.src, (None, None))[1] is branch,
-                f"branch of source {branch.src} is not registered",
-            )
-            parent, start = branch.parent, branch.start
-            if parent is None:
-                require(start == 0 and key[0] is None, "a root branch after block 0")
-            else:
-                require(self.branches.get(parent.key) is parent, "a branch off a dropped one")
-                require(branch in parent.children, "a branch missing from its parent")
-                require(parent.start < start, "a branch before its parent's start")
-                require(key[2] is None, "a salt after block 0")
-            for child in branch.children:
-                require(child.parent is branch, "a child with another parent")
-            require(branch.fork == -1 or bool(branch.children), "a fork without children")
-            hashes, packed = branch.source.hashes, branch.source.packed
-            if packed is not None and len(packed) >= (start + 1) * b:
-                require(packed[start * b : (start + 1) * b].tobytes() == key[1], "key tokens")
-            if start:
-                require(len(hashes) >= start and hashes[start - 1] == key[0], "key parent")

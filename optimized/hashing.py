@@ -102,8 +102,14 @@ def encode_tails(tokens: Sequence[int], block_size: int) -> tuple[bytearray, lis
     if int(t.min()) < 0 or int(t.max()) >= _WIDE:  # ids from 2**63 read as negative
         return None
     raw = words.view(torch.uint8)
-    spare = 8 * n
-    raw[spare : spare + h + 1] = torch.tensor(list(frame + CBOR_NULL), dtype=torch.uint8)
+    raw[8 * n : 8 * n + h + 1] = torch.tensor(list(frame + CBOR_NULL), dtype=torch.uint8)
+    sizes, first = _write_heads(raw, t)
+    return _gather_blocks(raw, sizes, first, block_size, h)
+
+
+def _write_heads(raw: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write each id's CBOR head byte into its own 8 bytes of ``raw`` (``t``: the ids as
+    int64); the encoded size of every id and the raw byte where its encoding starts."""
     # Size class 0-3 (payload of 0, 1, 2 or 4 bytes), head byte and encoded size of every id.
     c = (t >= 24).to(torch.uint8)
     c += t >= 1 << 8
@@ -114,8 +120,18 @@ def encode_tails(tokens: Sequence[int], block_size: int) -> tuple[bytearray, lis
     # In the little-endian bytes of id i (raw 8i … 8i + 7) the payload is bytes size − 2 … 0,
     # and byte size − 1 is zero (or the id itself, for class 0): write the head there, and the
     # encoding is bytes size − 1 down to 0.
-    first = torch.arange(0, spare, 8, dtype=torch.int64) + sizes - 1
+    first = torch.arange(0, 8 * t.shape[0], 8, dtype=torch.int64) + sizes - 1
     raw[first] = head
+    return sizes, first
+
+
+def _gather_blocks(
+    raw: torch.Tensor, sizes: torch.Tensor, first: torch.Tensor, block_size: int, h: int
+) -> tuple[bytearray, list[int]]:
+    """``encode_tails``' output from ``raw`` (the ids' bytes with their heads written, then
+    the array header of ``h`` bytes and ``0xf6``): one gather of every output byte."""
+    n = sizes.shape[0]
+    spare = 8 * n
     # Output layout: each block's header, its ids, 0xf6. ``source`` (the raw byte of every
     # output byte) is the cumulative sum of ``step``: −1 within an id, +1 within a header,
     # and jumps at the start of each id, header and 0xf6.

@@ -44,14 +44,28 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from itertools import chain
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
+import numpy.typing as npt
 
+from hybridkv.optimized.sources import keys_of
 from hybridkv.reference.block_hash import BlockHash
 
-if TYPE_CHECKING:
-    from hybridkv.optimized.block_pool import TorchBlockPool
+
+class PendingTarget(Protocol):
+    """What ``apply`` writes back into: the block pool's release and chain passes."""
+
+    def release_cached(self, blocks: npt.NDArray[np.int64]) -> None: ...
+
+    def chain_entries(
+        self,
+        blocks: npt.NDArray[np.int64],
+        groups: npt.NDArray[np.int64],
+        positions: npt.NDArray[np.int64],
+        srcs: npt.NDArray[np.int64],
+        keys: npt.NDArray[np.int64],
+    ) -> None: ...
 
 
 InsertRecord = tuple[int, int, BlockHash, Sequence[int], Sequence[int]]
@@ -106,7 +120,7 @@ class PendingWork:
         for pos, (blocks, group_ids) in by_position.items():
             self.insert_row(blocks, group_ids, pos, hashes[pos], src)
 
-    def apply(self, pool: TorchBlockPool) -> None:
+    def apply(self, pool: PendingTarget) -> None:
         """Make the deferred releases, then the deferred inserts, and forget them."""
         if self.released:
             # The numpy view keeps the array alive; a fresh one takes the next releases.
@@ -121,5 +135,5 @@ class PendingWork:
             groups = np.fromiter(chain.from_iterable(r[4] for r in records), np.int64, total)
             positions = np.repeat(np.fromiter((r[1] for r in records), np.int64), counts)
             srcs = np.repeat(np.fromiter((r[0] for r in records), np.int64), counts)
-            keys = np.repeat(pool.keys_of([r[2] for r in records]), counts)
+            keys = np.repeat(keys_of([r[2] for r in records]), counts)
             pool.chain_entries(blocks, groups, positions, srcs, keys)

@@ -254,7 +254,7 @@ def test_a_window_type_reads_its_run_from_the_full_runs_source_without_a_probe(
     """Beyond ``LEAD_RUN_MAX`` each type reads its own run; the window type's (positions 75 …
     99) comes from the source of the full type's run (``hint``), so the lookup walks one
     chain, at position 0."""
-    monkeypatch.setattr("hybridkv.optimized.lookup.LEAD_RUN_MAX", 0)
+    monkeypatch.setattr("hybridkv.optimized.type_probe.LEAD_RUN_MAX", 0)
     # Windows of 25 blocks: a candidate window is 50 (position, group) pairs, read as a run.
     wide = tuple(
         KVCacheGroup((f"sw.{i}",), SlidingWindowSpec(sliding_window=100, **SIZES)) for i in (0, 1)
@@ -356,8 +356,8 @@ def test_duplicate_entries_are_found_by_either_walk(
 ) -> None:
     """Blocks 1 … 12 cached under four keys, three times each (by ``insert_array``): the later
     two of each key are duplicates, whichever walk finds them."""
-    monkeypatch.setattr("hybridkv.optimized.block_pool.SETTLE_SCALAR_MAX", scalar_max)
-    monkeypatch.setattr("hybridkv.optimized.block_pool.TAIL_MAX", tail)
+    monkeypatch.setattr("hybridkv.optimized.cache_chains.SETTLE_SCALAR_MAX", scalar_max)
+    monkeypatch.setattr("hybridkv.optimized.cache_chains.TAIL_MAX", tail)
     pool = TorchBlockPool(32, 1, enable_caching=True)
     hashes = [BlockHash(bytes([i + 1]) * 32) for i in range(4)]
     src = pool.new_source([0] * 16, hashes, None)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from hybridkv.optimized import TorchKVCacheManager
+from hybridkv.optimized import TorchKVCacheManager, bulk_inserts, free_queue
 from hybridkv.optimized import block_pool as optimized_pool
 from hybridkv.optimized import manager as optimized_manager
 from hybridkv.optimized.hashing import hash_full_blocks_torch
@@ -29,7 +29,8 @@ SIZES = {"num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
 @pytest.fixture(params=["arrays", "numpy"], autouse=True)
 def pool_pass(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     if request.param == "numpy":
-        monkeypatch.setattr(optimized_pool, "INSERT_MIN", 1)
+        for module in (optimized_pool, free_queue, bulk_inserts):
+            monkeypatch.setattr(module, "INSERT_MIN", 1)
 
 
 class Pair:

@@ -34,9 +34,9 @@ def run_checks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     """Every test four ways: runs checked in numpy calls or on the array views, and a hybrid's
     leading run read for all its types at once (``lead_run``) or by each type's own scan."""
     limit = 0 if request.param.startswith("vector") else 1 << 30
-    monkeypatch.setattr("hybridkv.optimized.lookup.RUN_SCALAR_MAX", limit)
+    monkeypatch.setattr("hybridkv.optimized.source_runs.RUN_SCALAR_MAX", limit)
     if request.param.endswith("types apart"):
-        monkeypatch.setattr("hybridkv.optimized.lookup.LEAD_RUN_MAX", 0)
+        monkeypatch.setattr("hybridkv.optimized.type_probe.LEAD_RUN_MAX", 0)
 
 
 SIZES = {"block_size": 4, "num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
@@ -216,7 +216,8 @@ def test_blocks_cached_without_lookups_are_settled_in_bounded_batches(
 ) -> None:
     """A long run of steps without a lookup checks its cached blocks for duplicates every
     ``SETTLE_MAX`` of them, so the waiting list stays short and the marks are still made."""
-    monkeypatch.setattr("hybridkv.optimized.block_pool.SETTLE_MAX", 8)
+    monkeypatch.setattr("hybridkv.optimized.prefix_cache.SETTLE_MAX", 8)
+    monkeypatch.setattr("hybridkv.optimized.bulk_inserts.SETTLE_MAX", 8)
     opt, ref = managers(600)
     tokens = prompt(9, 41)
     for manager in (opt, ref):

@@ -1,0 +1,150 @@
+"""The prefix cache's inserts of many blocks at once: in numpy calls, or left pending.
+
+An admission caches a prompt's blocks in every group, and a batch of running requests' steps
+caches a block per request: one Python ``insert`` per block would cost more than the rest of
+the step. ``insert_array`` takes int64 columns (blocks, groups, positions, keys; one source)
+and makes the hash table's links in a few numpy calls (``chain_entries``: entries sorted by
+bucket, each linked to the one inserted before it in its bucket, the last made the head: the
+chains one insert after another would build), then records the blocks in their source.
+
+Pending work: a running request's step may leave its releases and inserts to ``pending``
+(``hybridkv.optimized.pending``, ``defer_row``/``defer_entries``), which ``apply_pending``
+makes in one numpy pass (``release_cached``, ``chain_entries``); the source records and counts
+such blocks, and the memo registers it, at once. The manager applies it before anything reads
+what it changes.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from hybridkv.optimized.extra_keys import ExtraKeys
+from hybridkv.optimized.pending import PendingWork
+from hybridkv.optimized.sources import GROUP_MIX, keys_of
+from hybridkv.optimized.thresholds import INSERT_MIN, SETTLE_MAX
+from hybridkv.reference.block_hash import BlockHash
+from hybridkv.reference.events import EventBuilder
+
+
+class BulkInserts(ExtraKeys):
+    """The prefix cache with vectorised and deferred inserts (see the module docstring)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        num_groups: int,
+        enable_kv_cache_events: bool,
+        event_builder: EventBuilder | None,
+    ) -> None:
+        super().__init__(num_blocks, num_groups, enable_kv_cache_events, event_builder)
+        # Running requests' releases and inserts not made yet (``PendingWork``): the manager
+        # applies them before anything reads what they change.
+        self.pending = PendingWork()
+
+    def insert_array(
+        self,
+        blocks: npt.NDArray[np.int64],
+        groups: npt.NDArray[np.int64],
+        positions: npt.NDArray[np.int64],
+        keys: npt.NDArray[np.int64],
+        src: int,
+    ) -> None:
+        """``insert`` of many blocks from one source ``src`` (int64 arrays, in insertion order,
+        each block once), in numpy calls: equal to inserting them one by one."""
+        count = blocks.shape[0]
+        if count == 0:
+            return
+        self.chain_entries(blocks, groups, positions, np.full(count, src, dtype=np.int64), keys)
+        source = self.source(src)
+        source.record_array(positions * self.num_groups + groups, blocks, self.end)
+        source.refs += count
+        if src in self.memo_srcs and self.memo is not None:
+            self.memo.remember(src, source)
+
+    def chain_entries(
+        self,
+        blocks: npt.NDArray[np.int64],
+        groups: npt.NDArray[np.int64],
+        positions: npt.NDArray[np.int64],
+        srcs: npt.NDArray[np.int64],
+        keys: npt.NDArray[np.int64],
+    ) -> None:
+        """The hash table's part of ``insert`` for entries whose sources already record and
+        count them (``defer_row``), in order, in a few numpy calls."""
+        count = blocks.shape[0]
+        buckets = (keys + groups * GROUP_MIX) & self.mask
+        order = np.argsort(buckets, kind="stable")
+        sorted_buckets = buckets[order]
+        chained = blocks[order]
+        first = np.ones(count, dtype=bool)
+        first[1:] = sorted_buckets[1:] != sorted_buckets[:-1]
+        last = np.ones(count, dtype=bool)
+        last[:-1] = first[1:]
+        heads = self.heads.n
+        old_heads = heads[sorted_buckets]
+        # Within a bucket each entry links to the one inserted before it, the first to the old
+        # head, and the last becomes the head (as one insert after another).
+        before = np.empty_like(chained)
+        before[0] = -1  # the first entry is always a bucket's first
+        before[1:] = chained[:-1]
+        self.hnext.n[chained] = np.where(first, old_heads, before)
+        heads[sorted_buckets[last]] = chained[last]
+        self.hk.n[blocks] = keys << 32 | (positions * self.num_groups + groups)
+        self.src.n[blocks] = srcs
+        # Only an entry with another behind it on its chain can have an older twin to find.
+        behind = chained[~first | (old_heads != self.end)]
+        if behind.shape[0]:
+            self.unsettled_many.append(behind)
+        if len(self.unsettled_many) >= SETTLE_MAX // INSERT_MIN:
+            self.settle_duplicates()  # long without a lookup: bounded memory
+
+    def keys_of(self, hashes: Sequence[BlockHash]) -> npt.NDArray[np.int64]:
+        """The 4-byte table keys of block hashes (``hash_key`` of each), as int64."""
+        return keys_of(hashes)
+
+    def defer_row(
+        self,
+        blocks: Sequence[int],
+        group_ids: array[int],
+        pos: int,
+        block_hash: BlockHash,
+        src: int,
+    ) -> None:
+        """``insert`` of ``blocks[i]`` in group ``group_ids[i]`` at position ``pos``, all under
+        ``block_hash`` from source ``src``, with the hash table's part left pending
+        (``PendingWork``): the source records the blocks and counts them, and the memo
+        registers the source, at once."""
+        self.pending.insert_row(blocks, group_ids, pos, block_hash, src)
+        source = self.sources[src]
+        assert source is not None
+        num_groups = self.num_groups
+        first = pos * num_groups
+        if len(group_ids) == num_groups:
+            if first + num_groups > len(source.blocks):
+                source.reserve(first + num_groups, self.end)
+            source.blocks[first : first + num_groups] = array("i", blocks)
+        else:
+            for block, group_id in zip(blocks, group_ids, strict=True):
+                source.record(first + group_id, block, self.end)
+        source.refs += len(blocks)
+        if src in self.memo_srcs and self.memo is not None:
+            self.memo.remember(src, source)
+
+    def defer_entries(
+        self, entries: Sequence[tuple[int, int, int]], hashes: Sequence[BlockHash], src: int
+    ) -> None:
+        """``defer_row`` for any ``(block, group id, position)`` entries, each keyed by
+        ``hashes[position]``."""
+        self.pending.insert(entries, hashes, src)
+        source = self.sources[src]
+        assert source is not None
+        end, num_groups = self.end, self.num_groups
+        for block, group_id, pos in entries:
+            source.record(pos * num_groups + group_id, block, end)
+        source.refs += len(entries)
+        if src in self.memo_srcs and self.memo is not None:
+            self.memo.remember(src, source)

@@ -1,0 +1,185 @@
+"""The block pool's reference counts and free queue, as arrays.
+
+Same rules as ``hybridkv.reference.block_pool``'s ``FreeKVCacheBlockQueue`` and ``ref_cnt``;
+only the representation differs. ``N`` is ``num_blocks`` (block 0 is the null block).
+
+Data layout (``IntBuffer``: a numpy array with memoryview and tensor views)::
+
+    ref[N]                  holders of each block
+    prev[N + 2], next[N + 2] the free queue, an intrusive doubly linked list through the block
+                            ids; N is the head sentinel, N + 1 the tail sentinel. A block is in
+                            the queue iff prev[b] != -1.
+
+A linked list through the ids, not a deque of objects: 12 bytes a block, no Python object per
+block, and unlinking a block a cache hit adopts is two writes. Releases that free uncached
+blocks link them after the head (reused first), cached ones before the tail (evicted last), in
+the reference's order; the numpy paths (``touch_array``, ``release_cached``,
+``link_after_array``) make the same links in a few calls for ``INSERT_MIN`` blocks or more.
+Taking blocks (``TorchBlockPool.pop_n``) evicts their cached hashes, and releasing them
+(``free_walks``) sends a block to one end or the other by whether it holds one, so those two
+live with the pool, where the queue and the prefix cache meet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from hybridkv.optimized._buffers import IntBuffer
+from hybridkv.optimized.thresholds import INSERT_MIN
+from hybridkv.spec.errors import require
+
+
+class FreeQueue:
+    """Reference counts and the free queue of blocks ``0 … N − 1`` (see the module docstring)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        n = num_blocks
+        self.num_blocks = n
+        self.head = n
+        self.tail = n + 1
+        self.ref = IntBuffer(n)
+        self.prev = IntBuffer(n + 2, -1)
+        self.next = IntBuffer(n + 2, -1)
+        # Free queue 1 … N − 1 in id order.
+        ids = torch.arange(n + 2, dtype=torch.int32)
+        self.next.t[1 : n - 1] = ids[2:n]
+        self.prev.t[2:n] = ids[1 : n - 1]
+        self.next.a[self.head] = 1
+        self.prev.a[1] = self.head
+        self.next.a[n - 1] = self.tail
+        self.prev.a[self.tail] = n - 1
+        self.num_free_blocks = n - 1
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - (self.num_free_blocks / (self.num_blocks - 1))
+
+    def remove(self, block: int) -> None:
+        """Unlink one block from the free queue."""
+        nxt, prv = self.next.a, self.prev.a
+        before, after = prv[block], nxt[block]
+        nxt[before] = after
+        prv[after] = before
+        prv[block] = nxt[block] = -1
+        self.num_free_blocks -= 1
+
+    def touch(self, blocks: Iterable[int]) -> None:
+        """A cache hit adopts ``blocks``: one more holder each; evictable ones leave the queue."""
+        ref = self.ref.a
+        for block in blocks:
+            if block == 0:
+                continue
+            if ref[block] == 0:
+                self.remove(block)
+            ref[block] += 1
+
+    def touch_array(self, blocks: npt.NDArray[Any]) -> None:
+        """``touch`` for a numpy array of distinct non-null blocks (order does not matter: a
+        block leaves the queue wherever it is)."""
+        if blocks.shape[0] < INSERT_MIN:
+            self.touch(blocks.tolist())
+            return
+        ref = self.ref.n
+        for block in blocks[ref[blocks] == 0].tolist():
+            self.remove(block)
+        ref[blocks] += 1
+
+    def link_after(self, node: int, blocks: Sequence[int]) -> None:
+        """Insert ``blocks``, in order, right after ``node`` (a sentinel or a queued block)."""
+        nxt, prv = self.next.a, self.prev.a
+        after = nxt[node]
+        before = node
+        for block in blocks:
+            nxt[before] = block
+            prv[block] = before
+            before = block
+        nxt[before] = after
+        prv[after] = before
+        self.num_free_blocks += len(blocks)
+
+    def release_cached(self, blocks: npt.NDArray[np.int64]) -> None:
+        """``free_walks`` of blocks that all hold a cached hash, in walk order: each drops a
+        holder, and those left with none go before the tail in the order of their last release
+        (the deferred releases of ``PendingWork``)."""
+        count = blocks.shape[0]
+        if count < INSERT_MIN:
+            counts = self.ref.a
+            keep: list[int] = []
+            for block in blocks.tolist():
+                left = counts[block] - 1
+                counts[block] = left
+                if left == 0:
+                    keep.append(block)
+            if keep:
+                self.link_after(self.prev.a[self.tail], keep)
+            return
+        ref = self.ref.n
+        held = ref[blocks]
+        if (held == 1).all():
+            # Each block's last holder lets it go (a block listed twice would hold two): all
+            # become free, in walk order.
+            ref[blocks] = 0
+            self.link_after_array(self.prev.a[self.tail], blocks)
+            return
+        unique, inverse, repeats = np.unique(blocks, return_inverse=True, return_counts=True)
+        final = ref[unique] - repeats
+        ref[unique] = final
+        zero = final == 0
+        if not zero.any():
+            return
+        if unique.shape[0] == count:
+            freed = blocks[ref[blocks] == 0]  # each released once: walk order
+        else:
+            last = np.zeros(unique.shape[0], dtype=np.int64)
+            np.maximum.at(last, inverse, np.arange(count))
+            freed = unique[zero][np.argsort(last[zero])]
+        self.link_after_array(self.prev.a[self.tail], freed)
+
+    def link_after_array(self, node: int, blocks: npt.NDArray[np.int64]) -> None:
+        """``link_after`` for a numpy array of distinct blocks, in a few numpy calls."""
+        count = blocks.shape[0]
+        if count == 0:
+            return
+        chain = np.empty(count + 2, dtype=np.int64)
+        chain[0] = node
+        chain[1:-1] = blocks
+        chain[-1] = self.next.a[node]
+        self.next.n[chain[:-1]] = chain[1:]
+        self.prev.n[chain[1:]] = chain[:-1]
+        self.num_free_blocks += count
+
+    def free_queue(self) -> list[int]:
+        """The queued blocks, head first."""
+        nxt = self.next.a
+        out: list[int] = []
+        block = nxt[self.head]
+        while block != self.tail:
+            out.append(block)
+            block = nxt[block]
+        return out
+
+    def check_free_queue(self) -> None:
+        """Raise ``InvariantError`` if the queue and the reference counts disagree."""
+        n = self.num_blocks
+        ref, prv, nxt = self.ref.a, self.prev.a, self.next.a
+        free = self.free_queue()
+        require(len(free) == self.num_free_blocks, "free queue length != num_free_blocks")
+        require(len(free) == len(set(free)), f"free queue holds a block twice: {free}")
+        require(0 not in free, "the null block is in the free queue")
+        previous = self.head
+        for block in free:
+            require(prv[block] == previous, f"free queue back link of block {block} is broken")
+            previous = block
+        require(prv[self.tail] == previous, "free queue tail link is broken")
+        zero = {b for b in range(1, n) if ref[b] == 0}
+        require(set(free) == zero, f"free queue {sorted(free)} != count-0 blocks {sorted(zero)}")
+        require(bool((self.ref.t >= 0).all()), "a negative reference count")
+        require(ref[0] == 0 and prv[0] == -1 and nxt[0] == -1, "the null block was used")
+        for block in range(1, n):
+            if ref[block] > 0:
+                require(prv[block] == -1 and nxt[block] == -1, f"held block {block} is linked")
