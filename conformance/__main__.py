@@ -18,9 +18,11 @@ the exit status is 1 if any failed, 2 if the command line names nothing usable):
 
 ``--adapter MODULE:FACTORY`` puts an outside implementation under test instead of the
 project's backends (an ``AdapterFactory``, see ``hybridkv.conformance.adapters`` and the
-README's "Check your own implementation"). Profiles: ``fast`` (CI-sized) and ``long`` (nightly:
-many more examples and steps, 30× the CrossHair budget). ``--examples``, ``--steps``,
-``--traces`` and ``--hit-states`` override the profile.
+README's "Check your own implementation"); a failure its module names as a known bug of that
+implementation (``known_bug(error) -> str | None``, as ``adapters.vllm`` offers) is reported as
+such. Profiles: ``fast`` (CI-sized) and ``long`` (nightly: many more examples and steps, 30×
+the CrossHair budget). ``--examples``, ``--steps``, ``--traces`` and ``--hit-states`` override
+the profile.
 """
 
 from __future__ import annotations
@@ -120,13 +122,30 @@ def _raised(section: str, error: BaseException) -> None:
     print("    " + "".join(traceback.format_exception(error)).replace("\n", "\n    "))
 
 
-def _machine_failure(error: Exception, argv: Sequence[str], seed: int | None) -> None:
+def known_bugs(error: BaseException, under_test: Sequence[Backend]) -> list[str]:
+    """The known bugs of the implementations under test that ``error`` is: an adapter's module
+    may name them with ``known_bug(error) -> str | None`` (``adapters.vllm`` does)."""
+    found = []
+    for name, factory in under_test:
+        module = sys.modules.get(getattr(factory, "__module__", ""))
+        explain = getattr(module, "known_bug", None)
+        note = explain(error) if callable(explain) else None
+        if isinstance(note, str):
+            found.append(f"known bug of {name}: {note}")
+    return found
+
+
+def _machine_failure(
+    error: Exception, argv: Sequence[str], seed: int | None, under_test: Sequence[Backend] = ()
+) -> None:
     """What differed (the values side by side), the shortest failing example as scheduler
     calls to paste, and the command that reruns it; a crash (not a difference) with its
-    traceback."""
+    traceback; and whether it is a known bug of an implementation under test."""
     from hybridkv.conformance.invariants import ConformanceError
 
     print(f"  FAILED: {type(error).__name__}: {error}".replace("\n", "\n    "))
+    for note in known_bugs(error, under_test):
+        print(f"  {note}")
     script = getattr(error, "repro", None)
     if not isinstance(error, ConformanceError):
         print("    " + "".join(traceback.format_exception(error)).replace("\n", "\n    "))
@@ -242,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hybridkv.conformance.machine import RunStats, run_command_machine
 
     stats = RunStats()
+    known: list[str] = []
     try:
         run_command_machine(
             backends,
@@ -253,13 +273,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         results["differential machine"] = True
     except Exception as error:
-        _machine_failure(error, argv, args.seed)
+        _machine_failure(error, argv, args.seed, under_test)
+        known = known_bugs(error, under_test)
         results["differential machine"] = False
     print("\n".join(stats.lines()))
     _verdict(
         results["differential machine"],
         f"differential machine: {stats.examples} examples, {stats.steps} steps, "
-        f"{stats.comparisons} comparisons, {stats.invariant_checks} invariant checks",
+        f"{stats.comparisons} comparisons, {stats.invariant_checks} invariant checks"
+        + (
+            "; the failure is a known bug of the implementation under test (above)" if known else ""
+        ),
     )
 
     _section("oracles (brute force)")
