@@ -165,6 +165,7 @@ def plan_report(
         policy=policy,
         pipeline_parallel_size=pipeline_parallel_size,
         layer_stages=layer_stages,
+        enable_caching=enable_prefix_caching,
     )
     stages = layer_stages_of(layers, pipeline_parallel_size, layer_stages)
     slots = _own_layers_per_stage(config.groups, kv_sharing, stages)
