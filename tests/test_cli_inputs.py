@@ -295,3 +295,58 @@ def test_simulate_on_a_terminal_shows_progress() -> None:
     done = hybridkv(env, "simulate", "--requests", "4", "--memory", "64GiB")
     assert done.returncode == 0, done.stderr
     assert "simulating" in done.stderr
+
+
+# --- configs hybridkv cannot read by itself ---------------------------------------------------
+
+
+def _write_config(tmp_path: Path, config: dict[str, Any]) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def test_plan_of_a_minimax_m1_config_has_70_lightning_and_10_full_layers(tmp_path: Path) -> None:
+    config = json.loads((CONFIGS / "minimax.json").read_text())
+    config["model_type"] = "minimax_m1"
+    plan = plan_json(_write_config(tmp_path, config), "--max-model-len", "131072")
+    assert plan["layer_types"] == {"linear_attention_lightning": 70, "full_attention": 10}
+    assert plan["max_num_requests"] == 7
+
+
+WEIRD = {
+    "model_type": "weird_new_arch",
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "max_position_embeddings": 8192,
+}
+
+
+def test_plan_of_an_unknown_model_type_is_refused_by_name(tmp_path: Path) -> None:
+    result = run("plan", _write_config(tmp_path, WEIRD))
+    one_line_error(result, "field 'model_type' is 'weird_new_arch', which hybridkv does not know")
+    assert "pass --assume-full-attention" in " ".join(result.output.split())
+
+
+def test_plan_assume_full_attention_plans_an_unknown_model_type_with_a_note(
+    tmp_path: Path,
+) -> None:
+    path = _write_config(tmp_path, WEIRD)
+    plan = plan_json(path, "--assume-full-attention")
+    assert plan["layer_types"] == {"full_attention": 26}
+    assert plan["notes"][0] == (
+        "model_type 'weird_new_arch' is not one hybridkv reads: every layer is planned as full "
+        "attention, as --assume-full-attention asserts"
+    )
+
+
+def test_plan_notes_the_max_model_len_fallback_of_a_config_without_one(tmp_path: Path) -> None:
+    config = {key: value for key, value in WEIRD.items() if key != "max_position_embeddings"}
+    plan = plan_json(_write_config(tmp_path, config), "--assume-full-attention")
+    assert plan["settings"]["max_model_len"] == 131072
+    assert plan["notes"][-1] == (
+        f"{tmp_path / 'config.json'} gives no max_position_embeddings: max_model_len defaults "
+        "to 131,072 (give --max-model-len)"
+    )

@@ -10,6 +10,7 @@ that cannot be read exactly is a ``ConfigError`` naming the field, never a guess
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -53,6 +54,7 @@ _FAMILIES: Mapping[str, str] = {
     "gemma3n_text": "gemma3n",
     "llama4_text": "llama4",
     "minimax_text_01": "minimax",
+    "minimax_m1": "minimax",
     "deepseek_v2": "deepseek",
     "deepseek_v3": "deepseek",
 }
@@ -70,16 +72,26 @@ class Fields:
         self.config = config
         self.prefix = prefix
         self.family = family
+        self.defaulted: dict[str, object] = {}
+        """Fields the config leaves out that a default filled, by name: the plan lists them."""
 
     def get(self, key: str, default: Any = _MISSING) -> Any:
-        """The raw value of ``key``, the family's transformers default, then ``default``."""
+        """The raw value of ``key``, the family's transformers default, then ``default``.
+
+        A default that stands in for a value (not ``None``, ``0`` or ``False``: "no such
+        feature") is recorded in ``defaulted``.
+        """
         if key in self.config and self.config[key] is not None:
             return self.config[key]
         if key in _DEFAULTS.get(self.family, {}):
-            return _DEFAULTS[self.family][key]
-        if default is _MISSING:
+            value = _DEFAULTS[self.family][key]
+        elif default is _MISSING:
             raise ConfigError(f"{self.source}: field {self.name(key)!r} is missing")
-        return default
+        else:
+            value = default
+        if value is not None and value is not False and value != 0:
+            self.defaulted[self.name(key)] = value
+        return value
 
     def integer(self, key: str, default: int | None = None) -> int:
         """A positive int (``default`` when absent); ``ConfigError`` naming the field otherwise."""
@@ -121,8 +133,12 @@ class Fields:
 # --- Entry points -----------------------------------------------------------------------------
 
 
-def load_config(path: str | Path) -> ModelFacts:
-    """Read ``path`` (a config.json) into facts; ``ConfigError`` for unreadable JSON or fields."""
+def load_config(path: str | Path, *, assume_full_attention: bool = False) -> ModelFacts:
+    """Read ``path`` (a config.json) into facts; ``ConfigError`` for unreadable JSON or fields.
+
+    ``assume_full_attention`` plans a ``model_type`` this module does not know as all full
+    attention (the user asserts it); without it such a config is refused.
+    """
     try:
         text = Path(path).read_text("utf-8")
     except OSError as error:
@@ -141,20 +157,32 @@ def load_config(path: str | Path) -> ModelFacts:
         ) from None
     if not isinstance(config, dict):
         raise ConfigError(f"{path} must hold a JSON object, got {type(config).__name__}")
-    return facts_from_config(config, name=str(path))
+    return facts_from_config(config, name=str(path), assume_full_attention=assume_full_attention)
 
 
-def facts_from_config(config: Mapping[str, Any], *, name: str) -> ModelFacts:
-    """The facts of one config.json object (its ``text_config`` when it has one)."""
+def facts_from_config(
+    config: Mapping[str, Any], *, name: str, assume_full_attention: bool = False
+) -> ModelFacts:
+    """The facts of one config.json object (its ``text_config`` when it has one).
+
+    A ``model_type`` with no rule here and no ``layer_types`` list is a ``ConfigError`` naming
+    it, unless ``assume_full_attention``; every field a default filled is listed in the notes.
+    """
     fields = _text_fields(config, name)
-    kinds = _layer_kinds(fields)
     notes = []
+    assumed = _check_known(fields, assume_full_attention)
+    if assumed:
+        notes.append(
+            f"model_type {fields.family!r} is not one hybridkv reads: every layer is planned as "
+            "full attention, as --assume-full-attention asserts"
+        )
+    kinds = _layer_kinds(fields, assumed)
     if fields.family == "mistral" and "layer_types" not in fields.config:
         notes.append(
             "config.json has no layer_types: every layer runs as the HF format reads it "
             "(sliding_window set → all layers sliding, as transformers and vLLM do)"
         )
-    return ModelFacts(
+    facts = ModelFacts(
         name=name,
         layer_kinds=kinds,
         attention=_attention(fields, kinds),
@@ -162,7 +190,34 @@ def facts_from_config(config: Mapping[str, Any], *, name: str) -> ModelFacts:
         mla=_mla(fields) if "full_attention_mla" in kinds else None,
         kv_sharing=_kv_sharing(fields, kinds),
         max_position_embeddings=fields.optional_integer("max_position_embeddings"),
-        notes=tuple(notes),
+    )
+    if fields.defaulted:
+        filled = ", ".join(f"{key} = {value!r}" for key, value in fields.defaulted.items())
+        notes.append(f"{name} leaves out fields the plan needs; filled with defaults: {filled}")
+    return dataclasses.replace(facts, notes=tuple(notes))
+
+
+def known_model_types() -> tuple[str, ...]:
+    """The ``model_type`` values whose layer kinds this module reads from their own fields."""
+    return tuple(sorted({*_RULES, *_KNOWN_UNIFORM, *_FAMILIES}))
+
+
+def _check_known(fields: Fields, assume_full_attention: bool) -> bool:
+    """Whether the layers are assumed full attention: ``ConfigError`` for a ``model_type`` with
+    no rule and no ``layer_types`` list, unless the user asserts full attention."""
+    if fields.family in _RULES or fields.family in _KNOWN_UNIFORM:
+        return False
+    if "layer_types" in fields.config:
+        return False
+    if assume_full_attention:
+        return True
+    raise ConfigError(
+        f"{fields.source}: field {fields.name('model_type')!r} is {fields.family!r}, which "
+        f"hybridkv does not know: it reads the layer kinds of model_type "
+        f"{', '.join(known_model_types())}, and of any model from a 'layer_types' list "
+        f"({', '.join(sorted(_EXPLICIT))}, one per layer); add layer_types to the config, or "
+        "pass --assume-full-attention (assume_full_attention=True) if every layer is full "
+        "attention"
     )
 
 
@@ -183,11 +238,13 @@ def _text_fields(config: Mapping[str, Any], source: str) -> Fields:
 # --- Layer kinds ------------------------------------------------------------------------------
 
 
-def _layer_kinds(fields: Fields) -> tuple[str, ...]:
+def _layer_kinds(fields: Fields, assumed_full: bool) -> tuple[str, ...]:
     """The kind of every decoder layer, from ``layer_types`` or the family's rule."""
     num_layers = fields.integer("num_hidden_layers")
     explicit = fields.sequence("layer_types")
-    if explicit is not None:
+    if assumed_full:
+        kinds: tuple[str, ...] = ("full_attention",) * num_layers
+    elif explicit is not None:
         kinds = tuple(_explicit_kind(fields, i, value) for i, value in enumerate(explicit))
     else:
         kinds = _RULES.get(fields.family, _uniform_rule)(fields, num_layers)
@@ -246,19 +303,9 @@ def _alternating(fields: Fields, num_layers: int) -> tuple[str, ...]:
 
 
 def _uniform_rule(fields: Fields, num_layers: int) -> tuple[str, ...]:
-    """Llama-like models: every layer full attention, or every layer sliding (Mistral format).
-
-    A family this module does not know with recurrent-looking keys is refused, not guessed.
-    """
-    if fields.family not in _KNOWN_UNIFORM:
-        for key in fields.config:
-            if key.startswith(("mamba", "ssm", "linear_", "kv_lora")):
-                raise ConfigError(
-                    f"{fields.source}: field {fields.name(key)!r} of model_type {fields.family!r} "
-                    "suggests layers hybridkv cannot identify without a layer_types list"
-                )
+    """Llama-like models: every layer full attention, or every layer sliding (Mistral format)."""
     window = fields.get("sliding_window", None)
-    if window is not None and fields.get("use_sliding_window", True) is not False:
+    if window is not None and fields.config.get("use_sliding_window", True) is not False:
         fields.check_int("sliding_window", window)
         return ("sliding_attention",) * num_layers
     return ("full_attention",) * num_layers
@@ -321,7 +368,8 @@ def _qwen3_next(fields: Fields, num_layers: int) -> tuple[str, ...]:
 
 
 def _minimax(fields: Fields, num_layers: int) -> tuple[str, ...]:
-    """MiniMax-Text-01: ``attn_type_list`` 1 = softmax (full) attention, 0 = lightning."""
+    """MiniMax-Text-01 and MiniMax-M1: ``attn_type_list`` 1 = softmax (full) attention,
+    0 = lightning (linear) attention."""
     flags = fields.sequence("attn_type_list")
     if flags is None:
         raise fields.error("attn_type_list", "is missing")
@@ -373,6 +421,7 @@ def _attention(fields: Fields, kinds: tuple[str, ...]) -> AttentionFacts | None:
         if hidden % heads:
             raise fields.error("head_dim", "is missing (hidden_size is not a multiple of heads)")
         head_dim = hidden // heads
+        fields.defaulted[fields.name("head_dim")] = head_dim
     return AttentionFacts(
         num_kv_heads=fields.integer("num_key_value_heads", heads),
         head_dim=fields.check_int(head_key, head_dim),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from decimal import Decimal
@@ -100,19 +101,20 @@ class ModelChoice:
     notes: tuple[str, ...] = ()
 
 
-def resolve_model(name_or_path: str | None) -> ModelChoice:
+def resolve_model(name_or_path: str | None, *, assume_full_attention: bool = False) -> ModelChoice:
     """A catalogue name or Hub id (``gemma-3-27b-it``, also ``google/gemma-3-27b``: a variant
     suffix finds its catalogue entry), a config.json, or a Hugging Face snapshot directory
-    holding one; ``UserError`` otherwise."""
+    holding one; ``UserError`` otherwise. ``assume_full_attention`` plans a config.json of a
+    ``model_type`` hybridkv does not know as all full attention."""
     from hybridkv.catalogue import ModelError, UnknownModelError, find_model, find_variant
 
     target = name_or_path or DEFAULT_MODEL
     try:
         path = Path(target)
         if path.is_dir():
-            return _from_config(_snapshot_config(path))
+            return _from_config(_snapshot_config(path), assume_full_attention)
         if target.endswith(".json") or path.is_file():
-            return _from_config(target)
+            return _from_config(target, assume_full_attention)
         try:
             entry = find_model(target)
             notes: tuple[str, ...] = ()
@@ -143,16 +145,35 @@ def _snapshot_config(directory: Path) -> str:
     return str(config)
 
 
-def _from_config(path: str) -> ModelChoice:
+def _from_config(path: str, assume_full_attention: bool) -> ModelChoice:
     """The model a config.json describes."""
     from hybridkv.hf_config import load_config
 
-    return ModelChoice(path, f"config file {path}", "config.json", (), load_config(path))
+    facts = load_config(path, assume_full_attention=assume_full_attention)
+    return ModelChoice(path, f"config file {path}", "config.json", (), facts)
 
 
 def default_max_model_len(choice: ModelChoice) -> int:
     """The model's own context length, as vLLM defaults it (131072 when the model gives none)."""
     return choice.facts.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
+
+
+def with_max_model_len_note(choice: ModelChoice, max_model_len: int | None) -> ModelChoice:
+    """``choice`` with a note when the plan's max_model_len is the library's fallback (the
+    model gives no max_position_embeddings and the user no --max-model-len)."""
+    if max_model_len is not None or choice.facts.max_position_embeddings is not None:
+        return choice
+    note = (
+        f"{choice.name} gives no max_position_embeddings: max_model_len defaults to "
+        f"{DEFAULT_MAX_MODEL_LEN:,} (give --max-model-len)"
+    )
+    return dataclasses.replace(choice, notes=(*choice.notes, note))
+
+
+ASSUME_FULL_ATTENTION_HELP = (
+    "Plan a config.json whose model_type hybridkv does not know as all full attention "
+    "(without it such a config is refused; a layer_types list in the config needs no flag)."
+)
 
 
 KV_DTYPES = tuple(DTYPE_BYTES)

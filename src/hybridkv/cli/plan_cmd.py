@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from hybridkv.cli.options import (
+    ASSUME_FULL_ATTENTION_HELP,
     KV_DTYPES,
     SSM_DTYPES,
     MemorySize,
@@ -16,6 +17,7 @@ from hybridkv.cli.options import (
     check_block_size,
     default_max_model_len,
     resolve_model,
+    with_max_model_len_note,
 )
 from hybridkv.cli.plan_data import (
     POLICIES,
@@ -141,6 +143,7 @@ def engine_options(command: _F) -> _F:
     default=None,
     help="Also write the memory layout as an SVG image.",
 )
+@click.option("--assume-full-attention", is_flag=True, help=ASSUME_FULL_ATTENTION_HELP)
 def plan(
     model: str | None,
     memory: int,
@@ -155,6 +158,7 @@ def plan(
     policy: GroupingPolicy,
     output_format: str,
     svg: str | None,
+    assume_full_attention: bool,
 ) -> None:
     """Plan the KV cache of MODEL (a catalogue name or Hub id, a config.json, or a Hugging
     Face snapshot directory; default gemma-3-27b-it).
@@ -165,7 +169,9 @@ def plan(
     the longest max_model_len that fits, the memory saved against a full-attention-only
     manager, and a picture of the memory layout.
     """
-    choice = resolve_model(model)
+    choice = with_max_model_len_note(
+        resolve_model(model, assume_full_attention=assume_full_attention), max_model_len
+    )
     settings = PlanSettings(
         memory_bytes=memory,
         max_model_len=max_model_len or default_max_model_len(choice),

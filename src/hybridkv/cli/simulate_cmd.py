@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from hybridkv.cli.options import MemorySize, UserError, resolve_model
+from hybridkv.cli.options import ASSUME_FULL_ATTENTION_HELP, MemorySize, UserError, resolve_model
 from hybridkv.cli.plan_cmd import model_options
 from hybridkv.cli.plan_data import Plan, PlanSettings, make_plan
 
@@ -70,6 +70,7 @@ if TYPE_CHECKING:
     default="table",
     show_default=True,
 )
+@click.option("--assume-full-attention", is_flag=True, help=ASSUME_FULL_ATTENTION_HELP)
 def simulate(
     model: str | None,
     workload: str | None,
@@ -88,6 +89,7 @@ def simulate(
     seed: int,
     plot: str | None,
     output_format: str,
+    assume_full_attention: bool,
 ) -> None:
     """Replay a workload on MODEL's planned KV cache (default gemma-3-27b-it, 4 GiB).
 
@@ -108,7 +110,7 @@ def simulate(
     settings = PlanSettings(
         memory, max_model_len, max_num_batched_tokens, block_size, kv_dtype, mamba_ssm_dtype
     )
-    plan = make_plan(resolve_model(model), settings)
+    plan = make_plan(resolve_model(model, assume_full_attention=assume_full_attention), settings)
     caching = prefix_caching
     requests = _requests(workload or "mixed", trace, num_requests, seed, max_model_len)
     manager = _build_manager(backend, plan, caching, device or "cpu", output_format == "table")
