@@ -116,15 +116,20 @@ class PlanReport:
     """Bytes the tensors take: num_blocks × page_size_bytes (the rest of the memory is unused)."""
     bytes_per_request: int
     """blocks_per_request × page_size_bytes: one longest request's share of the pool."""
+    tensor_stages: tuple[int, ...]
+    """The pipeline stage (GPU) of each of ``config.tensors``: all 0 with one stage."""
     full_attention_bytes_per_token: int
-    """KV bytes of one token in every own attention layer: what a non-hybrid manager keeps."""
+    """KV bytes of one token in every own attention layer of one GPU (the fullest pipeline
+    stage): what a non-hybrid manager keeps there."""
     full_attention_bytes_per_request: int
-    """One longest request if every own attention layer were full attention (Mamba: one state).
+    """One longest request on one GPU (the fullest pipeline stage) if every own attention layer
+    were full attention (Mamba: one state), comparable with ``bytes_per_request``, which is
+    per GPU too.
 
     Uses the planned block size, so the two managers differ only in which blocks they keep.
     """
     full_attention_memory_bytes: int
-    """Bytes a non-hybrid manager needs for max_num_requests longest requests."""
+    """Bytes per GPU a non-hybrid manager needs for max_num_requests longest requests."""
     memory_saved_bytes: int
     """full_attention_memory_bytes − max_num_requests × bytes_per_request.
 
@@ -184,7 +189,7 @@ def plan_report(
     num_padding = sum(group.num_padding_slots for group in groups)
     blocks_per_request = sum(group.max_blocks_per_request for group in groups)
     max_num_requests = rules.max_num_requests(config.num_blocks, blocks_per_request)
-    full_bytes_per_request = _full_attention_bytes_per_request(groups, max_model_len)
+    full_bytes_per_request = _full_attention_bytes_per_request(groups, slots, max_model_len)
     return PlanReport(
         config=config,
         groups=groups,
@@ -209,7 +214,8 @@ def plan_report(
         max_tokens=max_num_requests * max_model_len,
         memory_bytes=config.num_blocks * page,
         bytes_per_request=blocks_per_request * page,
-        full_attention_bytes_per_token=_full_attention_bytes_per_token(groups),
+        tensor_stages=tuple(stages[tensor.shared_by[0]] for tensor in config.tensors),
+        full_attention_bytes_per_token=_full_attention_bytes_per_token(groups, slots),
         full_attention_bytes_per_request=full_bytes_per_request,
         full_attention_memory_bytes=max_num_requests * full_bytes_per_request,
         memory_saved_bytes=max_num_requests * (full_bytes_per_request - blocks_per_request * page),
@@ -310,16 +316,24 @@ def max_blocks_per_request(
 # --- Against a non-hybrid manager -------------------------------------------------------------
 
 
-def _full_attention_bytes_per_token(groups: tuple[GroupPlan, ...]) -> int:
-    """One token's KV in every own attention layer; a Mamba layer's state does not grow."""
-    return sum(group.num_own_layers * group.spec.kv_bytes_per_token for group in groups)
+def _full_attention_bytes_per_token(groups: tuple[GroupPlan, ...], slots: list[list[int]]) -> int:
+    """One token's KV in every own attention layer of the fullest stage (Mamba: no growth)."""
+    return max(
+        sum(n * group.spec.kv_bytes_per_token for n, group in zip(per_stage, groups, strict=True))
+        for per_stage in slots
+    )
 
 
-def _full_attention_bytes_per_request(groups: tuple[GroupPlan, ...], max_model_len: int) -> int:
-    """One longest request when every own attention layer keeps all its blocks, layer by layer."""
-    return sum(
-        group.num_own_layers
-        * group.spec.blocks_without_release(max_model_len)
-        * group.spec.page_size_bytes
-        for group in groups
+def _full_attention_bytes_per_request(
+    groups: tuple[GroupPlan, ...], slots: list[list[int]], max_model_len: int
+) -> int:
+    """One longest request when every own attention layer keeps all its blocks, layer by
+    layer, on the fullest stage: each GPU holds only its stage's layers (``slots``: the own
+    layers of every group on each stage)."""
+    return max(
+        sum(
+            n * group.spec.blocks_without_release(max_model_len) * group.spec.page_size_bytes
+            for n, group in zip(per_stage, groups, strict=True)
+        )
+        for per_stage in slots
     )

@@ -137,8 +137,15 @@ def plan_json(result: Plan) -> dict[str, Any]:
         "num_padding_slots": report.num_padding_slots,
         "padding_fraction": report.padding_fraction,
         "tensors": [
-            {"index": i, "size_bytes": tensor.size, "shared_by": list(tensor.shared_by)}
-            for i, tensor in enumerate(report.config.tensors)
+            {
+                "index": i,
+                "stage": stage,
+                "size_bytes": tensor.size,
+                "shared_by": list(tensor.shared_by),
+            }
+            for i, (tensor, stage) in enumerate(
+                zip(report.config.tensors, report.tensor_stages, strict=True)
+            )
         ],
         "memory_bytes": report.memory_bytes,
         "max_in_flight_tokens": report.max_in_flight_tokens,
@@ -149,6 +156,7 @@ def plan_json(result: Plan) -> dict[str, Any]:
         "max_fitting_model_len": report.max_fitting_model_len,
         "max_tokens": report.max_tokens,
         "full_attention_only": {
+            "per": "GPU (the fullest pipeline stage)",
             "bytes_per_token": report.full_attention_bytes_per_token,
             "bytes_per_request": report.full_attention_bytes_per_request,
             "memory_bytes": report.full_attention_memory_bytes,
