@@ -62,6 +62,18 @@ PROFILES = {
 }
 
 
+def _at_least_one(text: str) -> int:
+    """A count of examples, steps or states: a whole number of at least 1 (0 would run the
+    profile's default in Hypothesis, or nothing, and still say PASS)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m hybridkv.conformance",
@@ -73,8 +85,10 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="what to check (default: both when the optimized backend imports, else reference)",
     )
-    parser.add_argument("--examples", type=int, default=None, help="state-machine examples")
-    parser.add_argument("--steps", type=int, default=None, help="most steps per example")
+    parser.add_argument(
+        "--examples", type=_at_least_one, default=None, help="state-machine examples"
+    )
+    parser.add_argument("--steps", type=_at_least_one, default=None, help="most steps per example")
     parser.add_argument(
         "--seed", type=int, default=None, help="random seed (default: derandomized)"
     )
@@ -99,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--hit-states",
-        type=int,
+        type=_at_least_one,
         default=None,
         metavar="N",
         help="cache states of the longest-hit oracles (the adapter's gets N/4, each probed 3×)",

@@ -350,3 +350,83 @@ def test_plan_notes_the_max_model_len_fallback_of_a_config_without_one(tmp_path:
         f"{tmp_path / 'config.json'} gives no max_position_embeddings: max_model_len defaults "
         "to 131,072 (give --max-model-len)"
     )
+
+
+# --- sizes and lengths as people type them --------------------------------------------------
+
+
+def test_a_memory_size_without_a_unit_below_1_mib_is_refused_with_a_hint() -> None:
+    result = run("plan", "--memory", "40")
+    assert result.exit_code == 2
+    assert (
+        "Invalid value for '--memory': '40' has no unit, so it is 40 bytes: did you mean 40GiB? "
+        "(a number without a unit is a byte count of at least 1 MiB = 1,048,576)"
+    ) in " ".join(result.output.split())
+    assert run("plan", "--memory", "1048575").exit_code == 2
+
+
+def test_a_plain_byte_count_of_1_mib_or_more_is_bytes() -> None:
+    assert plan_json("--memory", "42949672960")["settings"]["memory_bytes"] == 40 * 2**30
+
+
+@pytest.mark.parametrize("memory", ["1e30", "17TiB", "16.1Ti"])
+def test_a_memory_size_above_16_tib_is_a_typo(memory: str) -> None:
+    result = run("plan", "--memory", memory)
+    assert result.exit_code == 2
+    assert "more than any GPU has (at most 16 TiB per GPU): is it a typo?" in " ".join(
+        result.output.split()
+    )
+    assert plan_json("--memory", "16TiB")["settings"]["memory_bytes"] == 16 * 2**40
+
+
+MAX_MODEL_LENS = [
+    ("131072", 131072),
+    ("128k", 128_000),
+    ("128K", 131_072),
+    ("1M", 1_048_576),
+    ("1m", 1_000_000),
+    ("25.6k", 25_600),
+]
+
+
+@pytest.mark.parametrize(("text", "tokens"), MAX_MODEL_LENS)
+def test_max_model_len_reads_suffixes_as_vllm_does(text: str, tokens: int) -> None:
+    plan = plan_json("--max-model-len", text)
+    assert plan["settings"]["max_model_len"] == tokens
+
+
+@pytest.mark.parametrize(("text", "tokens"), MAX_MODEL_LENS)
+def test_max_model_len_suffixes_equal_vllms_human_readable_int(text: str, tokens: int) -> None:
+    argparse_utils = pytest.importorskip("vllm.utils.argparse_utils")
+    assert argparse_utils.human_readable_int(text) == tokens
+
+
+def test_a_decimal_with_a_binary_suffix_is_refused_as_vllm_refuses_it() -> None:
+    result = run("plan", "--max-model-len", "1.5K")
+    assert result.exit_code == 2
+    assert (
+        "Invalid value for '--max-model-len': decimals are not allowed with binary suffixes "
+        "like K: did you mean 1.5k?"
+    ) in " ".join(result.output.split())
+
+
+def test_max_num_batched_tokens_reads_suffixes_too() -> None:
+    assert plan_json("--max-num-batched-tokens", "8K")["settings"]["max_num_batched_tokens"] == 8192
+
+
+def test_an_empty_model_name_is_an_error_not_the_default_model() -> None:
+    one_line_error(
+        run("plan", ""),
+        "Error: MODEL is '': give a catalogue name (`hybridkv models` lists them), a config.json "
+        "or a snapshot directory, or leave it out for google/gemma-3-27b-it",
+    )
+
+
+@pytest.mark.parametrize("option", ["--examples", "--steps", "--hit-states"])
+def test_conformance_counts_of_0_are_errors(option: str) -> None:
+    command = [sys.executable, "-m", "hybridkv.conformance", option, "0"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"python -m hybridkv.conformance: error: argument {option}: must be at least 1, got 0"
+    )

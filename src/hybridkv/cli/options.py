@@ -48,8 +48,22 @@ class UserError(click.ClickException):
     exit_code = 2
 
 
+class RunFailed(click.ClickException):
+    """A run that did what was asked and achieved nothing (no request fit): exit code 1."""
+
+    exit_code = 1
+
+
+MIN_PLAIN_BYTES = 2**20
+"""A number without a unit is a byte count, and below 1 MiB it is a unit left out."""
+
+MAX_MEMORY_BYTES = 16 * 2**40
+"""More than any GPU has (16 TiB per GPU): a bigger size is a typo."""
+
+
 class MemorySize(click.ParamType[int]):
-    """A byte count: ``40GiB``, ``40 GB``, ``512MiB``, ``1.5GiB`` or a plain number of bytes."""
+    """A byte count: ``40GiB``, ``40 GB``, ``512MiB``, ``1.5GiB``, or a plain number of bytes
+    of at least 1 MiB (``4.2e10``); at most 16 TiB."""
 
     name = "size"
 
@@ -66,7 +80,68 @@ class MemorySize(click.ParamType[int]):
                 param,
                 ctx,
             )
-        return int(Decimal(match.group(1)) * _UNITS[unit])
+        size = int(Decimal(match.group(1)) * _UNITS[unit])
+        if match.group(2) == "" and size < MIN_PLAIN_BYTES:
+            self.fail(
+                f"{value!r} has no unit, so it is {size:,} bytes: did you mean "
+                f"{match.group(1)}GiB? (a number without a unit is a byte count of at least "
+                f"1 MiB = {MIN_PLAIN_BYTES:,})",
+                param,
+                ctx,
+            )
+        if size > MAX_MEMORY_BYTES:
+            self.fail(
+                f"{value!r} is {format_bytes(size)}, more than any GPU has (at most 16 TiB per "
+                "GPU): is it a typo?",
+                param,
+                ctx,
+            )
+        return size
+
+
+_TOKENS = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+class TokenCount(click.ParamType[int]):
+    """A positive token count as vLLM 0.33's ``human_readable_int`` reads it: ``131072``,
+    ``128k`` (k, m, g, t: powers of 1000, decimals allowed), ``128K`` (K, M, G, T: powers of
+    1024, whole numbers only)."""
+
+    name = "tokens"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        text = str(value).strip()
+        count = value if isinstance(value, int) else self._parse(text, param, ctx)
+        if count < 1:
+            self.fail(f"{value!r} must be at least 1 token", param, ctx)
+        return count
+
+    def _parse(self, text: str, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        match = _TOKENS.fullmatch(text)
+        if match is not None:
+            number, suffix = match.groups()
+            if suffix in _DECIMAL:
+                return int(float(number) * _DECIMAL[suffix])
+            if "." in number:
+                self.fail(
+                    f"decimals are not allowed with binary suffixes like {suffix}: did you mean "
+                    f"{number}{suffix.lower()}?",
+                    param,
+                    ctx,
+                )
+            return int(number) * _BINARY[suffix]
+        try:
+            return int(text)
+        except ValueError:
+            self.fail(
+                f"{text!r} is not a token count: a whole number, or one with k, m, g, t "
+                "(powers of 1000: 128k, 25.6k) or K, M, G, T (powers of 1024: 128K), as vLLM "
+                "reads it",
+                param,
+                ctx,
+            )
 
 
 def check_block_size(ctx: click.Context, param: click.Parameter, value: int) -> int:
@@ -108,7 +183,12 @@ def resolve_model(name_or_path: str | None, *, assume_full_attention: bool = Fal
     ``model_type`` hybridkv does not know as all full attention."""
     from hybridkv.catalogue import ModelError, UnknownModelError, find_model, find_variant
 
-    target = name_or_path or DEFAULT_MODEL
+    target = DEFAULT_MODEL if name_or_path is None else name_or_path
+    if not target.strip():
+        raise UserError(
+            f"MODEL is {target!r}: give a catalogue name (`hybridkv models` lists them), a "
+            f"config.json or a snapshot directory, or leave it out for {DEFAULT_MODEL}"
+        )
     try:
         path = Path(target)
         if path.is_dir():

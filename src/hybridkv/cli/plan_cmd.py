@@ -13,6 +13,7 @@ from hybridkv.cli.options import (
     KV_DTYPES,
     SSM_DTYPES,
     MemorySize,
+    TokenCount,
     UserError,
     check_block_size,
     default_max_model_len,
@@ -39,7 +40,7 @@ def model_options(*, max_num_batched_tokens: int) -> Callable[[_F], _F]:
     options = (
         click.option(
             "--max-num-batched-tokens",
-            type=click.IntRange(min=1),
+            type=TokenCount(),
             default=max_num_batched_tokens,
             show_default=True,
             help="Tokens one scheduler step computes at most.",
@@ -117,7 +118,7 @@ def engine_options(command: _F) -> _F:
 )
 @click.option(
     "--max-model-len",
-    type=click.IntRange(min=1),
+    type=TokenCount(),
     default=None,
     help="Longest request in tokens  [default: the model's context length]",
 )
