@@ -41,6 +41,7 @@ from hybridkv.conformance.adapters import (
     reference_backend,
 )
 from hybridkv.conformance.extras import missing_extra
+from hybridkv.extras import first_missing, needs_line
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     profile = PROFILES[args.profile]
+    # Before any work: the differential machine needs hypothesis, an asked-for optimized
+    # backend torch and numpy.
+    needed = ["hypothesis"]
+    if args.backend in ("optimized", "both"):
+        needed += ["torch", "numpy"]
+    missing = first_missing(needed)
+    if missing is not None:
+        print(f"error: {needs_line('python -m hybridkv.conformance', missing)}", file=sys.stderr)
+        return 2
     try:
         if args.adapter is not None:
             if args.backend is not None:

@@ -81,7 +81,9 @@ def test_every_help_runs_without_the_optional_extras(
 def test_bench_help_without_torch_is_one_line(without_extras: dict[str, str]) -> None:
     done = hybridkv(without_extras, "bench", "--help")
     assert done.returncode != 0
-    assert done.stderr.strip() == "hybridkv bench needs torch: pip install 'hybridkv[torch]'"
+    assert done.stderr.strip() == (
+        "python -m hybridkv.bench needs torch, which is not installed: pip install '.[torch]'"
+    )
 
 
 def test_vllm_check_without_vllm_is_one_line(tmp_path: Path) -> None:
@@ -91,8 +93,8 @@ def test_vllm_check_without_vllm_is_one_line(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
-        "Error: `hybridkv vllm-check` needs vllm, which is not installed: "
-        "scripts/install-vllm-cpu.sh installs vLLM 0.33 for the CPU"
+        "python -m hybridkv.integrations.vllm.check needs vllm, which is not installed: "
+        "./scripts/install-vllm-cpu.sh installs vLLM 0.33 for the CPU"
     )
 
 
@@ -101,8 +103,8 @@ def test_conformance_without_the_dev_extras_is_one_line(without_extras: dict[str
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
-        "Error: `hybridkv conformance` needs hypothesis, which is not installed: "
-        "pip install 'hybridkv[dev]'"
+        "error: python -m hybridkv.conformance needs hypothesis, which is not installed: "
+        "pip install '.[dev]'"
     )
 
 
@@ -110,7 +112,7 @@ def test_optimized_backend_without_torch_is_one_line(without_extras: dict[str, s
     done = hybridkv(without_extras, "simulate", "--backend", "optimized", "--requests", "1")
     assert done.returncode == 2
     assert done.stderr.strip() == (
-        "Error: --backend optimized needs torch: pip install 'hybridkv[torch]'"
+        "Error: --backend optimized needs torch, which is not installed: pip install '.[torch]'"
     )
 
 

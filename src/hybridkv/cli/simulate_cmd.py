@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +17,7 @@ from hybridkv.cli.options import (
 )
 from hybridkv.cli.plan_cmd import model_options
 from hybridkv.cli.plan_data import Plan, PlanSettings, make_plan
+from hybridkv.extras import first_missing, is_missing, needs_line
 
 if TYPE_CHECKING:
     from hybridkv.simulate import Manager, RequestSpec, SimulationResult
@@ -110,8 +110,10 @@ def simulate(
         raise UserError(
             f"give --requests or --trace, not both: the trace {trace} has its own requests"
         )
-    if plot is not None and importlib.util.find_spec("matplotlib") is None:
-        raise UserError("--plot needs matplotlib: pip install 'hybridkv[plot]'")
+    if plot is not None and is_missing("matplotlib"):
+        raise UserError(needs_line("--plot", "matplotlib"))
+    if backend == "optimized" and (missing := first_missing(("torch", "numpy"))) is not None:
+        raise UserError(needs_line("--backend optimized", missing))
     if device is not None and backend == "reference":
         click.echo(
             f"note: --device {device} is ignored: the reference backend is pure Python on the "
@@ -199,7 +201,7 @@ def _build_manager(
 
 
 def _manager(backend: str, plan: Plan, caching: bool, device: str) -> Manager:
-    """The reference manager, or the torch backend; ``UserError`` when torch is missing."""
+    """The reference manager, or the torch backend (``simulate`` checked torch and numpy)."""
     from hybridkv.reference.planner import with_mamba_cache_mode
 
     config = with_mamba_cache_mode(plan.report.config, caching)
@@ -208,15 +210,8 @@ def _manager(backend: str, plan: Plan, caching: bool, device: str) -> Manager:
         from hybridkv.reference import KVCacheManager
 
         return KVCacheManager(config, max_model_len, enable_caching=caching)
-    try:
-        from hybridkv.optimized import TorchKVCacheManager
-    except ModuleNotFoundError as error:
-        if error.name == "torch":
-            raise UserError(
-                "--backend optimized needs torch: pip install 'hybridkv[torch]'"
-            ) from None
-        raise
     from hybridkv.cli.devices import device_problem
+    from hybridkv.optimized import TorchKVCacheManager
 
     if (problem := device_problem(device)) is not None:
         raise UserError(problem)
