@@ -103,6 +103,9 @@ class PlanReport:
     """Requests of ``max_model_len`` tokens that fit at once: (num_blocks − 1) // blocks."""
     max_concurrency: float
     """vLLM's "maximum concurrency": num_blocks / blocks_per_request (null block included)."""
+    kv_cache_size_tokens: int
+    """vLLM's "KV cache size" in tokens: int(max_concurrency × max_model_len), as vLLM 0.33's
+    ``get_kv_cache_capacity`` computes it for its log line."""
     max_fitting_model_len: int
     """The longest ``max_model_len`` (at most the given one) one request of which fits, as
     vLLM's auto-fit finds it; 0 when not even one token fits."""
@@ -210,6 +213,7 @@ def plan_report(
         blocks_per_request=blocks_per_request,
         max_num_requests=max_num_requests,
         max_concurrency=config.num_blocks / blocks_per_request,
+        kv_cache_size_tokens=int(config.num_blocks / blocks_per_request * max_model_len),
         max_fitting_model_len=_max_fitting_model_len(config, bounds),
         max_tokens=max_num_requests * max_model_len,
         memory_bytes=config.num_blocks * page,

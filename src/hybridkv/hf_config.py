@@ -483,20 +483,23 @@ def _mamba2(fields: Fields) -> RecurrentFacts:
     groups, d_state, d_conv = (fields.integer(key) for key in keys[2:])
     d_inner = fields.integer("mamba_d_ssm", heads * d_head)
     conv = (d_conv - 1) * (d_inner + 2 * groups * d_state)
-    return RecurrentFacts("mamba2", conv, heads * d_head * d_state, _ssm_dtype_bytes(fields))
+    dtype = _ssm_dtype(fields)
+    return RecurrentFacts("mamba2", conv, heads * d_head * d_state, _SSM_SIZES[dtype], dtype)
 
 
-def _ssm_dtype_bytes(fields: Fields) -> int:
+_SSM_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _ssm_dtype(fields: Fields) -> str:
     """vLLM's ``auto`` SSM dtype: the model's (bf16 here), float32 for Nemotron-H by default."""
     default = "float32" if fields.family == "nemotron_h" else "bfloat16"
     dtype = fields.get("mamba_ssm_cache_dtype", default)
-    sizes = {"float32": 4, "bfloat16": 2, "float16": 2}
-    if dtype not in sizes:
+    if dtype not in _SSM_SIZES:
         raise ConfigError(
             f"{fields.source}: field {fields.name('mamba_ssm_cache_dtype')!r} must be one of "
-            f"{', '.join(sizes)}, got {dtype!r}"
+            f"{', '.join(_SSM_SIZES)}, got {dtype!r}"
         )
-    return sizes[dtype]
+    return str(dtype)
 
 
 def _gated_deltanet(fields: Fields) -> RecurrentFacts:

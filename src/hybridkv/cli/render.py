@@ -74,7 +74,8 @@ def _header(plan: Plan) -> Text:
     text.append("layer types: " + ", ".join(f"{n} {kind}" for kind, n in counts.items()) + "\n")
     text.append(
         f"{format_bytes(settings.memory_bytes)} for KV cache · {settings.kv_dtype} KV · "
-        f"block size {settings.block_size} · max_model_len {settings.max_model_len:,} · "
+        f"{_ssm_dtype(plan)}block size {settings.block_size} · "
+        f"max_model_len {settings.max_model_len:,} · "
         f"{settings.max_num_batched_tokens:,} batched tokens per step\n"
     )
     text.append(
@@ -84,6 +85,15 @@ def _header(plan: Plan) -> Text:
         f"{plan.report.max_in_flight_tokens:,} tokens in flight · policy {settings.policy}"
     )
     return text
+
+
+def _ssm_dtype(plan: Plan) -> str:
+    """``SSM state float32 (auto) · `` for a model with recurrent layers: which dtype ``auto``
+    chose, as vLLM's ``mamba_ssm_cache_dtype="auto"`` does for the model."""
+    if plan.ssm_dtype is None:
+        return ""
+    how = " (auto)" if plan.settings.mamba_ssm_dtype == "auto" else ""
+    return f"SSM state {plan.ssm_dtype}{how} · "
 
 
 def _on(flag: bool) -> str:

@@ -41,6 +41,7 @@ def summary_table(plan: Plan) -> Table:
         f"{_per_gpu(plan)} at {report.max_model_len:,} tokens",
     )
     table.add_row("fits", _fits_line(plan))
+    table.add_row("vLLM logs", plan.vllm_log_line)
     table.add_row("full attention only", _full_attention_line(plan))
     table.add_row(
         "memory used",
