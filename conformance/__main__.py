@@ -204,18 +204,23 @@ def _rerun_hint(argv: Sequence[str], seed: int | None) -> str:
     return f"  rerun: {command}  (seed {seed})"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
-    profile = PROFILES[args.profile]
-    # Before any work: the differential machine needs hypothesis, an asked-for optimized
-    # backend torch and numpy.
+def _missing_extra(args: argparse.Namespace) -> str | None:
+    """Before any work, the one line naming a missing extra: the differential machine needs
+    hypothesis, an asked-for optimized backend torch and numpy."""
     needed = ["hypothesis"]
     if args.backend in ("optimized", "both"):
         needed += ["torch", "numpy"]
     missing = first_missing(needed)
+    return None if missing is None else needs_line("python -m hybridkv.conformance", missing)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    profile = PROFILES[args.profile]
+    missing = _missing_extra(args)
     if missing is not None:
-        print(f"error: {needs_line('python -m hybridkv.conformance', missing)}", file=sys.stderr)
+        print(f"error: {missing}", file=sys.stderr)
         return 2
     try:
         if args.adapter is not None:

@@ -16,37 +16,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from hybridkv.catalogue import (
-    AttentionFacts,
-    MLAFacts,
-    ModelError,
-    ModelFacts,
-    RecurrentFacts,
-)
+from hybridkv.catalogue import ModelFacts
+from hybridkv.hf_fields import ConfigError, Fields
+from hybridkv.hf_state import attention, kv_sharing, mla, recurrent
 
-_MISSING: Any = object()
-
-# transformers' defaults for keys that real configs leave out (catalogue: Gemma-3-4b's text_config
-# omits heads, KV heads and head_dim; Bamba omits max_position_embeddings).
-_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
-    "gemma2": {"sliding_window": 4096, "head_dim": 256},
-    "gemma3": {
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 256,
-        "sliding_window": 4096,
-        "sliding_window_pattern": 6,
-        "max_position_embeddings": 131072,
-    },
-    "gemma3n": {"sliding_window_pattern": 5},
-    "cohere2": {"sliding_window_pattern": 4},
-    "llama4": {"attention_chunk_size": 8192, "no_rope_layer_interval": 4},
-    "jamba": {"attn_layer_period": 8, "attn_layer_offset": 4},
-    "bamba": {"max_position_embeddings": 262144},
-    "qwen3_next": {"full_attention_interval": 4},
-    "mamba": {"expand": 2, "conv_kernel": 4, "state_size": 16},
-    "mamba2": {"expand": 2, "conv_kernel": 4, "state_size": 128, "n_groups": 8, "head_dim": 64},
-}
+__all__ = ["ConfigError", "facts_from_config", "known_model_types", "load_config"]
 
 # model_type (top level or text_config) → the family whose rules read it.
 _FAMILIES: Mapping[str, str] = {
@@ -58,76 +32,6 @@ _FAMILIES: Mapping[str, str] = {
     "deepseek_v2": "deepseek",
     "deepseek_v3": "deepseek",
 }
-
-
-class ConfigError(ModelError):
-    """A config.json the planner cannot read exactly; the message names the field."""
-
-
-class Fields:
-    """The (text) config's keys, read with a type check that names the field when it fails."""
-
-    def __init__(self, config: Mapping[str, Any], prefix: str, family: str, source: str) -> None:
-        self.source = source
-        self.config = config
-        self.prefix = prefix
-        self.family = family
-        self.defaulted: dict[str, object] = {}
-        """Fields the config leaves out that a default filled, by name: the plan lists them."""
-
-    def get(self, key: str, default: Any = _MISSING) -> Any:
-        """The raw value of ``key``, the family's transformers default, then ``default``.
-
-        A default that stands in for a value (not ``None``, ``0`` or ``False``: "no such
-        feature") is recorded in ``defaulted``.
-        """
-        if key in self.config and self.config[key] is not None:
-            return self.config[key]
-        if key in _DEFAULTS.get(self.family, {}):
-            value = _DEFAULTS[self.family][key]
-        elif default is _MISSING:
-            raise ConfigError(f"{self.source}: field {self.name(key)!r} is missing")
-        else:
-            value = default
-        if value is not None and value is not False and value != 0:
-            self.defaulted[self.name(key)] = value
-        return value
-
-    def integer(self, key: str, default: int | None = None) -> int:
-        """A positive int (``default`` when absent); ``ConfigError`` naming the field otherwise."""
-        value = self.get(key) if default is None else self.get(key, default)
-        return self.check_int(key, value)
-
-    def optional_integer(self, key: str) -> int | None:
-        """A positive int, or ``None`` when the config (and transformers) leave it out."""
-        value = self.get(key, None)
-        return None if value is None else self.check_int(key, value)
-
-    def check_int(self, key: str, value: object) -> int:
-        """``value`` if it is a positive int, else ``ConfigError`` naming ``key``."""
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(
-                f"{self.source}: field {self.name(key)!r} must be a positive integer, got {value!r}"
-            )
-        return value
-
-    def sequence(self, key: str) -> list[Any] | None:
-        """A list value, ``None`` when absent; ``ConfigError`` when it is something else."""
-        value = self.get(key, None)
-        if value is not None and not isinstance(value, list):
-            raise ConfigError(
-                f"{self.source}: field {self.name(key)!r} must be a list, got {value!r}"
-            )
-        return value
-
-    def error(self, key: str, problem: str, index: int | None = None) -> ConfigError:
-        """A ``ConfigError`` naming the file and the field (``layer_types[3]`` with ``index``)."""
-        field = self.name(key) if index is None else f"{self.name(key)}[{index}]"
-        return ConfigError(f"{self.source}: field {field!r} {problem}")
-
-    def name(self, key: str) -> str:
-        """The field's path as the user sees it in the file (``text_config.head_dim``)."""
-        return f"{self.prefix}{key}"
 
 
 # --- Entry points -----------------------------------------------------------------------------
@@ -185,10 +89,10 @@ def facts_from_config(
     facts = ModelFacts(
         name=name,
         layer_kinds=kinds,
-        attention=_attention(fields, kinds),
-        recurrent=_recurrent(fields, kinds),
-        mla=_mla(fields) if "full_attention_mla" in kinds else None,
-        kv_sharing=_kv_sharing(fields, kinds),
+        attention=attention(fields, kinds),
+        recurrent=recurrent(fields, kinds),
+        mla=mla(fields) if "full_attention_mla" in kinds else None,
+        kv_sharing=kv_sharing(fields, kinds),
         max_position_embeddings=fields.optional_integer("max_position_embeddings"),
     )
     if fields.defaulted:
@@ -397,143 +301,3 @@ _RULES: Mapping[str, Callable[[Fields, int], tuple[str, ...]]] = {
     "mamba": lambda f, n: ("mamba",) * n,
     "mamba2": lambda f, n: ("mamba2",) * n,
 }
-
-
-# --- Attention, recurrent state, MLA, KV sharing ----------------------------------------------
-
-
-def _attention(fields: Fields, kinds: tuple[str, ...]) -> AttentionFacts | None:
-    """KV heads, head size, window and chunk of the attention layers (None without any)."""
-    if not {"full_attention", "sliding_attention", "chunked_attention",
-            "hybrid_parallel_attention_mamba2"} & set(kinds):  # fmt: skip
-        return None
-    for key in ("global_head_dim", "num_global_key_value_heads"):
-        if key in fields.config:
-            raise ConfigError(
-                f"{fields.source}: field {fields.name(key)!r} gives global layers another KV size, "
-                "which one page size cannot hold (Allocation, Case 4 covers Mamba only)"
-            )
-    heads = fields.integer("num_attention_heads")
-    head_key = "attention_head_dim" if "attention_head_dim" in fields.config else "head_dim"
-    head_dim = fields.get(head_key, None)
-    if head_dim is None:
-        hidden = fields.integer("hidden_size")
-        if hidden % heads:
-            raise fields.error("head_dim", "is missing (hidden_size is not a multiple of heads)")
-        head_dim = hidden // heads
-        fields.defaulted[fields.name("head_dim")] = head_dim
-    return AttentionFacts(
-        num_kv_heads=fields.integer("num_key_value_heads", heads),
-        head_dim=fields.check_int(head_key, head_dim),
-        sliding_window=fields.integer("sliding_window") if "sliding_attention" in kinds else None,
-        attention_chunk_size=fields.integer("attention_chunk_size")
-        if "chunked_attention" in kinds
-        else None,
-    )
-
-
-def _recurrent(fields: Fields, kinds: tuple[str, ...]) -> RecurrentFacts | None:
-    """The per-layer state of the recurrent layers, in vLLM's shapes (None without any)."""
-    if "mamba" in kinds:
-        return _mamba1(fields)
-    if "mamba2" in kinds or "hybrid_parallel_attention_mamba2" in kinds:
-        return _mamba2(fields)
-    if "linear_attention_gdn" in kinds:
-        return _gated_deltanet(fields)
-    if "linear_attention_lightning" in kinds:
-        heads, head_dim = fields.integer("num_attention_heads"), fields.integer("head_dim")
-        return RecurrentFacts("lightning_linear_attention", 0, heads * head_dim * head_dim)
-    return None
-
-
-def _mamba1(fields: Fields) -> RecurrentFacts:
-    """Mamba-1: d_inner = expand × hidden; conv (d_conv − 1) × d_inner; SSM d_inner × d_state.
-
-    Jamba prefixes the keys with ``mamba_``; a pure Mamba config (``model_type: mamba``) names
-    them ``expand``, ``conv_kernel``, ``state_size`` and may give ``intermediate_size``.
-    """
-    if fields.family == "mamba":
-        d_inner = fields.integer(
-            "intermediate_size", fields.integer("expand") * fields.integer("hidden_size")
-        )
-        conv = (fields.integer("conv_kernel") - 1) * d_inner
-        return RecurrentFacts("mamba1", conv, d_inner * fields.integer("state_size"))
-    d_inner = fields.integer("mamba_expand") * fields.integer("hidden_size")
-    conv = (fields.integer("mamba_d_conv") - 1) * d_inner
-    return RecurrentFacts("mamba1", conv, d_inner * fields.integer("mamba_d_state"))
-
-
-def _mamba2(fields: Fields) -> RecurrentFacts:
-    """Mamba-2: conv (d_conv − 1) × (d_inner + 2 × groups × d_state); SSM heads × d_head × d_state.
-
-    Nemotron-H spells the keys differently and keeps its SSM state in float32 by default
-    (vLLM's ``mamba_ssm_cache_dtype``); Falcon-H1's d_inner is ``mamba_d_ssm``.
-    """
-    if fields.family == "nemotron_h":
-        keys = ("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel")
-    elif fields.family == "mamba2":
-        keys = ("num_heads", "head_dim", "n_groups", "state_size", "conv_kernel")
-    else:
-        keys = ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv")
-    heads = fields.integer(keys[0])
-    d_head = fields.get(keys[1])
-    if d_head == "auto":
-        d_head = fields.integer("mamba_expand") * fields.integer("hidden_size") // heads
-    d_head = fields.check_int(keys[1], d_head)
-    groups, d_state, d_conv = (fields.integer(key) for key in keys[2:])
-    d_inner = fields.integer("mamba_d_ssm", heads * d_head)
-    conv = (d_conv - 1) * (d_inner + 2 * groups * d_state)
-    dtype = _ssm_dtype(fields)
-    return RecurrentFacts("mamba2", conv, heads * d_head * d_state, _SSM_SIZES[dtype], dtype)
-
-
-_SSM_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def _ssm_dtype(fields: Fields) -> str:
-    """vLLM's ``auto`` SSM dtype: the model's (bf16 here), float32 for Nemotron-H by default."""
-    default = "float32" if fields.family == "nemotron_h" else "bfloat16"
-    dtype = fields.get("mamba_ssm_cache_dtype", default)
-    if dtype not in _SSM_SIZES:
-        raise ConfigError(
-            f"{fields.source}: field {fields.name('mamba_ssm_cache_dtype')!r} must be one of "
-            f"{', '.join(_SSM_SIZES)}, got {dtype!r}"
-        )
-    return str(dtype)
-
-
-def _gated_deltanet(fields: Fields) -> RecurrentFacts:
-    """Qwen3-Next: conv (kernel − 1) × (2 × k_heads × k_dim + v_heads × v_dim); v_heads × v × k."""
-    k_heads, v_heads = (
-        fields.integer("linear_num_key_heads"),
-        fields.integer("linear_num_value_heads"),
-    )
-    k_dim, v_dim = fields.integer("linear_key_head_dim"), fields.integer("linear_value_head_dim")
-    conv = (fields.integer("linear_conv_kernel_dim") - 1) * (2 * k_heads * k_dim + v_heads * v_dim)
-    return RecurrentFacts("gated_deltanet", conv, v_heads * v_dim * k_dim)
-
-
-def _mla(fields: Fields) -> MLAFacts:
-    """DeepSeek MLA: the cached latent is ``kv_lora_rank + qk_rope_head_dim`` per token."""
-    return MLAFacts(fields.integer("kv_lora_rank"), fields.integer("qk_rope_head_dim"))
-
-
-def _kv_sharing(fields: Fields, kinds: tuple[str, ...]) -> dict[int, int]:
-    """Gemma-3n: the last ``num_kv_shared_layers`` layers read the last own layer of their type."""
-    shared = fields.get("num_kv_shared_layers", 0)
-    if shared == 0:
-        return {}
-    fields.check_int("num_kv_shared_layers", shared)
-    first_shared = len(kinds) - shared
-    if first_shared <= 0:
-        raise fields.error("num_kv_shared_layers", f"({shared}) leaves no layer that stores KV")
-    last_own = {kind: i for i, kind in enumerate(kinds[:first_shared])}
-    sharing = {}
-    for i in range(first_shared, len(kinds)):
-        if kinds[i] not in last_own:
-            raise fields.error(
-                "num_kv_shared_layers",
-                f"makes layer {i} ({kinds[i]}) share KV, but no earlier layer of its type has KV",
-            )
-        sharing[i] = last_own[kinds[i]]
-    return sharing

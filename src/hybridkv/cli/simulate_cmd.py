@@ -104,16 +104,7 @@ def simulate(
     when the pool is full, freeing on finish) drives the manager. Prints the prefix-hit rate,
     tokens computed and saved, peak and mean usage, preemptions, steps and the manager's time.
     """
-    if workload is not None and trace is not None:
-        raise UserError("give --workload or --trace, not both")
-    if trace is not None and _given(click.get_current_context(), "num_requests"):
-        raise UserError(
-            f"give --requests or --trace, not both: the trace {trace} has its own requests"
-        )
-    if plot is not None and is_missing("matplotlib"):
-        raise UserError(needs_line("--plot", "matplotlib"))
-    if backend == "optimized" and (missing := first_missing(("torch", "numpy"))) is not None:
-        raise UserError(needs_line("--backend optimized", missing))
+    _check_options(workload, trace, plot, backend)
     if device is not None and backend == "reference":
         click.echo(
             f"note: --device {device} is ignored: the reference backend is pure Python on the "
@@ -157,6 +148,20 @@ def simulate(
             f"{plan.report.num_blocks:,} blocks ({plan.settings.memory_bytes:,} bytes) holds; "
             "add --memory or lower --max-model-len"
         )
+
+
+def _check_options(workload: str | None, trace: str | None, plot: str | None, backend: str) -> None:
+    """Options that conflict, and the extras the chosen ones need: ``UserError`` naming them."""
+    if workload is not None and trace is not None:
+        raise UserError("give --workload or --trace, not both")
+    if trace is not None and _given(click.get_current_context(), "num_requests"):
+        raise UserError(
+            f"give --requests or --trace, not both: the trace {trace} has its own requests"
+        )
+    if plot is not None and is_missing("matplotlib"):
+        raise UserError(needs_line("--plot", "matplotlib"))
+    if backend == "optimized" and (missing := first_missing(("torch", "numpy"))) is not None:
+        raise UserError(needs_line("--backend optimized", missing))
 
 
 def _given(ctx: click.Context, name: str) -> bool:
