@@ -132,3 +132,19 @@ def test_outside_any_checkout_the_command_names_the_plain_dependencies(
     assert install_command("crosshair") == "pip install 'crosshair-tool>=0.0.80'"
     assert install_command("matplotlib") == "pip install 'matplotlib'"
     assert install_command("vllm") == "pip install vllm==0.33.0"
+
+
+@pytest.mark.parametrize("module", ["check", "bench", "own_tests"])
+def test_vllm_entry_points_with_vllm_but_without_torch_name_torch(
+    tmp_path: Path, module: str
+) -> None:
+    """vLLM cannot import without torch: the line names torch, not a vLLM traceback."""
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    command = [sys.executable, "-m", f"hybridkv.integrations.vllm.{module}"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"python -m hybridkv.integrations.vllm.{module} needs torch, which is not installed: "
+        "pip install '.[torch]'"
+    )

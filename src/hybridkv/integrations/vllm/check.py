@@ -735,7 +735,7 @@ def _notes(configs: Sequence[RunConfig]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    exit_if_missing("python -m hybridkv.integrations.vllm.check", ["vllm"])
+    exit_if_missing("python -m hybridkv.integrations.vllm.check", ["vllm", "torch"])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     configs = _configs(args, parser)

@@ -217,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--backend", action="append", choices=RUNS[1:], help="backends to run (default: both)"
     )
     args = parser.parse_args(argv)
-    exit_if_missing(parser.prog, ["vllm", "pytest"])
+    exit_if_missing(parser.prog, ["vllm", "torch", "pytest"])
     try:
         source = args.source or fetch_source()
     except SourceUnavailable as error:
