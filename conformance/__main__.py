@@ -43,6 +43,7 @@ from hybridkv.conformance.adapters import (
     reference_backend,
 )
 from hybridkv.conformance.extras import missing_extra
+from hybridkv.extras import first_missing, needs_line
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,18 @@ PROFILES = {
 }
 
 
+def _at_least_one(text: str) -> int:
+    """A count of examples, steps or states: a whole number of at least 1 (0 would run the
+    profile's default in Hypothesis, or nothing, and still say PASS)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m hybridkv.conformance",
@@ -75,8 +88,10 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="what to check (default: both when the optimized backend imports, else reference)",
     )
-    parser.add_argument("--examples", type=int, default=None, help="state-machine examples")
-    parser.add_argument("--steps", type=int, default=None, help="most steps per example")
+    parser.add_argument(
+        "--examples", type=_at_least_one, default=None, help="state-machine examples"
+    )
+    parser.add_argument("--steps", type=_at_least_one, default=None, help="most steps per example")
     parser.add_argument(
         "--seed", type=int, default=None, help="random seed (default: derandomized)"
     )
@@ -101,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--hit-states",
-        type=int,
+        type=_at_least_one,
         default=None,
         metavar="N",
         help="cache states of the longest-hit oracles (the adapter's gets N/4, each probed 3×)",
@@ -208,10 +223,24 @@ def _rerun_hint(argv: Sequence[str], seed: int | None) -> str:
     return f"  rerun: {command}  (seed {seed})"
 
 
+def _missing_extra(args: argparse.Namespace) -> str | None:
+    """Before any work, the one line naming a missing extra: the differential machine needs
+    hypothesis, an asked-for optimized backend torch and numpy."""
+    needed = ["hypothesis"]
+    if args.backend in ("optimized", "both"):
+        needed += ["torch", "numpy"]
+    missing = first_missing(needed)
+    return None if missing is None else needs_line("python -m hybridkv.conformance", missing)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     profile = PROFILES[args.profile]
+    missing = _missing_extra(args)
+    if missing is not None:
+        print(f"error: {missing}", file=sys.stderr)
+        return 2
     try:
         if args.adapter is not None:
             if args.backend is not None:

@@ -1,13 +1,13 @@
-"""What an optional command needs: one line naming the extra that provides it."""
+"""What an optional command needs: one line naming what to install (``hybridkv.extras``)."""
 
 from __future__ import annotations
 
-import importlib.util
+from hybridkv.extras import is_missing, needs_line
 
 
 def missing_extra(module: str, extra: str, command: str) -> str | None:
-    """``None`` when ``module`` imports; else the one line that says which extra installs it
-    (the optional commands print it instead of a traceback)."""
-    if importlib.util.find_spec(module) is not None:
+    """``None`` when ``module`` imports; else the one line that says how to install it from
+    where the user stands (``extra`` names the extra of ``pyproject.toml`` it is in)."""
+    if not is_missing(module):
         return None
-    return f"{command} needs {module}, in the `{extra}` extra: pip install 'hybridkv[{extra}]'"
+    return needs_line(command, module)

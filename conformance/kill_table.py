@@ -12,15 +12,22 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from hybridkv.conformance.adapters import reference_backend
-from hybridkv.conformance.mutant import Mutant
-from hybridkv.conformance.mutants import (
-    MUTANTS,
-    load_mutant,
-    manager_checks,
-    mutant_backend,
-    planner_checks,
-)
+try:
+    from hybridkv.conformance.adapters import reference_backend
+    from hybridkv.conformance.mutant import Mutant
+    from hybridkv.conformance.mutants import (
+        MUTANTS,
+        load_mutant,
+        manager_checks,
+        mutant_backend,
+        planner_checks,
+    )
+except ModuleNotFoundError as missing:  # run without the dev extra: one line, no traceback
+    if __name__ != "__main__":
+        raise
+    from hybridkv.extras import exit_for_import_error
+
+    exit_for_import_error(missing, "python -m hybridkv.conformance.kill_table")
 
 KILL_COLUMNS = ("golden traces", "differential machine", "oracles", "CrossHair")
 

@@ -103,6 +103,9 @@ class PlanReport:
     """Requests of ``max_model_len`` tokens that fit at once: (num_blocks − 1) // blocks."""
     max_concurrency: float
     """vLLM's "maximum concurrency": num_blocks / blocks_per_request (null block included)."""
+    kv_cache_size_tokens: int
+    """vLLM's "KV cache size" in tokens: int(max_concurrency × max_model_len), as vLLM 0.33's
+    ``get_kv_cache_capacity`` computes it for its log line."""
     max_fitting_model_len: int
     """The longest ``max_model_len`` (at most the given one) one request of which fits, as
     vLLM's auto-fit finds it; 0 when not even one token fits."""
@@ -116,15 +119,20 @@ class PlanReport:
     """Bytes the tensors take: num_blocks × page_size_bytes (the rest of the memory is unused)."""
     bytes_per_request: int
     """blocks_per_request × page_size_bytes: one longest request's share of the pool."""
+    tensor_stages: tuple[int, ...]
+    """The pipeline stage (GPU) of each of ``config.tensors``: all 0 with one stage."""
     full_attention_bytes_per_token: int
-    """KV bytes of one token in every own attention layer: what a non-hybrid manager keeps."""
+    """KV bytes of one token in every own attention layer of one GPU (the fullest pipeline
+    stage): what a non-hybrid manager keeps there."""
     full_attention_bytes_per_request: int
-    """One longest request if every own attention layer were full attention (Mamba: one state).
+    """One longest request on one GPU (the fullest pipeline stage) if every own attention layer
+    were full attention (Mamba: one state), comparable with ``bytes_per_request``, which is
+    per GPU too.
 
     Uses the planned block size, so the two managers differ only in which blocks they keep.
     """
     full_attention_memory_bytes: int
-    """Bytes a non-hybrid manager needs for max_num_requests longest requests."""
+    """Bytes per GPU a non-hybrid manager needs for max_num_requests longest requests."""
     memory_saved_bytes: int
     """full_attention_memory_bytes − max_num_requests × bytes_per_request.
 
@@ -165,6 +173,7 @@ def plan_report(
         policy=policy,
         pipeline_parallel_size=pipeline_parallel_size,
         layer_stages=layer_stages,
+        enable_caching=enable_prefix_caching,
     )
     stages = layer_stages_of(layers, pipeline_parallel_size, layer_stages)
     slots = _own_layers_per_stage(config.groups, kv_sharing, stages)
@@ -183,7 +192,7 @@ def plan_report(
     num_padding = sum(group.num_padding_slots for group in groups)
     blocks_per_request = sum(group.max_blocks_per_request for group in groups)
     max_num_requests = rules.max_num_requests(config.num_blocks, blocks_per_request)
-    full_bytes_per_request = _full_attention_bytes_per_request(groups, max_model_len)
+    full_bytes_per_request = _full_attention_bytes_per_request(groups, slots, max_model_len)
     return PlanReport(
         config=config,
         groups=groups,
@@ -204,11 +213,13 @@ def plan_report(
         blocks_per_request=blocks_per_request,
         max_num_requests=max_num_requests,
         max_concurrency=config.num_blocks / blocks_per_request,
+        kv_cache_size_tokens=int(config.num_blocks / blocks_per_request * max_model_len),
         max_fitting_model_len=_max_fitting_model_len(config, bounds),
         max_tokens=max_num_requests * max_model_len,
         memory_bytes=config.num_blocks * page,
         bytes_per_request=blocks_per_request * page,
-        full_attention_bytes_per_token=_full_attention_bytes_per_token(groups),
+        tensor_stages=tuple(stages[tensor.shared_by[0]] for tensor in config.tensors),
+        full_attention_bytes_per_token=_full_attention_bytes_per_token(groups, slots),
         full_attention_bytes_per_request=full_bytes_per_request,
         full_attention_memory_bytes=max_num_requests * full_bytes_per_request,
         memory_saved_bytes=max_num_requests * (full_bytes_per_request - blocks_per_request * page),
@@ -309,16 +320,24 @@ def max_blocks_per_request(
 # --- Against a non-hybrid manager -------------------------------------------------------------
 
 
-def _full_attention_bytes_per_token(groups: tuple[GroupPlan, ...]) -> int:
-    """One token's KV in every own attention layer; a Mamba layer's state does not grow."""
-    return sum(group.num_own_layers * group.spec.kv_bytes_per_token for group in groups)
+def _full_attention_bytes_per_token(groups: tuple[GroupPlan, ...], slots: list[list[int]]) -> int:
+    """One token's KV in every own attention layer of the fullest stage (Mamba: no growth)."""
+    return max(
+        sum(n * group.spec.kv_bytes_per_token for n, group in zip(per_stage, groups, strict=True))
+        for per_stage in slots
+    )
 
 
-def _full_attention_bytes_per_request(groups: tuple[GroupPlan, ...], max_model_len: int) -> int:
-    """One longest request when every own attention layer keeps all its blocks, layer by layer."""
-    return sum(
-        group.num_own_layers
-        * group.spec.blocks_without_release(max_model_len)
-        * group.spec.page_size_bytes
-        for group in groups
+def _full_attention_bytes_per_request(
+    groups: tuple[GroupPlan, ...], slots: list[list[int]], max_model_len: int
+) -> int:
+    """One longest request when every own attention layer keeps all its blocks, layer by
+    layer, on the fullest stage: each GPU holds only its stage's layers (``slots``: the own
+    layers of every group on each stage)."""
+    return max(
+        sum(
+            n * group.spec.blocks_without_release(max_model_len) * group.spec.page_size_bytes
+            for n, group in zip(per_stage, groups, strict=True)
+        )
+        for per_stage in slots
     )

@@ -85,6 +85,7 @@ def plan_kv_cache(
     policy: GroupingPolicy = "document",
     pipeline_parallel_size: int = 1,
     layer_stages: Mapping[str, int] | None = None,
+    enable_caching: bool = True,
 ) -> KVCacheConfig:
     """Plan the groups, then lay ``available_memory_bytes`` out as tensors (Memory Layout).
 
@@ -95,6 +96,11 @@ def plan_kv_cache(
     most own layers of one group on that stage); every stage must hold ``num_blocks``, so the
     fullest stage decides, and ``tensors`` lists stage 0's, then stage 1's, …
     Fewer than 2 blocks leave nothing to hand out: ``ValueError``.
+
+    ``enable_caching`` is the prefix-caching setting the plan will run under, as
+    ``KVCacheManager``'s (on by default, as in vLLM 0.33): with it Mamba groups cache their
+    states in ``"align"`` mode, without it in ``"none"`` (``with_mamba_cache_mode``), so
+    ``KVCacheManager(plan_kv_cache(...), max_model_len)`` accepts the plan as it is.
     """
     check_non_negative("available_memory_bytes", available_memory_bytes)
     groups = plan_groups(
@@ -121,7 +127,8 @@ def plan_kv_cache(
         for tensor_layers in per_stage
         for names in tensor_layers
     )
-    return KVCacheConfig(num_blocks=num_blocks, groups=groups, tensors=tensors)
+    config = KVCacheConfig(num_blocks=num_blocks, groups=groups, tensors=tensors)
+    return with_mamba_cache_mode(config, enable_caching)
 
 
 def own_layer_names(group: KVCacheGroup, kv_sharing: Mapping[str, str]) -> tuple[str, ...]:

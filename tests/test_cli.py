@@ -168,7 +168,8 @@ def test_plan_json_keys_are_stable() -> None:
         "policy", "groups", "layers_per_group", "block_size", "layer_page_size_bytes",
         "page_size_bytes", "num_blocks", "num_padding_slots", "padding_fraction", "tensors",
         "memory_bytes", "max_in_flight_tokens", "blocks_per_request", "bytes_per_request",
-        "max_num_requests", "max_concurrency", "max_fitting_model_len", "max_tokens",
+        "max_num_requests", "max_concurrency", "kv_cache_size_tokens", "vllm_log_line",
+        "ssm_dtype", "max_fitting_model_len", "max_tokens",
         "full_attention_only", "policies", "best_policy", "notes",
     ]  # fmt: skip
 

@@ -81,7 +81,9 @@ def test_every_help_runs_without_the_optional_extras(
 def test_bench_help_without_torch_is_one_line(without_extras: dict[str, str]) -> None:
     done = hybridkv(without_extras, "bench", "--help")
     assert done.returncode != 0
-    assert done.stderr.strip() == "hybridkv bench needs torch: pip install 'hybridkv[torch]'"
+    assert done.stderr.strip() == (
+        "python -m hybridkv.bench needs torch, which is not installed: pip install '.[torch]'"
+    )
 
 
 def test_vllm_check_without_vllm_is_one_line(tmp_path: Path) -> None:
@@ -91,8 +93,8 @@ def test_vllm_check_without_vllm_is_one_line(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
-        "Error: `hybridkv vllm-check` needs vllm, which is not installed: "
-        "scripts/install-vllm-cpu.sh installs vLLM 0.33 for the CPU"
+        "python -m hybridkv.integrations.vllm.check needs vllm, which is not installed: "
+        "./scripts/install-vllm-cpu.sh installs vLLM 0.33 for the CPU"
     )
 
 
@@ -101,8 +103,8 @@ def test_conformance_without_the_dev_extras_is_one_line(without_extras: dict[str
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
-        "Error: `hybridkv conformance` needs hypothesis, which is not installed: "
-        "pip install 'hybridkv[dev]'"
+        "error: python -m hybridkv.conformance needs hypothesis, which is not installed: "
+        "pip install '.[dev]'"
     )
 
 
@@ -110,7 +112,7 @@ def test_optimized_backend_without_torch_is_one_line(without_extras: dict[str, s
     done = hybridkv(without_extras, "simulate", "--backend", "optimized", "--requests", "1")
     assert done.returncode == 2
     assert done.stderr.strip() == (
-        "Error: --backend optimized needs torch: pip install 'hybridkv[torch]'"
+        "Error: --backend optimized needs torch, which is not installed: pip install '.[torch]'"
     )
 
 
@@ -295,3 +297,138 @@ def test_simulate_on_a_terminal_shows_progress() -> None:
     done = hybridkv(env, "simulate", "--requests", "4", "--memory", "64GiB")
     assert done.returncode == 0, done.stderr
     assert "simulating" in done.stderr
+
+
+# --- configs hybridkv cannot read by itself ---------------------------------------------------
+
+
+def _write_config(tmp_path: Path, config: dict[str, Any]) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def test_plan_of_a_minimax_m1_config_has_70_lightning_and_10_full_layers(tmp_path: Path) -> None:
+    config = json.loads((CONFIGS / "minimax.json").read_text())
+    config["model_type"] = "minimax_m1"
+    plan = plan_json(_write_config(tmp_path, config), "--max-model-len", "131072")
+    assert plan["layer_types"] == {"linear_attention_lightning": 70, "full_attention": 10}
+    assert plan["max_num_requests"] == 7
+
+
+WEIRD = {
+    "model_type": "weird_new_arch",
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "max_position_embeddings": 8192,
+}
+
+
+def test_plan_of_an_unknown_model_type_is_refused_by_name(tmp_path: Path) -> None:
+    result = run("plan", _write_config(tmp_path, WEIRD))
+    one_line_error(result, "field 'model_type' is 'weird_new_arch', which hybridkv does not know")
+    assert "pass --assume-full-attention" in " ".join(result.output.split())
+
+
+def test_plan_assume_full_attention_plans_an_unknown_model_type_with_a_note(
+    tmp_path: Path,
+) -> None:
+    path = _write_config(tmp_path, WEIRD)
+    plan = plan_json(path, "--assume-full-attention")
+    assert plan["layer_types"] == {"full_attention": 26}
+    assert plan["notes"][0] == (
+        "model_type 'weird_new_arch' is not one hybridkv reads: every layer is planned as full "
+        "attention, as --assume-full-attention asserts"
+    )
+
+
+def test_plan_notes_the_max_model_len_fallback_of_a_config_without_one(tmp_path: Path) -> None:
+    config = {key: value for key, value in WEIRD.items() if key != "max_position_embeddings"}
+    plan = plan_json(_write_config(tmp_path, config), "--assume-full-attention")
+    assert plan["settings"]["max_model_len"] == 131072
+    assert plan["notes"][-1] == (
+        f"{tmp_path / 'config.json'} gives no max_position_embeddings: max_model_len defaults "
+        "to 131,072 (give --max-model-len)"
+    )
+
+
+# --- sizes and lengths as people type them --------------------------------------------------
+
+
+def test_a_memory_size_without_a_unit_below_1_mib_is_refused_with_a_hint() -> None:
+    result = run("plan", "--memory", "40")
+    assert result.exit_code == 2
+    assert (
+        "Invalid value for '--memory': '40' has no unit, so it is 40 bytes: did you mean 40GiB? "
+        "(a number without a unit is a byte count of at least 1 MiB = 1,048,576)"
+    ) in " ".join(result.output.split())
+    assert run("plan", "--memory", "1048575").exit_code == 2
+
+
+def test_a_plain_byte_count_of_1_mib_or_more_is_bytes() -> None:
+    assert plan_json("--memory", "42949672960")["settings"]["memory_bytes"] == 40 * 2**30
+
+
+@pytest.mark.parametrize("memory", ["1e30", "17TiB", "16.1Ti"])
+def test_a_memory_size_above_16_tib_is_a_typo(memory: str) -> None:
+    result = run("plan", "--memory", memory)
+    assert result.exit_code == 2
+    assert "more than any GPU has (at most 16 TiB per GPU): is it a typo?" in " ".join(
+        result.output.split()
+    )
+    assert plan_json("--memory", "16TiB")["settings"]["memory_bytes"] == 16 * 2**40
+
+
+MAX_MODEL_LENS = [
+    ("131072", 131072),
+    ("128k", 128_000),
+    ("128K", 131_072),
+    ("1M", 1_048_576),
+    ("1m", 1_000_000),
+    ("25.6k", 25_600),
+]
+
+
+@pytest.mark.parametrize(("text", "tokens"), MAX_MODEL_LENS)
+def test_max_model_len_reads_suffixes_as_vllm_does(text: str, tokens: int) -> None:
+    plan = plan_json("--max-model-len", text)
+    assert plan["settings"]["max_model_len"] == tokens
+
+
+@pytest.mark.parametrize(("text", "tokens"), MAX_MODEL_LENS)
+def test_max_model_len_suffixes_equal_vllms_human_readable_int(text: str, tokens: int) -> None:
+    argparse_utils = pytest.importorskip("vllm.utils.argparse_utils")
+    assert argparse_utils.human_readable_int(text) == tokens
+
+
+def test_a_decimal_with_a_binary_suffix_is_refused_as_vllm_refuses_it() -> None:
+    result = run("plan", "--max-model-len", "1.5K")
+    assert result.exit_code == 2
+    assert (
+        "Invalid value for '--max-model-len': decimals are not allowed with binary suffixes "
+        "like K: did you mean 1.5k?"
+    ) in " ".join(result.output.split())
+
+
+def test_max_num_batched_tokens_reads_suffixes_too() -> None:
+    assert plan_json("--max-num-batched-tokens", "8K")["settings"]["max_num_batched_tokens"] == 8192
+
+
+def test_an_empty_model_name_is_an_error_not_the_default_model() -> None:
+    one_line_error(
+        run("plan", ""),
+        "Error: MODEL is '': give a catalogue name (`hybridkv models` lists them), a config.json "
+        "or a snapshot directory, or leave it out for google/gemma-3-27b-it",
+    )
+
+
+@pytest.mark.parametrize("option", ["--examples", "--steps", "--hit-states"])
+def test_conformance_counts_of_0_are_errors(option: str) -> None:
+    command = [sys.executable, "-m", "hybridkv.conformance", option, "0"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"python -m hybridkv.conformance: error: argument {option}: must be at least 1, got 0"
+    )

@@ -46,8 +46,9 @@ def test_the_same_seed_gives_the_same_numbers_twice() -> None:
 def test_simulate_json_keys_are_stable() -> None:
     assert list(simulate_json("--requests", "4", "--workload", "chat")) == [
         "model", "workload", "backend", "seed", "num_blocks", "block_size", "prefix_caching",
-        "requests", "finished", "rejected", "steps", "preemptions", "prompt_tokens",
-        "hit_tokens", "hit_rate", "computed_tokens", "saved_tokens", "peak_usage", "mean_usage",
+        "skipped_too_long", "requests", "finished", "rejected", "steps", "preemptions",
+        "prompt_tokens", "hit_tokens", "hit_rate", "computed_tokens", "saved_tokens",
+        "peak_usage", "mean_usage",
         "manager_seconds", "manager_ms_per_step",
     ]  # fmt: skip
 
@@ -141,3 +142,34 @@ def test_optimized_backend_gives_the_reference_numbers() -> None:
         **deterministic(simulate_json(*args)),
         "backend": "optimized",
     }
+
+
+def test_requests_beside_a_trace_is_an_error_naming_both(tmp_path: Path) -> None:
+    path = write_trace(tmp_path / "t.jsonl", {"prompt_len": 8, "output_len": 1})
+    result = run("--trace", str(path), "--requests", "5")
+    assert result.exit_code == 2
+    assert (
+        f"Error: give --requests or --trace, not both: the trace {path} has its own requests"
+    ) in " ".join(result.output.split())
+
+
+def test_a_trace_line_too_long_is_skipped_counted_and_reported(tmp_path: Path) -> None:
+    lines = [{"prompt_len": 64, "output_len": 4}] * 3 + [{"prompt_len": 20000, "output_len": 4}]
+    path = str(write_trace(tmp_path / "t.jsonl", *lines))
+    numbers = simulate_json("--trace", path)
+    assert (numbers["finished"], numbers["skipped_too_long"]) == (3, 1)
+    result = CliRunner().invoke(main, ["simulate", "--trace", path], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "skipped 1 trace lines longer than max_model_len 16,384 (lines 4)" in " ".join(
+        result.output.split()
+    )
+
+
+def test_a_run_in_which_nothing_fits_exits_1_with_the_reason() -> None:
+    result = run("--memory", "10MiB")
+    assert result.exit_code == 1
+    assert "0 finished, 48 rejected" in result.output
+    assert result.output.strip().splitlines()[-1] == (
+        "Error: no request fits: all 48 need more than the pool of 8 blocks (10,485,760 bytes) "
+        "holds; add --memory or lower --max-model-len"
+    )

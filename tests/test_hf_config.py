@@ -162,7 +162,7 @@ def _config(fixture: str, **changes: Any) -> dict[str, Any]:
         ("jamba", {"attn_layer_offset": 9}, r"'attn_layer_offset' must be an integer in \[0, 8\)"),
         ("minimax", {"attn_type_list": [2] * 80}, r"'attn_type_list\[0\]' must be 0 or 1"),
         ("gemma3", {"global_head_dim": 512}, "'text_config.global_head_dim' gives global layers"),
-        ("llama", {"model_type": "mystery", "mamba_d_state": 16}, "'mamba_d_state' of model_type"),
+        ("llama", {"model_type": "mystery"}, "field 'model_type' is 'mystery', which hybridkv"),
         ("gemma3n", {"num_kv_shared_layers": 35}, "leaves no layer that stores KV"),
     ],
 )
@@ -190,3 +190,87 @@ def test_a_json_list_is_not_a_config(tmp_path: Path) -> None:
 def test_a_missing_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "absent.json")
+
+
+# --- Refuse or say it: unknown model types, MiniMax-M1, defaults --------------------------------
+
+
+def test_an_unknown_model_type_is_refused_naming_it_what_is_read_and_the_two_ways_out() -> None:
+    config = {"model_type": "weird_new_arch", "num_hidden_layers": 26, "num_attention_heads": 8}
+    with pytest.raises(ConfigError) as raised:
+        facts_from_config(config, name="config.json")
+    message = str(raised.value)
+    assert message.startswith(
+        "config.json: field 'model_type' is 'weird_new_arch', which hybridkv does not know: it "
+        "reads the layer kinds of model_type bamba, cohere2, "
+    )
+    assert "minimax_m1, minimax_text_01, " in message
+    assert message.endswith(
+        "and of any model from a 'layer_types' list (attention, chunked_attention, "
+        "full_attention, mamba2, mlp, sliding_attention, one per layer); add layer_types to the "
+        "config, or pass --assume-full-attention (assume_full_attention=True) if every layer is "
+        "full attention"
+    )
+
+
+def test_an_unknown_model_type_asserted_full_attention_is_planned_so_with_a_note() -> None:
+    config = {
+        "model_type": "weird_new_arch",
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+    }
+    facts = facts_from_config(config, name="config.json", assume_full_attention=True)
+    assert facts.layer_kinds == ("full_attention",) * 26
+    assert facts.notes == (
+        "model_type 'weird_new_arch' is not one hybridkv reads: every layer is planned as full "
+        "attention, as --assume-full-attention asserts",
+    )
+
+
+def test_an_unknown_model_type_with_layer_types_is_read_from_them() -> None:
+    config = {
+        "model_type": "weird_new_arch",
+        "num_hidden_layers": 2,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "sliding_window": 512,
+    }
+    facts = facts_from_config(config, name="config.json")
+    assert facts.layer_kinds == ("sliding_attention", "full_attention")
+    assert facts.notes == ()
+
+
+def test_minimax_m1_reads_attn_type_list_as_70_lightning_and_10_full_layers() -> None:
+    config = _config("minimax", model_type="minimax_m1")
+    facts = facts_from_config(config, name="config.json")
+    assert facts.layer_kinds == find_model("MiniMax-Text-01").facts.layer_kinds
+    assert facts.layer_kinds.count("linear_attention_lightning") == 70
+    assert [i for i, kind in enumerate(facts.layer_kinds) if kind == "full_attention"] == list(
+        range(7, 80, 8)
+    )
+
+
+def test_a_config_of_only_model_type_and_layers_lists_every_default_it_was_planned_on() -> None:
+    facts = facts_from_config({"model_type": "gemma3_text", "num_hidden_layers": 26}, name="c.json")
+    assert facts.notes == (
+        "c.json leaves out fields the plan needs; filled with defaults: "
+        "sliding_window_pattern = 6, num_attention_heads = 8, head_dim = 256, "
+        "num_key_value_heads = 4, sliding_window = 4096, max_position_embeddings = 131072",
+    )
+
+
+def test_a_head_dim_derived_from_hidden_size_is_listed_as_a_default() -> None:
+    config = _config("llama", head_dim=None, num_key_value_heads=None)
+    facts = facts_from_config(config, name="c.json")
+    assert facts.notes == (
+        "c.json leaves out fields the plan needs; filled with defaults: head_dim = 128, "
+        "num_key_value_heads = 32",
+    )
+
+
+def test_a_complete_config_has_no_default_note() -> None:
+    assert load_config(CONFIGS / "llama.json").notes == ()

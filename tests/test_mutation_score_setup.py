@@ -54,11 +54,10 @@ def test_a_missing_optional_tool_is_named_with_its_extra(
     )
     assert mutation_score.main([]) == 2
     assert capsys.readouterr().err == (
-        "python -m hybridkv.conformance.mutation_score needs mutmut, in the `dev` extra: "
-        "pip install 'hybridkv[dev]'\n"
+        "python -m hybridkv.conformance.mutation_score needs mutmut, which is not installed: "
+        "pip install '.[dev]'\n"
     )
     assert command.main(["--crosshair"]) == 2
     assert capsys.readouterr().err == (
-        "error: --crosshair needs crosshair, in the `crosshair` extra: "
-        "pip install 'hybridkv[crosshair]'\n"
+        "error: --crosshair needs crosshair, which is not installed: pip install '.[crosshair]'\n"
     )

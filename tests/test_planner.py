@@ -305,7 +305,7 @@ def test_case4_mamba_layers_of_one_state_form_one_type_whatever_their_block_size
 def test_mamba_only_model_keeps_its_state_as_the_page() -> None:
     mamba = MambaSpec(block_size=16, state_bytes=1_000_000)
     layers = {f"mamba.{i}": mamba for i in range(4)}
-    config = plan_kv_cache(layers, 10_000_000)
+    config = plan_kv_cache(layers, 10_000_000, enable_caching=False)
     assert config.groups == (KVCacheGroup(tuple(layers), mamba),)
     assert config.num_blocks == 10_000_000 // 4_000_000 == 2
     assert {t.size for t in config.tensors} == {2_000_000}
@@ -684,7 +684,7 @@ def test_tensor_i_holds_the_ith_own_layer_of_every_group(
         with pytest.raises(ValueError, match=r"^available_memory_bytes is too small"):
             plan_kv_cache(layers, memory, kv_sharing=sharing)
         return
-    config = plan_kv_cache(layers, memory, kv_sharing=sharing)
+    config = plan_kv_cache(layers, memory, kv_sharing=sharing, enable_caching=False)
     assert config.groups == groups
     assert len(config.tensors) == g
     own = [own_layer_names(group, sharing) for group in groups]

@@ -25,6 +25,7 @@ Skipped, with the reason, when ``vllm`` cannot be imported (the default, vLLM-le
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections.abc import Mapping
@@ -217,7 +218,7 @@ def assert_same_as_vllm(model: Model, memory: int) -> None:
         assert our_group.spec.page_size_bytes == group.kv_cache_spec.page_size_bytes
 
     config: KVCacheConfig = plan_kv_cache(
-        model.layers, memory, kv_sharing=model.kv_sharing, policy="vllm"
+        model.layers, memory, kv_sharing=model.kv_sharing, policy="vllm", enable_caching=False
     )
     assert config.groups == ours
     assert config.num_blocks == kv_config.num_blocks
@@ -343,3 +344,75 @@ def test_gpt_oss_20b_with_an_eagle_layer_plans_as_vllm(memory: int) -> None:
     ours = plan_groups(layers, policy="vllm")
     assert [len(g.layer_names) for g in ours] == [12, 13]  # sliding first: one padding slot
     assert_same_as_vllm(Model(layers), memory)
+
+
+# --- vLLM's own log line: "GPU KV cache size: N tokens, Maximum concurrency …" -----------------
+
+kv_cache_utils: Any = import_module("vllm.v1.core.kv_cache_utils")
+LOG_MODELS = (
+    "google/gemma-3-27b-it",
+    "ai21labs/Jamba-v0.1",
+    "meta-llama/Llama-4-Scout-17B-16E",
+    "Qwen/Qwen3-Next-80B-A3B-Instruct",
+    "openai/gpt-oss-20b",
+)
+
+
+def capacity_config(max_model_len: int, max_num_batched_tokens: int) -> Any:
+    """What ``update_kv_cache_capacity`` reads and writes of ``VllmConfig``: vLLM 0.33's GPU
+    defaults (async scheduling: two batches in flight; prefix caching: Mamba ``align``)."""
+    return SimpleNamespace(
+        model_config=SimpleNamespace(max_model_len=max_model_len),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+        cache_config=SimpleNamespace(mamba_cache_mode="align"),
+        device_config=SimpleNamespace(device_type="cuda"),
+        attention_config=SimpleNamespace(hisparse_config=None),
+        max_in_flight_tokens=2 * max_num_batched_tokens,
+    )
+
+
+def vllm_log_line(config: Any, kv_config: Any) -> str:
+    """The message vLLM's ``update_kv_cache_capacity`` logs for ``kv_config``."""
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep()
+    logger = logging.getLogger(kv_cache_utils.__name__)
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        kv_cache_utils.update_kv_cache_capacity(config, kv_config)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    [record] = [r for r in records if "KV cache size" in r.getMessage()]
+    return record.getMessage()
+
+
+@pytest.mark.parametrize("model_id", LOG_MODELS)
+def test_plan_prints_vllms_kv_cache_size_log_line(model_id: str) -> None:
+    from hybridkv.cli.options import resolve_model
+    from hybridkv.cli.plan_data import PlanSettings, make_plan
+
+    choice = resolve_model(model_id)
+    max_model_len = min(32768, choice.facts.max_position_embeddings or 32768)
+    settings = PlanSettings(
+        memory_bytes=PP_MEMORY,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=8192,
+        block_size=BLOCK_SIZE,
+        kv_dtype="bf16",
+        mamba_ssm_dtype="auto",
+        policy="vllm",
+        async_scheduling=True,
+        enable_prefix_caching=True,
+    )
+    plan = make_plan(choice, settings)
+    found = plan.layers
+    _, kv_config = vllm_plan(Model(found.layers, found.kv_sharing, choice.facts), PP_MEMORY)
+    expected = vllm_log_line(capacity_config(max_model_len, 8192), kv_config)
+    assert plan.vllm_log_line == expected

@@ -122,13 +122,13 @@ def test_trace_lines_with_one_prefix_id_share_their_prefix(tmp_path: Path) -> No
          "arrival_step": 5},
         {"prompt_token_ids": [1, 2, 3], "output_len": 1, "arrival_step": 2},
     )  # fmt: skip
-    a, c, b = load_trace(path, seed=0, max_model_len=1024)
+    a, c, b = load_trace(path, seed=0, max_model_len=1024).requests
     assert a.prompt_token_ids[:32] == b.prompt_token_ids[:32]
     assert a.prompt_token_ids[32:] != b.prompt_token_ids[32:40]
     assert (len(a.prompt_token_ids), len(b.prompt_token_ids)) == (40, 50)
     assert (b.request_id, b.arrival_step, len(b.output_token_ids)) == ("q", 5, 2)
     assert c.prompt_token_ids == (1, 2, 3)
-    assert load_trace(path, seed=0, max_model_len=1024) == (a, c, b)
+    assert load_trace(path, seed=0, max_model_len=1024).requests == (a, c, b)
 
 
 @pytest.mark.parametrize(
@@ -139,7 +139,29 @@ def test_trace_lines_with_one_prefix_id_share_their_prefix(tmp_path: Path) -> No
         ({"prompt_len": 8, "prefix_id": "x", "prefix_len": 9, "output_len": 1}, "exceeds"),
         ({"prompt_token_ids": [1, -2], "output_len": 1}, "'prompt_token_ids' must be"),
         ({"prompt_len": 8, "output_len": 1, "arrival_step": -1}, "'arrival_step' must be"),
-        ({"prompt_len": 1000, "output_len": 100}, "exceeds max_model_len 1024"),
+        (
+            {"prompt_len": 1000, "output_len": 100},
+            r"every request of .*t.jsonl is longer than max_model_len 1024 \(prompt \+ "
+            r"output_len; lines 1\): raise --max-model-len",
+        ),
+        (
+            {"prompt_len": 8, "output_len": 1, "arival_step": 2},
+            "trace line 1: unknown key 'arival_step'; did you mean 'arrival_step'[?] a trace line "
+            "has the keys id, arrival_step, prompt_token_ids, prompt_len, prefix_id, prefix_len, "
+            "output_len",
+        ),
+        (
+            {"prompt_len": 8, "prompt_token_ids": [1, 2], "output_len": 1},
+            "trace line 1: 'prompt_token_ids' and 'prompt_len' both give the prompt",
+        ),
+        (
+            {"prompt_token_ids": [1, 2], "prefix_id": "a", "prefix_len": 1, "output_len": 1},
+            "trace line 1: 'prompt_token_ids' and 'prefix_id' both give the prompt",
+        ),
+        (
+            {"prompt_len": 8, "prefix_len": 4, "output_len": 1},
+            "trace line 1: 'prefix_id' and 'prefix_len' go together",
+        ),
     ],
 )
 def test_bad_trace_lines_name_the_line_and_field(
@@ -184,3 +206,15 @@ def test_a_mamba_align_prefill_stops_at_the_last_block_boundary_before_the_promp
     assert manager.calls[:2] == [("A", 48), ("A", 7)]
     assert result.hit_tokens == 48
     assert result.num_finished == 2
+
+
+def test_a_trace_line_longer_than_max_model_len_is_skipped_and_counted(tmp_path: Path) -> None:
+    path = write_trace(
+        tmp_path / "t.jsonl",
+        {"prompt_len": 8, "output_len": 1},
+        {"prompt_len": 1000, "output_len": 100},
+        {"prompt_len": 16, "output_len": 2},
+    )
+    trace = load_trace(path, seed=0, max_model_len=1024)
+    assert [request.request_id for request in trace.requests] == ["t1", "t3"]
+    assert trace.too_long == (2,)

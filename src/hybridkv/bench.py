@@ -87,8 +87,11 @@ from typing import Any, Protocol
 
 try:
     import torch
+    from numpy import ndarray as _ndarray  # noqa: F401  (the optimized backend needs it too)
 except ModuleNotFoundError as missing:  # the benchmark drives the torch backend
-    raise SystemExit("hybridkv bench needs torch: pip install 'hybridkv[torch]'") from missing
+    from hybridkv.extras import exit_for_import_error
+
+    exit_for_import_error(missing, "python -m hybridkv.bench")
 
 from hybridkv.cli.devices import device_problem
 from hybridkv.optimized import TorchKVCacheManager
@@ -855,10 +858,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (problem := device_problem(args.device)) is not None:
         parser.exit(2, f"{parser.prog}: {problem}\n")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
-        parser.exit(
-            2, f"{parser.prog}: --plot needs matplotlib, the extra `plot`: "
-            "pip install 'hybridkv[plot]'\n"
-        )  # fmt: skip
+        from hybridkv.extras import needs_line
+
+        parser.exit(2, f"{parser.prog}: {needs_line('--plot', 'matplotlib')}\n")
     if args.threads == "1" and torch.device(args.device).type == "cpu":
         # The backend's host tensors are small: intra-op threads only add synchronisation,
         # which costs milliseconds when another process holds a core.

@@ -89,13 +89,15 @@ class RecurrentFacts:
 
     ``conv_state_elems`` is vLLM's conv state ((d_conv − 1) × conv_dim; 0 for lightning
     attention) and ``ssm_state_elems`` the SSM / temporal state. ``ssm_dtype_bytes`` is what
-    vLLM's ``auto`` SSM dtype gives (the model dtype, float32 for Nemotron-H).
+    vLLM's ``auto`` SSM dtype gives (the model dtype, float32 for Nemotron-H), ``ssm_dtype``
+    its name.
     """
 
     kind: str
     conv_state_elems: int
     ssm_state_elems: int
     ssm_dtype_bytes: int = 2
+    ssm_dtype: str = "bfloat16"
 
     def state_bytes(self, ssm_dtype_bytes: int | None = None) -> int:
         """Bytes of the state: conv in bf16, SSM in ``ssm_dtype_bytes`` (default: the model's)."""
@@ -402,6 +404,7 @@ def _facts(record: Mapping[str, Any]) -> ModelFacts:
             conv_state_elems=rec["conv_state_elems_vllm"],
             ssm_state_elems=rec["ssm_state_elems"],
             ssm_dtype_bytes=4 if rec["ssm_dtype_auto"] == "float32" else 2,
+            ssm_dtype=rec["ssm_dtype_auto"],
         )
     mla = record["mla"]
     sharing = record["kv_sharing"]

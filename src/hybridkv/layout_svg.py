@@ -2,7 +2,9 @@
 
 One row per KV cache tensor (buffer), one column per KV cache group. A cell is the slice of a
 tensor that a group's layer uses, labelled with that layer and coloured by attention type;
-padding slots are hatched grey. Plain SVG 1.1 text, no dependencies, so it opens in a browser.
+padding slots are hatched grey. With pipeline stages each stage (GPU) has its own tensors: a
+band labelled with the stage spans its rows. Plain SVG 1.1 text, no dependencies, so it opens
+in a browser.
 """
 
 from __future__ import annotations
@@ -49,8 +51,11 @@ def layout_svg(report: PlanReport, *, title: str) -> str:
 
 def _subtitle(report: PlanReport) -> str:
     """Blocks, page size and what a block is."""
+    stages = report.pipeline_parallel_size
+    per_stage = " + ".join(str(report.tensor_stages.count(s)) for s in range(stages))
+    where = f" ({per_stage} on {stages} GPUs, a pipeline stage each)" if stages > 1 else ""
     return (
-        f"{len(report.config.tensors)} tensors × {report.num_blocks:,} blocks of "
+        f"{len(report.config.tensors)} tensors{where} × {report.num_blocks:,} blocks of "
         f"{report.layer_page_size_bytes:,} B; block b = slice b of every tensor "
         f"({report.page_size_bytes:,} B); {report.num_padding_slots} padding slots"
     )
@@ -70,21 +75,34 @@ def _tensor_row(report: PlanReport, row: int) -> list[str]:
     """Tensor ``row``: its label and size, then one cell per group (a layer or padding)."""
     y = _TOP + row * (_CELL_H + _GAP)
     tensor = report.config.tensors[row]
-    parts = [_text(16, y + 16, f"KVCacheTensor {row} ({tensor.size / 2**30:.2f} GiB)")]
+    parts = _stage_band(report, row, y)
+    parts.append(_text(48, y + 16, f"KVCacheTensor {row} ({tensor.size / 2**30:.2f} GiB)"))
     for group in report.groups:
         x = _column_x(group.group_id)
-        if row < group.num_own_layers:
+        own = group.layer_names[: group.num_own_layers]
+        layer = next((name for name in tensor.shared_by if name in own), None)
+        if layer is not None:
             colour = KIND_COLOURS[group.kind]
             parts.append(_rect(x, y, colour))
-            parts.append(
-                _text(
-                    x + _CELL_W / 2, y + 16, group.layer_names[row], anchor="middle", fill="white"
-                )
-            )
+            parts.append(_text(x + _CELL_W / 2, y + 16, layer, anchor="middle", fill="white"))
         else:
             parts.append(_rect(x, y, "url(#padding)"))
             parts.append(_text(x + _CELL_W / 2, y + 16, "padding", size=11, anchor="middle"))
     return parts
+
+
+def _stage_band(report: PlanReport, row: int, y: float) -> list[str]:
+    """At a stage's first tensor, a band over its rows labelled with the stage (GPU)."""
+    stages = report.tensor_stages
+    if report.pipeline_parallel_size == 1 or (row > 0 and stages[row - 1] == stages[row]):
+        return []
+    rows = stages.count(stages[row])
+    height = rows * (_CELL_H + _GAP) - _GAP
+    return [
+        f'<rect x="8" y="{y}" width="32" height="{height}" rx="3" fill="#f2f2f2" '
+        'stroke="#999" stroke-width="0.5"/>',
+        _text(24, y + height / 2 + 4, f"GPU {stages[row]}", size=10, anchor="middle"),
+    ]
 
 
 def _legend(report: PlanReport, x: float, y: float) -> list[str]:

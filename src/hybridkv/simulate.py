@@ -19,6 +19,7 @@ seeded, so the same seed gives the same requests and the same numbers.
 
 from __future__ import annotations
 
+import difflib
 import json
 import random
 import time
@@ -195,12 +196,39 @@ class TraceError(ValueError):
     """A trace line the simulator cannot read; the message names the line and the field."""
 
 
-def load_trace(path: str | Path, *, seed: int, max_model_len: int) -> tuple[RequestSpec, ...]:
+TRACE_KEYS = (
+    "id",
+    "arrival_step",
+    "prompt_token_ids",
+    "prompt_len",
+    "prefix_id",
+    "prefix_len",
+    "output_len",
+)
+"""The keys a trace line may have; any other is a misspelling, refused by name."""
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A trace's requests, and the lines skipped as longer than ``max_model_len``.
+
+    An engine refuses such a request and serves the others, so a run does too: the skipped
+    lines are counted and reported, not an abort of the whole trace.
+    """
+
+    requests: tuple[RequestSpec, ...]
+    too_long: tuple[int, ...] = ()
+    """Line numbers whose prompt + output_len exceed max_model_len."""
+
+
+def load_trace(path: str | Path, *, seed: int, max_model_len: int) -> Trace:
     """Requests from a JSONL trace, one JSON object per line.
 
     Keys: ``output_len`` (required); ``prompt_token_ids`` or ``prompt_len``; ``prefix_id`` and
     ``prefix_len`` (the first ``prefix_len`` prompt tokens are the same for every line with that
-    prefix id); ``arrival_step`` (default 0); ``id`` (default ``t<line>``).
+    prefix id; only with ``prompt_len``); ``arrival_step`` (default 0); ``id`` (default
+    ``t<line>``). Any other key, or two ways of giving the prompt, is a ``TraceError``; a line
+    longer than ``max_model_len`` is skipped (``Trace.too_long``).
     """
     rng = random.Random(seed)
     try:
@@ -212,20 +240,34 @@ def load_trace(path: str | Path, *, seed: int, max_model_len: int) -> tuple[Requ
             f"{path} is not UTF-8 text (offset {error.start}): a trace is UTF-8 JSON lines"
         ) from None
     requests = []
+    too_long = []
     first_line: dict[str, int] = {}
     for number, line in enumerate(lines, start=1):
         if line.strip():
-            request = _trace_request(line, number, rng, seed, max_model_len)
+            request = _trace_request(line, number, rng, seed)
             _check_unique_id(request.request_id, number, first_line)
-            requests.append(request)
+            if len(request.prompt_token_ids) + len(request.output_token_ids) > max_model_len:
+                too_long.append(number)
+            else:
+                requests.append(request)
     if not requests:
+        if too_long:
+            raise TraceError(
+                f"every request of {path} is longer than max_model_len {max_model_len} (prompt "
+                f"+ output_len; lines {_line_list(too_long)}): raise --max-model-len"
+            )
         raise TraceError(f"{path} holds no requests")
-    return tuple(sorted(requests, key=lambda request: request.arrival_step))
+    ordered = tuple(sorted(requests, key=lambda request: request.arrival_step))
+    return Trace(ordered, tuple(too_long))
 
 
-def _trace_request(
-    line: str, number: int, rng: random.Random, seed: int, max_model_len: int
-) -> RequestSpec:
+def _line_list(numbers: Sequence[int]) -> str:
+    """Line numbers for a message: the first ten, then how many more."""
+    shown = ", ".join(map(str, numbers[:10]))
+    return shown + (f" and {len(numbers) - 10} more" if len(numbers) > 10 else "")
+
+
+def _trace_request(line: str, number: int, rng: random.Random, seed: int) -> RequestSpec:
     """One trace line as a request."""
     try:
         record = json.loads(line)
@@ -233,19 +275,38 @@ def _trace_request(
         raise TraceError(f"trace line {number} is not valid JSON: {error.msg}") from None
     if not isinstance(record, dict):
         raise TraceError(f"trace line {number} must be a JSON object")
+    _check_keys(record, number)
     prompt = _trace_prompt(record, number, rng, seed)
     output = tuple(rng.randrange(VOCAB_SIZE) for _ in range(_count(record, "output_len", number)))
-    if len(prompt) + len(output) > max_model_len:
-        raise TraceError(
-            f"trace line {number}: prompt + output_len = {len(prompt) + len(output)} tokens "
-            f"exceeds max_model_len {max_model_len}"
-        )
     arrival = record.get("arrival_step", 0)
     if not isinstance(arrival, int) or isinstance(arrival, bool) or arrival < 0:
         raise TraceError(
             f"trace line {number}: 'arrival_step' must be an int >= 0, got {arrival!r}"
         )
     return RequestSpec(_trace_id(record, number), prompt, output, arrival)
+
+
+def _check_keys(record: Mapping[str, Any], number: int) -> None:
+    """Every key is a trace key, and the prompt is given one way: token ids, or a length."""
+    for key in record:
+        if key not in TRACE_KEYS:
+            close = difflib.get_close_matches(str(key), TRACE_KEYS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise TraceError(
+                f"trace line {number}: unknown key {key!r}; {hint}a trace line has the keys "
+                f"{', '.join(TRACE_KEYS)}"
+            )
+    if "prompt_token_ids" in record:
+        for key in ("prompt_len", "prefix_id", "prefix_len"):
+            if key in record:
+                raise TraceError(
+                    f"trace line {number}: 'prompt_token_ids' and {key!r} both give the prompt; "
+                    "give the token ids, or prompt_len (with prefix_id and prefix_len)"
+                )
+    if ("prefix_id" in record) != ("prefix_len" in record):
+        raise TraceError(
+            f"trace line {number}: 'prefix_id' and 'prefix_len' go together; give both or neither"
+        )
 
 
 def _trace_id(record: Mapping[str, Any], number: int) -> str:

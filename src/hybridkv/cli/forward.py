@@ -14,6 +14,7 @@ import sys
 import click
 
 from hybridkv.cli.options import UserError
+from hybridkv.extras import EXTRA_OF, VLLM, needs_line
 
 # Every argument, --help included, belongs to the forwarded command.
 _FORWARD_ALL = {"ignore_unknown_options": True, "help_option_names": []}
@@ -33,34 +34,16 @@ def forward(module: str, args: tuple[str, ...]) -> None:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except ModuleNotFoundError as error:
         missing = (error.name or "").split(".")[0]
-        if missing not in _EXTRAS:
+        if missing not in EXTRA_OF and missing != VLLM:
             raise
         command = _COMMANDS.get(module, module.rsplit(".", 1)[-1])
-        install = (
-            "scripts/install-vllm-cpu.sh installs vLLM 0.33 for the CPU"
-            if missing == "vllm"
-            else f"pip install 'hybridkv[{_EXTRAS[missing]}]'"
-        )
-        raise UserError(
-            f"`hybridkv {command}` needs {missing}, which is not installed: {install}"
-        ) from None
+        raise UserError(needs_line(f"`hybridkv {command}`", missing)) from None
     finally:
         sys.argv = saved
 
 
 # Commands whose name is not their module's last component.
 _COMMANDS = {"hybridkv.integrations.vllm.check": "vllm-check"}
-
-# Optional dependencies and the extra that installs each.
-_EXTRAS = {
-    "torch": "torch",
-    "hypothesis": "dev",
-    "crosshair": "crosshair",
-    "matplotlib": "plot",
-    "mutmut": "dev",
-    "pytest": "dev",
-    "vllm": "",
-}
 
 
 def _has_module(module: str) -> bool:

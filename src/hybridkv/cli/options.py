@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from decimal import Decimal
@@ -47,8 +48,22 @@ class UserError(click.ClickException):
     exit_code = 2
 
 
+class RunFailed(click.ClickException):
+    """A run that did what was asked and achieved nothing (no request fit): exit code 1."""
+
+    exit_code = 1
+
+
+MIN_PLAIN_BYTES = 2**20
+"""A number without a unit is a byte count, and below 1 MiB it is a unit left out."""
+
+MAX_MEMORY_BYTES = 16 * 2**40
+"""More than any GPU has (16 TiB per GPU): a bigger size is a typo."""
+
+
 class MemorySize(click.ParamType[int]):
-    """A byte count: ``40GiB``, ``40 GB``, ``512MiB``, ``1.5GiB`` or a plain number of bytes."""
+    """A byte count: ``40GiB``, ``40 GB``, ``512MiB``, ``1.5GiB``, or a plain number of bytes
+    of at least 1 MiB (``4.2e10``); at most 16 TiB."""
 
     name = "size"
 
@@ -65,7 +80,68 @@ class MemorySize(click.ParamType[int]):
                 param,
                 ctx,
             )
-        return int(Decimal(match.group(1)) * _UNITS[unit])
+        size = int(Decimal(match.group(1)) * _UNITS[unit])
+        if match.group(2) == "" and size < MIN_PLAIN_BYTES:
+            self.fail(
+                f"{value!r} has no unit, so it is {size:,} bytes: did you mean "
+                f"{match.group(1)}GiB? (a number without a unit is a byte count of at least "
+                f"1 MiB = {MIN_PLAIN_BYTES:,})",
+                param,
+                ctx,
+            )
+        if size > MAX_MEMORY_BYTES:
+            self.fail(
+                f"{value!r} is {format_bytes(size)}, more than any GPU has (at most 16 TiB per "
+                "GPU): is it a typo?",
+                param,
+                ctx,
+            )
+        return size
+
+
+_TOKENS = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+class TokenCount(click.ParamType[int]):
+    """A positive token count as vLLM 0.33's ``human_readable_int`` reads it: ``131072``,
+    ``128k`` (k, m, g, t: powers of 1000, decimals allowed), ``128K`` (K, M, G, T: powers of
+    1024, whole numbers only)."""
+
+    name = "tokens"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        text = str(value).strip()
+        count = value if isinstance(value, int) else self._parse(text, param, ctx)
+        if count < 1:
+            self.fail(f"{value!r} must be at least 1 token", param, ctx)
+        return count
+
+    def _parse(self, text: str, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        match = _TOKENS.fullmatch(text)
+        if match is not None:
+            number, suffix = match.groups()
+            if suffix in _DECIMAL:
+                return int(float(number) * _DECIMAL[suffix])
+            if "." in number:
+                self.fail(
+                    f"decimals are not allowed with binary suffixes like {suffix}: did you mean "
+                    f"{number}{suffix.lower()}?",
+                    param,
+                    ctx,
+                )
+            return int(number) * _BINARY[suffix]
+        try:
+            return int(text)
+        except ValueError:
+            self.fail(
+                f"{text!r} is not a token count: a whole number, or one with k, m, g, t "
+                "(powers of 1000: 128k, 25.6k) or K, M, G, T (powers of 1024: 128K), as vLLM "
+                "reads it",
+                param,
+                ctx,
+            )
 
 
 def check_block_size(ctx: click.Context, param: click.Parameter, value: int) -> int:
@@ -100,19 +176,25 @@ class ModelChoice:
     notes: tuple[str, ...] = ()
 
 
-def resolve_model(name_or_path: str | None) -> ModelChoice:
+def resolve_model(name_or_path: str | None, *, assume_full_attention: bool = False) -> ModelChoice:
     """A catalogue name or Hub id (``gemma-3-27b-it``, also ``google/gemma-3-27b``: a variant
     suffix finds its catalogue entry), a config.json, or a Hugging Face snapshot directory
-    holding one; ``UserError`` otherwise."""
+    holding one; ``UserError`` otherwise. ``assume_full_attention`` plans a config.json of a
+    ``model_type`` hybridkv does not know as all full attention."""
     from hybridkv.catalogue import ModelError, UnknownModelError, find_model, find_variant
 
-    target = name_or_path or DEFAULT_MODEL
+    target = DEFAULT_MODEL if name_or_path is None else name_or_path
+    if not target.strip():
+        raise UserError(
+            f"MODEL is {target!r}: give a catalogue name (`hybridkv models` lists them), a "
+            f"config.json or a snapshot directory, or leave it out for {DEFAULT_MODEL}"
+        )
     try:
         path = Path(target)
         if path.is_dir():
-            return _from_config(_snapshot_config(path))
+            return _from_config(_snapshot_config(path), assume_full_attention)
         if target.endswith(".json") or path.is_file():
-            return _from_config(target)
+            return _from_config(target, assume_full_attention)
         try:
             entry = find_model(target)
             notes: tuple[str, ...] = ()
@@ -143,16 +225,35 @@ def _snapshot_config(directory: Path) -> str:
     return str(config)
 
 
-def _from_config(path: str) -> ModelChoice:
+def _from_config(path: str, assume_full_attention: bool) -> ModelChoice:
     """The model a config.json describes."""
     from hybridkv.hf_config import load_config
 
-    return ModelChoice(path, f"config file {path}", "config.json", (), load_config(path))
+    facts = load_config(path, assume_full_attention=assume_full_attention)
+    return ModelChoice(path, f"config file {path}", "config.json", (), facts)
 
 
 def default_max_model_len(choice: ModelChoice) -> int:
     """The model's own context length, as vLLM defaults it (131072 when the model gives none)."""
     return choice.facts.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
+
+
+def with_max_model_len_note(choice: ModelChoice, max_model_len: int | None) -> ModelChoice:
+    """``choice`` with a note when the plan's max_model_len is the library's fallback (the
+    model gives no max_position_embeddings and the user no --max-model-len)."""
+    if max_model_len is not None or choice.facts.max_position_embeddings is not None:
+        return choice
+    note = (
+        f"{choice.name} gives no max_position_embeddings: max_model_len defaults to "
+        f"{DEFAULT_MAX_MODEL_LEN:,} (give --max-model-len)"
+    )
+    return dataclasses.replace(choice, notes=(*choice.notes, note))
+
+
+ASSUME_FULL_ATTENTION_HELP = (
+    "Plan a config.json whose model_type hybridkv does not know as all full attention "
+    "(without it such a config is refused; a layer_types list in the config needs no flag)."
+)
 
 
 KV_DTYPES = tuple(DTYPE_BYTES)

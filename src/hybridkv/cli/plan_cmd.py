@@ -9,13 +9,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from hybridkv.cli.options import (
+    ASSUME_FULL_ATTENTION_HELP,
     KV_DTYPES,
     SSM_DTYPES,
     MemorySize,
+    TokenCount,
     UserError,
     check_block_size,
     default_max_model_len,
     resolve_model,
+    with_max_model_len_note,
 )
 from hybridkv.cli.plan_data import (
     POLICIES,
@@ -37,7 +40,7 @@ def model_options(*, max_num_batched_tokens: int) -> Callable[[_F], _F]:
     options = (
         click.option(
             "--max-num-batched-tokens",
-            type=click.IntRange(min=1),
+            type=TokenCount(),
             default=max_num_batched_tokens,
             show_default=True,
             help="Tokens one scheduler step computes at most.",
@@ -115,7 +118,7 @@ def engine_options(command: _F) -> _F:
 )
 @click.option(
     "--max-model-len",
-    type=click.IntRange(min=1),
+    type=TokenCount(),
     default=None,
     help="Longest request in tokens  [default: the model's context length]",
 )
@@ -141,6 +144,7 @@ def engine_options(command: _F) -> _F:
     default=None,
     help="Also write the memory layout as an SVG image.",
 )
+@click.option("--assume-full-attention", is_flag=True, help=ASSUME_FULL_ATTENTION_HELP)
 def plan(
     model: str | None,
     memory: int,
@@ -155,6 +159,7 @@ def plan(
     policy: GroupingPolicy,
     output_format: str,
     svg: str | None,
+    assume_full_attention: bool,
 ) -> None:
     """Plan the KV cache of MODEL (a catalogue name or Hub id, a config.json, or a Hugging
     Face snapshot directory; default gemma-3-27b-it).
@@ -165,7 +170,9 @@ def plan(
     the longest max_model_len that fits, the memory saved against a full-attention-only
     manager, and a picture of the memory layout.
     """
-    choice = resolve_model(model)
+    choice = with_max_model_len_note(
+        resolve_model(model, assume_full_attention=assume_full_attention), max_model_len
+    )
     settings = PlanSettings(
         memory_bytes=memory,
         max_model_len=max_model_len or default_max_model_len(choice),

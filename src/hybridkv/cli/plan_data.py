@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 POLICIES: tuple[GroupingPolicy, ...] = ("document", "vllm", "min-padding")
 """The grouping policies, in the order the comparison shows them."""
 
+_SSM_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
 
 @dataclass(frozen=True)
 class PlanSettings:
@@ -59,6 +61,26 @@ class Plan:
     def notes(self) -> tuple[str, ...]:
         unconfirmed = tuple(f"unconfirmed: {item}" for item in self.choice.unconfirmed)
         return self.layers.notes + self.choice.notes + unconfirmed
+
+    @property
+    def ssm_dtype(self) -> str | None:
+        """The SSM state dtype of the recurrent layers (what ``auto`` chose, as vLLM does), or
+        ``None`` for a model without any."""
+        recurrent = self.choice.facts.recurrent
+        if recurrent is None:
+            return None
+        if self.settings.mamba_ssm_dtype == "auto":
+            return recurrent.ssm_dtype
+        return _SSM_DTYPE_NAMES[self.settings.mamba_ssm_dtype]
+
+    @property
+    def vllm_log_line(self) -> str:
+        """vLLM 0.33's own log line for the same plan (``update_kv_cache_capacity``)."""
+        report = self.report
+        return (
+            f"GPU KV cache size: {report.kv_cache_size_tokens:,} tokens, Maximum concurrency "
+            f"for {report.max_model_len:,} tokens per request: {report.max_concurrency:.2f}x"
+        )
 
     @property
     def best_policy(self) -> GroupingPolicy:
@@ -137,8 +159,15 @@ def plan_json(result: Plan) -> dict[str, Any]:
         "num_padding_slots": report.num_padding_slots,
         "padding_fraction": report.padding_fraction,
         "tensors": [
-            {"index": i, "size_bytes": tensor.size, "shared_by": list(tensor.shared_by)}
-            for i, tensor in enumerate(report.config.tensors)
+            {
+                "index": i,
+                "stage": stage,
+                "size_bytes": tensor.size,
+                "shared_by": list(tensor.shared_by),
+            }
+            for i, (tensor, stage) in enumerate(
+                zip(report.config.tensors, report.tensor_stages, strict=True)
+            )
         ],
         "memory_bytes": report.memory_bytes,
         "max_in_flight_tokens": report.max_in_flight_tokens,
@@ -146,9 +175,13 @@ def plan_json(result: Plan) -> dict[str, Any]:
         "bytes_per_request": report.bytes_per_request,
         "max_num_requests": report.max_num_requests,
         "max_concurrency": report.max_concurrency,
+        "kv_cache_size_tokens": report.kv_cache_size_tokens,
+        "vllm_log_line": result.vllm_log_line,
+        "ssm_dtype": result.ssm_dtype,
         "max_fitting_model_len": report.max_fitting_model_len,
         "max_tokens": report.max_tokens,
         "full_attention_only": {
+            "per": "GPU (the fullest pipeline stage)",
             "bytes_per_token": report.full_attention_bytes_per_token,
             "bytes_per_request": report.full_attention_bytes_per_request,
             "memory_bytes": report.full_attention_memory_bytes,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from hybridkv.cli.options import MemorySize, format_bytes
+from hybridkv.cli.options import MemorySize, TokenCount, format_bytes
 from hybridkv.cli.plan_data import POLICIES
 
 if TYPE_CHECKING:
@@ -37,12 +37,12 @@ class Layout:
 @click.option("--memory", type=MemorySize(), default="40GiB", show_default=True)
 @click.option(
     "--max-model-len",
-    type=click.IntRange(min=1),
+    type=TokenCount(),
     default=32768,
     show_default=True,
     help="Longest request (capped at each model's context length).",
 )
-@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=8192)
+@click.option("--max-num-batched-tokens", type=TokenCount(), default=8192)
 @click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True)
 @click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True)
 @click.option(

@@ -18,6 +18,7 @@ from rich.text import Text
 
 from hybridkv.cli.options import format_bytes
 from hybridkv.cli.plan_data import POLICIES, Plan, layer_type_counts
+from hybridkv.cli.render_memory import summary_table
 from hybridkv.spec import (
     ChunkedLocalAttentionSpec,
     KVCacheSpec,
@@ -52,7 +53,7 @@ def render_plan(plan: Plan, *, svg_path: str | None = None, console: Console | N
     out.print(_policy_table(plan))
     out.print(_layer_table(plan))
     out.print(_group_table(plan))
-    out.print(_summary_table(plan))
+    out.print(summary_table(plan))
     out.print(_layout_title(plan))
     out.print(_layout_table(plan))
     out.print(_layout_caption(plan))
@@ -73,7 +74,8 @@ def _header(plan: Plan) -> Text:
     text.append("layer types: " + ", ".join(f"{n} {kind}" for kind, n in counts.items()) + "\n")
     text.append(
         f"{format_bytes(settings.memory_bytes)} for KV cache · {settings.kv_dtype} KV · "
-        f"block size {settings.block_size} · max_model_len {settings.max_model_len:,} · "
+        f"{_ssm_dtype(plan)}block size {settings.block_size} · "
+        f"max_model_len {settings.max_model_len:,} · "
         f"{settings.max_num_batched_tokens:,} batched tokens per step\n"
     )
     text.append(
@@ -83,6 +85,15 @@ def _header(plan: Plan) -> Text:
         f"{plan.report.max_in_flight_tokens:,} tokens in flight · policy {settings.policy}"
     )
     return text
+
+
+def _ssm_dtype(plan: Plan) -> str:
+    """``SSM state float32 (auto) · `` for a model with recurrent layers: which dtype ``auto``
+    chose, as vLLM's ``mamba_ssm_cache_dtype="auto"`` does for the model."""
+    if plan.ssm_dtype is None:
+        return ""
+    how = " (auto)" if plan.settings.mamba_ssm_dtype == "auto" else ""
+    return f"SSM state {plan.ssm_dtype}{how} · "
 
 
 def _on(flag: bool) -> str:
@@ -173,100 +184,12 @@ def _group_table(plan: Plan) -> Table:
     return table
 
 
-def _summary_table(plan: Plan) -> Table:
-    """Page size, tensors, blocks, requests and tokens that fit, and the saving."""
-    report, settings = plan.report, plan.settings
-    table = Table(box=box.SIMPLE, show_header=False, title="Memory", title_justify="left")
-    table.add_column(style="bold")
-    table.add_column(overflow="fold")
-    raised = report.block_size != settings.block_size
-    table.add_row(
-        "block size",
-        f"{report.block_size} tokens"
-        + (f" (raised from {settings.block_size} so a page holds a Mamba state)" if raised else ""),
-    )
-    table.add_row(
-        "page size",
-        f"{format_bytes(report.layer_page_size_bytes)} per layer · "
-        f"{format_bytes(report.page_size_bytes)} per block "
-        f"({report.layers_per_group} layers × {report.layer_page_size_bytes:,} B)",
-    )
-    tensor_size = report.config.tensors[0].size
-    table.add_row(
-        "tensors",
-        f"{len(report.config.tensors)} × {format_bytes(tensor_size)}, each shared by "
-        f"one layer of each group (up to {len(report.groups)})",
-    )
-    table.add_row("blocks", f"{report.num_blocks:,} (the null block included)")
-    table.add_row(
-        "padding",
-        f"{report.num_padding_slots} slots = {report.padding_fraction:.1%} of the pool",
-    )
-    table.add_row(
-        "one request",
-        f"{report.blocks_per_request:,} blocks = {format_bytes(report.bytes_per_request)} "
-        f"at {report.max_model_len:,} tokens",
-    )
-    table.add_row("fits", _fits_line(plan))
-    table.add_row("full attention only", _full_attention_line(plan))
-    table.add_row(
-        "memory used",
-        f"{format_bytes(report.memory_bytes)} of {format_bytes(settings.memory_bytes)}",
-    )
-    return table
-
-
-def _fits_line(plan: Plan) -> Text:
-    """Requests that fit, vLLM's maximum concurrency, and the longest length that fits."""
-    report = plan.report
-    text = Text(
-        f"{report.max_num_requests:,} requests at once = {report.max_tokens:,} tokens "
-        f"(maximum concurrency {report.max_concurrency:.2f}x at {report.max_model_len:,} tokens)"
-    )
-    if report.max_num_requests == 0:
-        if report.max_fitting_model_len == 0:
-            text.append("; not even one token fits: add --memory", "red")
-        else:
-            text.append(
-                f"; the longest max_model_len that fits one request is "
-                f"{report.max_fitting_model_len:,} (vLLM's auto-fit)",
-                "red",
-            )
-    return text
-
-
-def _full_attention_line(plan: Plan) -> Text:
-    """What a non-hybrid manager (every attention layer keeps every token) would need."""
-    report = plan.report
-    text = Text(
-        f"{format_bytes(report.full_attention_bytes_per_request)} per request "
-        f"(hybrid: {format_bytes(report.bytes_per_request)}); "
-        f"{report.full_attention_max_num_requests:,} fit in this memory. "
-    )
-    if report.max_num_requests == 0:
-        text.append(
-            f"No request of max_model_len fits: use --max-model-len "
-            f"{report.max_fitting_model_len:,} or less, or add --memory",
-            "red",
-        )
-        return text
-    saved = report.memory_saved_bytes
-    if saved == 0:
-        text.append("The hybrid manager needs the same: every layer keeps every token or a state")
-        return text
-    share = saved / report.full_attention_memory_bytes
-    text.append(
-        f"For {report.max_num_requests:,} requests the hybrid manager needs "
-        f"{format_bytes(abs(saved))} ({abs(share):.0%}) {'less' if saved >= 0 else 'more'}",
-        "green" if saved > 0 else "red",
-    )
-    return text
-
-
 def _layout_title(plan: Plan) -> Text:
     report = plan.report
+    stages = report.pipeline_parallel_size
+    where = f" over {stages} pipeline stages (one GPU each)" if stages > 1 else ""
     return Text(
-        f"Memory layout: {len(report.config.tensors)} tensors × {len(report.groups)} groups",
+        f"Memory layout: {len(report.config.tensors)} tensors{where} × {len(report.groups)} groups",
         style="italic",
     )
 
@@ -287,6 +210,9 @@ def _layout_table(plan: Plan) -> Table:
     """
     report = plan.report
     table = Table(box=box.SQUARE)
+    staged = report.pipeline_parallel_size > 1
+    if staged:
+        table.add_column("stage", style="dim", justify="right")
     table.add_column("tensor", style="dim", justify="right")
     for group in report.groups:
         label = f"G{group.group_id} {KIND_LABELS[group.kind]}"
@@ -295,13 +221,14 @@ def _layout_table(plan: Plan) -> Table:
     tensors = report.config.tensors
     for row in _visible_rows(len(tensors)):
         if row is None:
-            table.add_row("⋮", *("⋮" for _ in own))
+            table.add_row(*(["⋮"] if staged else []), "⋮", *("⋮" for _ in own))
             continue
         cells = [
             _layout_cell(tensors[row].shared_by, names, group.kind)
             for group, names in zip(report.groups, own, strict=True)
         ]
-        table.add_row(str(row), *cells)
+        stage = [str(report.tensor_stages[row])] if staged else []
+        table.add_row(*stage, str(row), *cells)
     return table
 
 

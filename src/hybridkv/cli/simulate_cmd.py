@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from hybridkv.cli.options import MemorySize, UserError, resolve_model
+from hybridkv.cli.options import (
+    ASSUME_FULL_ATTENTION_HELP,
+    MemorySize,
+    RunFailed,
+    TokenCount,
+    UserError,
+    resolve_model,
+)
 from hybridkv.cli.plan_cmd import model_options
 from hybridkv.cli.plan_data import Plan, PlanSettings, make_plan
+from hybridkv.extras import first_missing, is_missing, needs_line
 
 if TYPE_CHECKING:
     from hybridkv.simulate import Manager, RequestSpec, SimulationResult
@@ -52,7 +59,7 @@ if TYPE_CHECKING:
     show_default=True,
     help="KV cache memory; lower it (e.g. 2GiB) to see preemption.",
 )
-@click.option("--max-model-len", type=click.IntRange(min=1), default=16384, show_default=True)
+@click.option("--max-model-len", type=TokenCount(), default=16384, show_default=True)
 @model_options(max_num_batched_tokens=2048)
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True)
@@ -70,6 +77,7 @@ if TYPE_CHECKING:
     default="table",
     show_default=True,
 )
+@click.option("--assume-full-attention", is_flag=True, help=ASSUME_FULL_ATTENTION_HELP)
 def simulate(
     model: str | None,
     workload: str | None,
@@ -88,6 +96,7 @@ def simulate(
     seed: int,
     plot: str | None,
     output_format: str,
+    assume_full_attention: bool,
 ) -> None:
     """Replay a workload on MODEL's planned KV cache (default gemma-3-27b-it, 4 GiB).
 
@@ -95,10 +104,7 @@ def simulate(
     when the pool is full, freeing on finish) drives the manager. Prints the prefix-hit rate,
     tokens computed and saved, peak and mean usage, preemptions, steps and the manager's time.
     """
-    if workload is not None and trace is not None:
-        raise UserError("give --workload or --trace, not both")
-    if plot is not None and importlib.util.find_spec("matplotlib") is None:
-        raise UserError("--plot needs matplotlib: pip install 'hybridkv[plot]'")
+    _check_options(workload, trace, plot, backend)
     if device is not None and backend == "reference":
         click.echo(
             f"note: --device {device} is ignored: the reference backend is pure Python on the "
@@ -108,9 +114,9 @@ def simulate(
     settings = PlanSettings(
         memory, max_model_len, max_num_batched_tokens, block_size, kv_dtype, mamba_ssm_dtype
     )
-    plan = make_plan(resolve_model(model), settings)
+    plan = make_plan(resolve_model(model, assume_full_attention=assume_full_attention), settings)
     caching = prefix_caching
-    requests = _requests(workload or "mixed", trace, num_requests, seed, max_model_len)
+    requests, too_long = _requests(workload or "mixed", trace, num_requests, seed, max_model_len)
     manager = _build_manager(backend, plan, caching, device or "cpu", output_format == "table")
     result = _run(
         manager,
@@ -128,27 +134,60 @@ def simulate(
         "num_blocks": plan.report.num_blocks,
         "block_size": plan.report.block_size,
         "prefix_caching": caching,
+        "skipped_too_long": len(too_long),
     }
     if plot is not None:
         _write_plot(result, plot, title=f"{plan.choice.name}, {header['workload']}")
     if output_format == "json":
         click.echo(json.dumps({**header, **result.summary()}, indent=2))
     else:
-        _print_result(header, result, plot)
+        _print_result(header, result, plot, too_long, max_model_len)
+    if result.num_finished == 0:
+        raise RunFailed(
+            f"no request fits: all {result.num_rejected} need more than the pool of "
+            f"{plan.report.num_blocks:,} blocks ({plan.settings.memory_bytes:,} bytes) holds; "
+            "add --memory or lower --max-model-len"
+        )
+
+
+def _check_options(workload: str | None, trace: str | None, plot: str | None, backend: str) -> None:
+    """Options that conflict, and the extras the chosen ones need: ``UserError`` naming them."""
+    if workload is not None and trace is not None:
+        raise UserError("give --workload or --trace, not both")
+    if trace is not None and _given(click.get_current_context(), "num_requests"):
+        raise UserError(
+            f"give --requests or --trace, not both: the trace {trace} has its own requests"
+        )
+    if plot is not None and is_missing("matplotlib"):
+        raise UserError(needs_line("--plot", "matplotlib"))
+    if backend == "optimized" and (missing := first_missing(("torch", "numpy"))) is not None:
+        raise UserError(needs_line("--backend optimized", missing))
+
+
+def _given(ctx: click.Context, name: str) -> bool:
+    """Whether the user typed option ``name`` (not its default)."""
+    from click.core import ParameterSource
+
+    return ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
 
 
 def _requests(
     workload: str, trace: str | None, num_requests: int, seed: int, max_model_len: int
-) -> tuple[RequestSpec, ...]:
-    """The workload's requests, or the trace's; ``UserError`` for a bad trace."""
+) -> tuple[tuple[RequestSpec, ...], tuple[int, ...]]:
+    """The workload's requests, or the trace's with the lines skipped as too long;
+    ``UserError`` for a bad trace."""
     from hybridkv.simulate import load_trace, make_workload
 
     try:
         if trace is not None:
-            return load_trace(trace, seed=seed, max_model_len=max_model_len)
-        return make_workload(workload, num_requests, seed=seed, max_model_len=max_model_len)
+            loaded = load_trace(trace, seed=seed, max_model_len=max_model_len)
+            return loaded.requests, loaded.too_long
+        workload_requests = make_workload(
+            workload, num_requests, seed=seed, max_model_len=max_model_len
+        )
     except ValueError as error:
         raise UserError(str(error)) from None
+    return workload_requests, ()
 
 
 def _build_manager(
@@ -167,7 +206,7 @@ def _build_manager(
 
 
 def _manager(backend: str, plan: Plan, caching: bool, device: str) -> Manager:
-    """The reference manager, or the torch backend; ``UserError`` when torch is missing."""
+    """The reference manager, or the torch backend (``simulate`` checked torch and numpy)."""
     from hybridkv.reference.planner import with_mamba_cache_mode
 
     config = with_mamba_cache_mode(plan.report.config, caching)
@@ -176,15 +215,8 @@ def _manager(backend: str, plan: Plan, caching: bool, device: str) -> Manager:
         from hybridkv.reference import KVCacheManager
 
         return KVCacheManager(config, max_model_len, enable_caching=caching)
-    try:
-        from hybridkv.optimized import TorchKVCacheManager
-    except ModuleNotFoundError as error:
-        if error.name == "torch":
-            raise UserError(
-                "--backend optimized needs torch: pip install 'hybridkv[torch]'"
-            ) from None
-        raise
     from hybridkv.cli.devices import device_problem
+    from hybridkv.optimized import TorchKVCacheManager
 
     if (problem := device_problem(device)) is not None:
         raise UserError(problem)
@@ -247,8 +279,14 @@ def _run(
         return scheduler.run(on_step)
 
 
-def _print_result(header: dict[str, Any], result: SimulationResult, plot: str | None) -> None:
-    """The numbers as a two-column table."""
+def _print_result(
+    header: dict[str, Any],
+    result: SimulationResult,
+    plot: str | None,
+    too_long: tuple[int, ...],
+    max_model_len: int,
+) -> None:
+    """The numbers as a two-column table (the trace lines skipped as too long first)."""
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -262,6 +300,13 @@ def _print_result(header: dict[str, Any], result: SimulationResult, plot: str | 
     table = Table(box=box.SIMPLE, show_header=False)
     table.add_column(style="bold")
     table.add_column()
+    if too_long:
+        lines = ", ".join(map(str, too_long[:10])) + (" …" if len(too_long) > 10 else "")
+        table.add_row(
+            "skipped",
+            f"{len(too_long)} trace lines longer than max_model_len {max_model_len:,} "
+            f"(lines {lines})",
+        )
     for label, value in _result_rows(result):
         table.add_row(label, value)
     console.print(table)

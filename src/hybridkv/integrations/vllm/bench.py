@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hybridkv.extras import exit_if_missing
 from hybridkv.integrations.vllm.check import BLOCK_SIZE, RunConfig, build_scheduler
 
 LAYOUT_WINDOW = 512
@@ -207,6 +208,7 @@ def measure(manager: str, batch: int, steps: int) -> StepTimes:
 
 
 def main(argv: Sequence[str] | None = None, *, quick: bool = False) -> int:
+    exit_if_missing("python -m hybridkv.integrations.vllm.bench", ["vllm", "torch"])
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     batches = [16, 32] if quick else [256, 1024]

@@ -35,6 +35,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from hybridkv.extras import exit_if_missing
+
 if TYPE_CHECKING:
     from hybridkv.integrations.vllm.model_layout import ModelLayout
 
@@ -733,6 +735,7 @@ def _notes(configs: Sequence[RunConfig]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    exit_if_missing("python -m hybridkv.integrations.vllm.check", ["vllm", "torch"])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     configs = _configs(args, parser)

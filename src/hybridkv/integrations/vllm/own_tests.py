@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridkv.extras import exit_if_missing
+
 VLLM_VERSION = "0.33.0"
 TEST_FILES = ("tests/v1/core/test_scheduler.py", "tests/v1/core/test_async_scheduler.py")
 RUNS = ("vllm", "reference", "optimized")
@@ -215,6 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--backend", action="append", choices=RUNS[1:], help="backends to run (default: both)"
     )
     args = parser.parse_args(argv)
+    exit_if_missing(parser.prog, ["vllm", "torch", "pytest"])
     try:
         source = args.source or fetch_source()
     except SourceUnavailable as error:
