@@ -295,7 +295,9 @@ class MambaSpec:
         if self.mamba_cache_mode != "align":
             raise ValueError(
                 "mamba_cache_mode must be 'align' for a Mamba group when prefix caching is "
-                f"on (enable_caching=True), got {self.mamba_cache_mode!r}"
+                f"on (enable_caching=True), got {self.mamba_cache_mode!r}: plan with "
+                "plan_kv_cache(..., enable_caching=True), or convert a plan with "
+                "hybridkv.reference.planner.with_mamba_cache_mode(config, True)"
             )
 
     def check_hash_block_size(self, hash_block_size: int) -> None:

@@ -99,10 +99,13 @@ def _in_code(quoted: str) -> bool:
 
 
 def _quoted_errors() -> list[str]:
-    """The messages the errors table of ``docs/cli.md`` quotes (its second column's code)."""
-    table = section(read_page("docs/cli.md"), "The library's errors")
-    rows = [line for line in table.splitlines() if line.startswith("| ")][1:]
-    return [quote for row in rows for quote in re.findall(r"`([^`]+)`", row.split(" | ")[1])]
+    """The messages the errors tables of ``docs/cli.md`` quote (their second column's code)."""
+    quotes = []
+    for heading in ("The command line's errors", "The library's errors"):
+        table = section(read_page("docs/cli.md"), heading)
+        rows = [line for line in table.splitlines() if line.startswith("| ")][1:]
+        quotes += [q for row in rows for q in re.findall(r"`([^`]+)`", row.split(" | ")[1])]
+    return quotes
 
 
 def test_the_matcher_finds_a_real_message_and_not_a_retired_one() -> None:

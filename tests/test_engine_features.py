@@ -378,7 +378,9 @@ def test_negative_retention_interval_raises() -> None:
             config(full(16), MambaSpec(block_size=16, state_bytes=64)),
             {},
             "mamba_cache_mode must be 'align' for a Mamba group when prefix caching is on "
-            "(enable_caching=True), got 'none'",
+            "(enable_caching=True), got 'none': plan with plan_kv_cache(..., enable_caching=True),"
+            " or convert a plan with "
+            "hybridkv.reference.planner.with_mamba_cache_mode(config, True)",
         ),
         (
             config(full(16), mamba(32)),

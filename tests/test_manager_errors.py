@@ -202,7 +202,8 @@ def test_prefix_caching_with_a_mamba_group_needs_align_mode(
     )
     message = (
         "mamba_cache_mode must be 'align' for a Mamba group when prefix caching is on "
-        "(enable_caching=True), got 'none'"
+        "(enable_caching=True), got 'none': plan with plan_kv_cache(..., enable_caching=True), "
+        "or convert a plan with hybridkv.reference.planner.with_mamba_cache_mode(config, True)"
     )
     with pytest.raises(ValueError, match=exactly(message)):
         make_manager(mamba, max_model_len=64)

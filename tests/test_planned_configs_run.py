@@ -6,6 +6,9 @@ hand the plan to the manager with its default prefix caching, step and hit.
 
 from __future__ import annotations
 
+import pytest
+from markdown_pages import fenced_block
+
 from hybridkv.reference import KVCacheManager, Request, plan_kv_cache
 from hybridkv.spec import FullAttentionSpec, KVCacheSpec, MambaSpec
 
@@ -14,6 +17,13 @@ LAYERS: dict[str, KVCacheSpec] = {
     "layers.1": FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype_bytes=2),
 }
 PROMPT = list(range(100, 155))
+
+
+def test_the_documented_mamba_example_runs_as_written(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/reference.md, "Mamba prefix caching, planned": the block a reader copies."""
+    code = fenced_block("docs/reference.md", "Mamba prefix caching, planned", "python")
+    exec(compile(code, "docs/reference.md", "exec"), {})
+    assert capsys.readouterr().out == "128 48\n"
 
 
 def test_planned_mamba_hybrid_runs_with_prefix_caching_on_as_written() -> None:

@@ -267,7 +267,8 @@ def _mapping_notes(facts: ModelFacts) -> tuple[str, ...]:
         notes.append(
             "recurrent layers are planned as MambaSpec: vLLM conv state in bf16 + SSM state in "
             "the SSM dtype; the plan counts two state blocks per request with prefix caching "
-            "(vLLM's align mode), one without; simulate runs them without prefix caching"
+            "(vLLM's align mode), one without; simulate runs them the same way (align with "
+            "--prefix-caching, the default)"
         )
     if "hybrid_parallel_attention_mamba2" in kinds:
         notes.append(
