@@ -18,7 +18,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hybridkv.conformance.oracles import (
+from hybridkv.conformance.oracle_longest_hit import (
     GroupCacheState,
     brute_force_hit_blocks,
     hybrid_hit_tokens,

@@ -83,7 +83,7 @@ REFERENCE_MUTANTS: tuple[Mutant, ...] = (
     manager_mutant(
         "free_head_first",
         "freeing a request walks its table first to last (its head is evicted first)",
-        "reference.single_type_managers",
+        "reference.single_type_base",
         (
             "self.block_pool.free_blocks(table[::-1])",
             "self.block_pool.free_blocks(table)",
@@ -110,9 +110,9 @@ REFERENCE_MUTANTS: tuple[Mutant, ...] = (
     manager_mutant(
         "capacity_ignores_queued_hits",
         "the capacity check does not count adopted hits that sit in the free queue",
-        "reference.single_type_managers",
+        "reference.single_type_base",
         (
-            "return num_new + _num_evictable(new_computed_blocks[skipped_hits:])",
+            "return num_new + num_evictable(new_computed_blocks[skipped_hits:])",
             "return num_new",
         ),
     ),
@@ -212,7 +212,7 @@ REFERENCE_MUTANTS: tuple[Mutant, ...] = (
     manager_mutant(
         "mamba_keeps_old_states",
         "a Mamba group keeps every state block instead of the last computed token's",
-        "reference.single_type_managers",
+        "reference.single_type_base",
         (
             '"mamba": lambda spec, n: rules.mamba_skipped_tokens(n),',
             '"mamba": lambda spec, n: 0,',
@@ -222,7 +222,7 @@ REFERENCE_MUTANTS: tuple[Mutant, ...] = (
     manager_mutant(
         "mamba_same_step_rule_removed",
         "a Mamba state cached in this step may be adopted in the same step",
-        "reference.single_type_managers",
+        "reference.mamba_manager",
         (
             "if new_computed_blocks and new_computed_blocks[-1].block_hash in (",
             "if False and new_computed_blocks[-1].block_hash in (",
@@ -240,7 +240,7 @@ REFERENCE_MUTANTS: tuple[Mutant, ...] = (
     manager_mutant(
         "full_prompt_without_window_cap",
         "a full-prompt admission counts a window's every block, not what it holds at once",
-        "reference.single_type_managers",
+        "reference.single_type_base",
         (
             "if apply_admission_cap and self.max_admission_blocks is not None:",
             "if False and self.max_admission_blocks is not None:",
@@ -249,7 +249,7 @@ REFERENCE_MUTANTS: tuple[Mutant, ...] = (
     manager_mutant(
         "retention_mask_ignored",
         "sparse retention is ignored: sliding-window groups cache every block (dense)",
-        "reference.single_type_managers",
+        "reference.single_type_base",
         ("            block_mask=mask,\n", "            block_mask=None,\n"),
     ),
     manager_mutant(

@@ -39,8 +39,9 @@ as a line of Python: a failure carries the shortest failing example as a program
 
 The machine is split by concern: ``strategies`` (layouts, models and traffic), ``invariants``
 (what any implementation must satisfy, from what it shows), ``lockstep`` (the implementations
-driven and compared call by call) and ``machine`` (the rules, the run); this module re-exports
-their public names.
+driven and compared call by call), ``machine_state``, ``machine_steps`` and ``machine_rules``
+(the scheduler's bookkeeping, its actions and the rules), ``run_stats`` (what a run covered)
+and ``machine`` (the run); this module re-exports their public names.
 """
 
 from __future__ import annotations

@@ -1,0 +1,183 @@
+"""The backends the suite runs: the reference (the model every other backend is compared
+with), its independent stand-in, the optimized backend (with small size thresholds on half the
+layouts, so its vectorised paths run), any manager class (``manager_backend``), a choice by
+name (``backends_named``) and an outside adapter named ``MODULE:FACTORY`` (``load_backend``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from hybridkv.conformance.adapters.adapter_protocol import (
+    AdapterFactory,
+    Backend,
+    EngineOptions,
+    ManagerAdapter,
+)
+from hybridkv.conformance.adapters.protocol_adapter import (
+    PlanningAdapter,
+    ProtocolAdapter,
+    hash_block_size_of,
+)
+from hybridkv.conformance.protocol import KVCacheManagerLike
+from hybridkv.spec import KVCacheConfig
+
+
+def manager_backend(
+    name: str,
+    manager_class: Callable[..., KVCacheManagerLike],
+    *,
+    configure: Callable[[Any, KVCacheConfig], None] | None = None,
+    plan_report: Callable[..., Any] | None = None,
+    **kw: Any,
+) -> Backend:
+    """A backend for any class constructed like ``KVCacheManager(config, max_model_len,
+    enable_caching=..., enable_kv_cache_events=..., **engine_keywords, **kw)``; ``configure``
+    adjusts each new manager for its layout; with ``plan_report`` (the reference's, or a
+    patched copy's) its adapters also plan models (``Planning``)."""
+
+    def factory(
+        config: KVCacheConfig,
+        max_model_len: int,
+        enable_caching: bool,
+        events: bool,
+        engine: EngineOptions,
+    ) -> ManagerAdapter:
+        manager = manager_class(
+            config,
+            max_model_len,
+            enable_caching=enable_caching,
+            enable_kv_cache_events=events,
+            **engine.kwargs(),
+            **kw,
+        )
+        if configure is not None:
+            configure(manager, config)
+        block_size = hash_block_size_of(config, enable_caching)
+        if plan_report is not None:
+            return PlanningAdapter(
+                name, manager, block_size, engine.num_hash_lookahead_tokens, plan_report
+            )
+        return ProtocolAdapter(name, manager, block_size, engine.num_hash_lookahead_tokens)
+
+    return name, factory
+
+
+def reference_backend() -> Backend:
+    """``hybridkv.reference.KVCacheManager``: the model every other backend is compared with
+    (its planner too, ``plan_report``)."""
+    from hybridkv.reference import KVCacheManager, plan_report
+
+    return manager_backend("reference", KVCacheManager, plan_report=plan_report)
+
+
+def reference_stand_in() -> Backend:
+    """An independent second reference: it stands in for a backend that refuses a layout."""
+    from hybridkv.reference import KVCacheManager
+
+    return manager_backend("reference-again", KVCacheManager)
+
+
+SMALL_THRESHOLDS = {"batch_min": 2, "busy_batch_min": 2, "vector_min": 1}
+"""The optimized backend's size thresholds on half the layouts (an odd pool): every batch of two
+requests or more, and every lookup, takes the vectorised path. Each is a manager attribute that
+starts at its constant in ``hybridkv.optimized.thresholds``; the constants stay as they are."""
+
+
+def optimized_backend(
+    device: str = "cpu", max_num_reqs: int = 32, manager_class: Any = None
+) -> Backend | None:
+    """``hybridkv.optimized.TorchKVCacheManager`` (or ``manager_class``, a patched copy) when it
+    (and torch) can be imported.
+
+    Its batched calls take the vectorised paths only from ``batch_min`` requests (16) with
+    ``busy_batch_min`` (64) needing work, and its lookups from ``vector_min`` probes: more
+    than the differential machine's few live requests. So on layouts with an odd ``num_blocks``
+    the thresholds are ``SMALL_THRESHOLDS`` (the vectorised paths), on the others the
+    production ones (the single-request paths below them)."""
+    if manager_class is None:
+        try:
+            module = importlib.import_module("hybridkv.optimized")
+        except ImportError:
+            return None
+        manager_class = getattr(module, "TorchKVCacheManager", None)
+        if manager_class is None:
+            return None
+
+    def small_thresholds_on_odd_pools(manager: Any, config: KVCacheConfig) -> None:
+        if config.num_blocks % 2:
+            for attribute, value in SMALL_THRESHOLDS.items():
+                setattr(manager, attribute, value)
+
+    return manager_backend(
+        f"optimized[{device}]",
+        manager_class,
+        configure=small_thresholds_on_odd_pools,
+        device=device,
+        max_num_reqs=max_num_reqs,
+    )
+
+
+def backends_named(choice: str, device: str = "cpu") -> list[Backend]:
+    """``reference``, ``optimized`` or ``both`` (the reference first: it is the model).
+
+    A lone ``optimized`` is still compared with the reference. ``ValueError`` if the optimized
+    backend was asked for and cannot be imported.
+    """
+    if choice not in ("reference", "optimized", "both"):
+        raise ValueError(f"backend must be reference, optimized or both, got {choice!r}")
+    chosen = [reference_backend()]
+    if choice != "reference":
+        optimized = optimized_backend(device)
+        if optimized is None:
+            raise ValueError("backend optimized: hybridkv.optimized.TorchKVCacheManager is missing")
+        chosen.append(optimized)
+    return chosen
+
+
+class AdapterLoadError(ValueError):
+    """``--adapter MODULE:FACTORY`` names nothing usable (the message is one line)."""
+
+
+def load_backend(spec: str) -> Backend:
+    """The backend ``MODULE:FACTORY`` names: ``FACTORY`` an ``AdapterFactory`` (called as
+    ``factory(config, max_model_len, enable_caching, enable_kv_cache_events, engine)``) in the
+    importable module ``MODULE`` (dots allowed in both; the current directory is searched too,
+    as ``python -m`` does, also under the ``hybridkv`` script). The backend's name is ``spec``.
+
+    ``AdapterLoadError`` with a one-line message when ``spec`` is not ``MODULE:FACTORY``, the
+    module does not import, or the attribute is missing or not callable.
+    """
+    module_name, colon, attribute = spec.partition(":")
+    if not colon or not module_name or not attribute or ":" in attribute:
+        raise AdapterLoadError(
+            f"--adapter must be MODULE:FACTORY (e.g. my_module:make_adapter), got {spec!r}"
+        )
+    # ``python -m`` puts the current directory on the path; the ``hybridkv`` script does not.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        target: Any = importlib.import_module(module_name)
+    except Exception as error:
+        reason = str(error).splitlines()[0] if str(error) else ""
+        raise AdapterLoadError(
+            f"--adapter {spec!r}: module {module_name!r} does not import: "
+            f"{type(error).__name__}: {reason}"
+        ) from error
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise AdapterLoadError(
+                f"--adapter {spec!r}: module {module_name!r} has no attribute {attribute!r}"
+            )
+        target = getattr(target, part)
+    if not callable(target):
+        raise AdapterLoadError(
+            f"--adapter {spec!r}: {module_name}.{attribute} is not callable (got "
+            f"{type(target).__name__}); it must be an AdapterFactory"
+        )
+    factory: AdapterFactory = target
+    return spec, factory

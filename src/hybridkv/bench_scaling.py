@@ -1,0 +1,79 @@
+"""``--scaling``: the decode step (per request and batched) for B = 64 … 4,096 running
+requests on pools of 10⁴, 10⁵ and 10⁶ blocks, with ~100-token prompts (a batch whose requests
+do not fit its pool is skipped and listed), and ``--plot``: µs per step against B, log–log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hybridkv.bench_backends import SCALING_PROMPT, Backend, Way
+from hybridkv.bench_report import fmt_ratio, print_table, ratio
+from hybridkv.bench_scenarios import Sizes, decode, decode_blocks
+
+
+def run_scaling(
+    bases: Sequence[Backend], sizes: Sizes, markdown: bool
+) -> dict[int, dict[str, list[tuple[int, float]]]]:
+    """µs per request of the decode step for each pool and batch that fits; returns, per pool,
+    each way's ``(B, µs per step)``."""
+    base, ref, opt = bases
+    ways = [Way(base), Way(ref), Way(opt), Way(opt, batched=True)]
+    labels = [w.label for w in ways]
+    header = (
+        "pool (blocks)", "B", *(f"{label}: µs/request" for label in labels),
+        f"{base.name}÷opt", f"{base.name}÷opt, batched",
+    )  # fmt: skip
+    rows: list[tuple[str, ...]] = []
+    skipped: list[str] = []
+    curves: dict[int, dict[str, list[tuple[int, float]]]] = {}
+    per_request = decode_blocks(1, sizes.scaling_steps, SCALING_PROMPT) - 64
+    for pool in sizes.scaling_pools:
+        curves[pool] = {label: [] for label in labels}
+        too_big = []
+        for b in sizes.scaling_batches:
+            if decode_blocks(b, sizes.scaling_steps, SCALING_PROMPT) > pool:
+                too_big.append(f"{b:,}")
+                continue
+            t = decode(ways, b, sizes.scaling_steps, SCALING_PROMPT, num_blocks=pool)
+            steps = [t[label][0] for label in labels]
+            for label, us in zip(labels, steps, strict=True):
+                curves[pool][label].append((b, us))
+            rows.append(
+                (
+                    f"{pool:,}", f"{b:,}", *(f"{us / b:.2f}" for us in steps),
+                    fmt_ratio(ratio(steps[0], steps[2])), fmt_ratio(ratio(steps[0], steps[3])),
+                )
+            )  # fmt: skip
+        if too_big:
+            skipped.append(f"pool {pool:,}: B = {', '.join(too_big)}")
+    print_table(header, rows, markdown)
+    if skipped:
+        print(
+            f"\nnot run, {per_request} blocks per request (plus 64) exceeding the pool: "
+            + "; ".join(skipped)
+        )
+    return curves
+
+
+def plot(curves: dict[str, list[tuple[int, float]]], pool: int, path: str) -> None:
+    """µs per decode step against B, log–log, one line per way."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for label, points in curves.items():
+        if points:
+            axes.plot([b for b, _ in points], [us for _, us in points], marker="o", label=label)
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xlabel("B (running requests)")
+    axes.set_ylabel("µs per decode step (append + allocate)")
+    axes.set_title(f"Decode step, Gemma-3-like layout, {pool:,}-block pool")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
