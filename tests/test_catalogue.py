@@ -165,7 +165,9 @@ def test_a_model_of_mlp_layers_only_has_nothing_to_plan() -> None:
 def test_a_mamba_hybrids_note_says_simulate_caches_its_states_in_align_mode() -> None:
     """``hybridkv simulate`` runs Mamba groups with prefix caching (align) by default, so the
     plan's note must not say it runs them without."""
-    layers = model_layers(find_model("Qwen/Qwen3-Next-80B-A3B-Instruct").facts, block_size=16, kv_dtype_bytes=2)
+    layers = model_layers(
+        find_model("Qwen/Qwen3-Next-80B-A3B-Instruct").facts, block_size=16, kv_dtype_bytes=2
+    )
     (note,) = [n for n in layers.notes if n.startswith("recurrent layers")]
     assert "without prefix caching" not in note
     assert note.endswith(
