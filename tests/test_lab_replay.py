@@ -148,3 +148,26 @@ def test_the_shared_trace_slice_hits_its_bound_when_nothing_is_evicted(tmp_path:
     assert result.preemptions == 0
     assert result.hit_tokens == result.bound_hit_tokens
     assert json.dumps(result.summary())  # every figure is JSON
+
+
+def test_evictions_count_the_cached_keys_new_tokens_took() -> None:
+    """Four usable blocks of 4 tokens: request 0 caches 3 full blocks (12 tokens) and frees
+    them; request 1 (other ids) needs 3 blocks: the never-cached free block first, then two
+    of request 0's cached blocks, least recently used first (2 evictions). Request 2 repeats
+    request 0: only its first block is still cached (a 4-token hit), and its two new blocks
+    take two of request 1's (2 more)."""
+    spec = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype_bytes=2)
+    config = KVCacheConfig(5, (KVCacheGroup(("layer",), spec),))
+    manager = KVCacheManager(config, max_model_len=64, enable_kv_cache_events=True)
+    trace = _trace((0, 12, 1, [1, 2]), (50, 12, 1, [3, 4]), (100, 12, 1, [1, 2]))
+    replay = Replay(
+        manager,
+        trace,
+        _request,
+        block_size=4,
+        config=FLAT,
+        group_block_sizes=[4],
+        events=manager.take_events,
+    )
+    result = replay.run()
+    assert (result.evictions, result.hit_tokens, result.group_hit_tokens) == (4, 4, [4])

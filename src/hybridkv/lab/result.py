@@ -29,6 +29,7 @@ class ReplayResult:
     finished: int = 0
     steps: int = 0
     preemptions: int = 0
+    evictions: int = 0
     prompt_tokens: int = 0
     hit_tokens: int = 0
     bound_hit_tokens: int = 0
@@ -43,6 +44,15 @@ class ReplayResult:
     ttft_ms: list[float] = field(default_factory=list)
     e2e_ms: list[float] = field(default_factory=list)
     queue_ms: list[float] = field(default_factory=list)
+    group_hit_tokens: list[int] = field(default_factory=list)
+    """Per KV cache group, prompt tokens (of first admissions) whose blocks that group found
+    cached: the hit's non-null block ids of the group × its block size."""
+
+    @property
+    def group_hit_rates(self) -> list[float]:
+        """``group_hit_tokens`` over ``prompt_tokens``, one per group."""
+        total = self.prompt_tokens
+        return [tokens / total if total else 0.0 for tokens in self.group_hit_tokens]
 
     @property
     def hit_rate(self) -> float:
@@ -77,9 +87,11 @@ class ReplayResult:
             "finished": self.finished,
             "steps": self.steps,
             "preemptions": self.preemptions,
+            "evictions": self.evictions,
             "prompt_tokens": self.prompt_tokens,
             "hit_tokens": self.hit_tokens,
             "hit_rate": round(self.hit_rate, 6),
+            "group_hit_rates": [round(rate, 6) for rate in self.group_hit_rates],
             "bound_hit_tokens": self.bound_hit_tokens,
             "bound_hit_rate": round(self.bound_hit_rate, 6),
             "readmissions": self.readmissions,
