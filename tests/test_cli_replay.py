@@ -183,3 +183,15 @@ def test_plot_without_matplotlib_names_the_extra(
     )
     result = replay("--trace", _trace(tmp_path, *GOOD), "--plot", str(tmp_path / "p.png"))
     assert "--plot needs matplotlib: pip install '.[plot]'" in _error(result)
+
+
+def test_a_host_tier_runs_both_accountings_side_by_side(tmp_path: Path) -> None:
+    cells = replay_json("--trace", _trace(tmp_path, *GOOD), "--host-memory", "1GiB")
+    assert [c["host_accounting"] for c in cells] == ["vllm", "hybrid"]
+    assert all(c["host_hit_rate"] == 0.0 for c in cells)  # a roomy GPU pool evicts nothing
+
+
+def test_a_host_accounting_that_is_neither_is_one_line(tmp_path: Path) -> None:
+    args = ("--host-memory", "1GiB", "--host-accounting", "vllm,lmcache")
+    result = replay("--trace", _trace(tmp_path, *GOOD), *args)
+    assert "--host-accounting must be among ('vllm', 'hybrid'), got 'lmcache'" in _error(result)

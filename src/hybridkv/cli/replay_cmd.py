@@ -51,17 +51,30 @@ def parse_evictions(text: str) -> tuple[str, ...]:
     return names
 
 
+def parse_accountings(text: str) -> tuple[str, ...]:
+    """``vllm,hybrid`` as host accountings; ``UserError`` naming one that is neither."""
+    from hybridkv.lab.host_tier import ACCOUNTINGS
+
+    names = tuple(item.strip() for item in text.split(","))
+    for name in names:
+        if name not in ACCOUNTINGS:
+            raise UserError(f"--host-accounting must be among {ACCOUNTINGS}, got {name!r}")
+    return names
+
+
 def run_block_trace(
     setup: ReplaySetup,
     *,
     memories: Sequence[int] | None = None,
     evictions: Sequence[str] | None = None,
+    host_accountings: Sequence[str] | None = None,
     trace_format: str | None = None,
     jobs: int = 1,
     output_format: str = "table",
     plot: str | None = None,
 ) -> int:
-    """Run the grid of ``memories`` × ``evictions`` (``setup``'s own when ``None``), print it,
+    """Run the grid of ``memories`` × ``evictions`` × ``host_accountings`` (``setup``'s own
+    when ``None``), print it,
     and return the exit status (0). ``UserError`` for bad input, before anything runs."""
     from hybridkv.cli.replay_run import check_trace
 
@@ -69,9 +82,12 @@ def run_block_trace(
         check_plot()
     check_trace(setup.trace, trace_format)
     cells = [
-        dataclasses.replace(setup, memory_bytes=memory, eviction=eviction)
+        dataclasses.replace(
+            setup, memory_bytes=memory, eviction=eviction, host_accounting=accounting
+        )
         for memory in memories or (setup.memory_bytes,)
         for eviction in evictions or (setup.eviction,)
+        for accounting in host_accountings or (setup.host_accounting,)
     ]
     results = _run_grid(cells, jobs, show_progress=output_format == "table")
     if output_format == "json":
@@ -213,6 +229,26 @@ class _Progress:
     help="engine: vLLM 0.33's (sparse retention, full-prompt admission, async tokens in "
     "flight); unit: vLLM's unit tests' (dense retention).",
 )
+@click.option(
+    "--host-memory",
+    type=MemorySize(),
+    default=None,
+    help="A host tier of this size under the GPU pool (evicted blocks move there, LRU).",
+)
+@click.option(
+    "--host-bandwidth",
+    type=click.FloatRange(min=0, min_open=True),
+    default=25.0,
+    show_default=True,
+    help="GB/s from host to GPU: a host hit's load time.",
+)
+@click.option(
+    "--host-accounting",
+    default="vllm,hybrid",
+    show_default=True,
+    help="vllm: a chunk of every group's pages per (hash, group) key, as vLLM 0.33's "
+    "OffloadingConnector; hybrid: each group's own pages. A comma list runs both.",
+)
 @click.option("--max-model-len", type=click.IntRange(min=1), default=262144, show_default=True)
 @model_options(max_num_batched_tokens=8192)
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=256, show_default=True)
@@ -242,6 +278,9 @@ def replay(
     decode_seq_ms: float | None,
     context_token_ms: float | None,
     defaults: str,
+    host_memory: int | None,
+    host_bandwidth: float,
+    host_accounting: str,
     max_model_len: int,
     max_num_batched_tokens: int,
     block_size: int,
@@ -275,11 +314,14 @@ def replay(
         time_scale=time_scale,
         gpu=gpu,
         cost=tuple((n, v) for n, v in zip(COST_FIELDS, given, strict=True) if v is not None),
+        host_memory_bytes=host_memory,
+        host_bandwidth_gbps=host_bandwidth,
     )
     run_block_trace(
         setup,
         memories=parse_memories(memory),
         evictions=parse_evictions(eviction),
+        host_accountings=parse_accountings(host_accounting) if host_memory else None,
         trace_format=trace_format,
         jobs=jobs,
         output_format=output_format,

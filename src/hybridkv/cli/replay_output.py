@@ -49,6 +49,7 @@ def print_table(cells: Sequence[CellResult]) -> None:
         "groups",
         "preempt",
         "evictions",
+        "host",
         "TTFT p50/p90/p99 ms",
         "wall s",
     ):
@@ -75,6 +76,7 @@ def _row(s: dict[str, Any]) -> list[str]:
         groups,
         f"{s['preemptions']:,}",
         f"{s['evictions']:,}",
+        "-" if s["host_hit_rate"] is None else f"{s['host_accounting']} {s['host_hit_rate']:.2%}",
         f"{ttft['p50']:,.0f}/{ttft['p90']:,.0f}/{ttft['p99']:,.0f}",
         f"{s['wall_seconds']:.1f}",
     ]
@@ -109,6 +111,8 @@ def write_plot(cells: Sequence[CellResult], path: str) -> None:
         if values:
             share = [100 * (i + 1) / len(values) for i in range(len(values))]
             label = f"{_gib(cell.summary['memory_bytes'])} {cell.summary['eviction']}"
+            if cell.summary["host_accounting"]:
+                label += f" + host ({cell.summary['host_accounting']})"
             ttft.plot([v / 1e3 for v in values], share, label=label)
     ttft.set_xscale("log")
     ttft.set_xlabel("TTFT (s, simulated)")

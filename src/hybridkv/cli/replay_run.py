@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
     from hybridkv.block_trace import BlockTraceRequest
     from hybridkv.lab import ReplayResult
+    from hybridkv.lab.host_tier import HostTier
     from hybridkv.lab.replay import Manager
     from hybridkv.reference import Request
 
@@ -58,6 +59,9 @@ class ReplaySetup:
     gpu: str = "H100"
     cost: tuple[tuple[str, float], ...] = ()
     """Cost-model coefficients given on the command line; the others come from the model."""
+    host_memory_bytes: int | None = None
+    host_bandwidth_gbps: float = 25.0
+    host_accounting: str = "hybrid"
 
 
 @dataclass(frozen=True)
@@ -115,11 +119,48 @@ def run_cell(
             mamba_block_size=_mamba_block_size(plan),
             group_block_sizes=[group.spec.block_size for group in groups],
             events=manager.take_events,  # type: ignore[attr-defined]
+            host=_host_tier(setup, plan),
         )
         result = replay.run(on_step)
     except BlockTraceError as error:
         raise UserError(str(error)) from None
     return CellResult(_summary(setup, plan, result), tuple(result.ttft_ms))
+
+
+def _host_tier(setup: ReplaySetup, plan: Plan) -> HostTier | None:
+    """The host tier ``setup`` asks for, its groups' needs read from the plan."""
+    if setup.host_memory_bytes is None:
+        return None
+    from hybridkv.lab.host_tier import FULL, STATE, GroupNeed, HostTier
+    from hybridkv.spec import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    size = plan.report.block_size
+    needs = []
+    for group in plan.report.groups:
+        spec = group.spec
+        if spec.block_size != size:
+            raise UserError(
+                f"--host-memory needs one block size in every group; {plan.choice.name} has "
+                f"{spec.block_size} beside {size}"
+            )
+        window = FULL
+        if isinstance(spec, MambaSpec):
+            window = STATE
+        elif isinstance(spec, SlidingWindowSpec):
+            window = -(-(spec.sliding_window - 1) // size) + 1
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            window = -(-spec.attention_chunk_size // size)
+        needs.append(GroupNeed(window, spec.page_size_bytes * group.num_own_layers))
+    try:
+        return HostTier(
+            setup.host_memory_bytes,
+            needs,
+            accounting=setup.host_accounting,
+            bandwidth_gbps=setup.host_bandwidth_gbps,
+            block_size=size,
+        )
+    except ValueError as error:
+        raise UserError(str(error)) from None
 
 
 def _plan(setup: ReplaySetup) -> Plan:
@@ -271,6 +312,8 @@ def _summary(setup: ReplaySetup, plan: Plan, result: ReplayResult) -> dict[str, 
         "defaults": setup.defaults,
         "num_blocks": plan.report.num_blocks,
         "block_size": plan.report.block_size,
-        "host_hit_rate": None,
+        "host_memory_bytes": setup.host_memory_bytes,
+        "host_accounting": setup.host_accounting if setup.host_memory_bytes else None,
+        "host_hit_rate": round(result.host_hit_rate, 6) if setup.host_memory_bytes else None,
     }
     return {**head, **figures}

@@ -33,6 +33,7 @@ from typing import ParamSpec, Protocol, TypeVar
 
 from hybridkv.block_trace import BlockTraceRequest, prefix_hit_tokens
 from hybridkv.lab.cost_model import CostModel
+from hybridkv.lab.host_tier import HostTier
 from hybridkv.lab.result import ReplayResult
 from hybridkv.reference import KVCacheBlocks, Request
 from hybridkv.reference.events import BlockRemoved
@@ -113,6 +114,8 @@ class _Live:
     first_token_ms: float | None = None
     queue_ms: float | None = None
     emitted: int = 0
+    loaded_until: int = 0
+    """Prompt tokens below this (past the GPU hit) come from the host tier, not prefill."""
 
 
 RequestMaker = Callable[[str, Sequence[int]], Request]
@@ -132,6 +135,7 @@ class Replay:
         mamba_block_size: int | None = None,
         group_block_sizes: Sequence[int] = (),
         events: EventSource | None = None,
+        host: HostTier | None = None,
     ) -> None:
         self.manager = manager
         self.trace = iter(trace)
@@ -141,6 +145,7 @@ class Replay:
         self.mamba_block_size = mamba_block_size
         self.group_block_sizes = tuple(group_block_sizes)
         self.events = events
+        self.host = host
         self.result = ReplayResult(group_hit_tokens=[0] * len(self.group_block_sizes))
         self.now_ms = 0.0
         self.waiting: deque[_Live] = deque()
@@ -192,10 +197,16 @@ class Replay:
         self._call(self.manager.new_step_starts)
         scheduled = self._schedule()
         self.result.steps += 1
-        self.now_ms += self.config.cost_model.step_ms(*self._work(scheduled))
+        prefill, decode, context, loaded = self._work(scheduled)
+        self.now_ms += self.config.cost_model.step_ms(prefill, decode, context)
+        if self.host is not None and loaded:
+            self.now_ms += self.host.load_ms(loaded)
         self._advance(scheduled)
         if self.events is not None:
-            self._count_evictions(self._call(self.events))
+            events = self._call(self.events)
+            self._count_evictions(events)
+            if self.host is not None:
+                self.host.observe(events)
 
     def _count_evictions(self, events: Sequence[object]) -> None:
         """Each ``BlockRemoved`` is one cached (hash, group) key whose block new tokens took."""
@@ -283,10 +294,20 @@ class Replay:
             self.waiting.popleft()
             self.running.append(live)
             request.num_computed_tokens = num_hits
+            self._host_hit(live, num_hits)
             self._count_admission(live, num_hits, blocks)
             admitted.append((live, num_new))
             budget -= num_new
         return admitted
+
+    def _host_hit(self, live: _Live, num_hits: int) -> None:
+        """The host tier continues the GPU hit: those tokens are loaded, not prefilled."""
+        if self.host is None:
+            return
+        loaded = self.host.hit_tokens(live.trace, num_hits)
+        live.loaded_until = num_hits + loaded
+        if not live.admitted:
+            self.result.host_hit_tokens += loaded
 
     def _count_admission(self, live: _Live, num_hits: int, blocks: KVCacheBlocks) -> None:
         if live.admitted:
@@ -311,18 +332,22 @@ class Replay:
         ):
             totals[g] += size * sum(1 for block_id in ids if block_id)
 
-    def _work(self, scheduled: list[tuple[_Live, int]]) -> tuple[int, int, int]:
-        """Prefill tokens, decoding requests and attended context tokens of this step."""
-        prefill = decode = 0
+    def _work(self, scheduled: list[tuple[_Live, int]]) -> tuple[int, int, int, int]:
+        """Prefill tokens, decoding requests, attended context tokens and tokens loaded from
+        the host tier this step."""
+        prefill = decode = loaded = 0
         context = 0.0
         for live, num_new in scheduled:
             request = live.request
-            if request.num_computed_tokens < request.num_prompt_tokens:
-                prefill += num_new
+            start = request.num_computed_tokens
+            if start < request.num_prompt_tokens:
+                from_host = max(0, min(start + num_new, live.loaded_until) - start)
+                loaded += from_host
+                prefill += num_new - from_host
             else:
                 decode += 1
-            context += self.config.attended(request.num_computed_tokens + num_new)
-        return prefill, decode, int(context)
+            context += self.config.attended(start + num_new)
+        return prefill, decode, int(context), loaded
 
     def _advance(self, scheduled: list[tuple[_Live, int]]) -> None:
         """The "model" runs: computed tokens advance; complete requests emit their next token."""

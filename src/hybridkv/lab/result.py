@@ -32,6 +32,8 @@ class ReplayResult:
     evictions: int = 0
     prompt_tokens: int = 0
     hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    """Prompt tokens (of first admissions) past the GPU hit that the host tier supplied."""
     bound_hit_tokens: int = 0
     readmissions: int = 0
     readmission_hit_tokens: int = 0
@@ -58,6 +60,11 @@ class ReplayResult:
     def hit_rate(self) -> float:
         """Prompt tokens hit at first admission / prompt tokens of admitted requests."""
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def host_hit_rate(self) -> float:
+        """Host-tier hits at first admission / prompt tokens of admitted requests."""
+        return self.host_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def bound_hit_rate(self) -> float:
@@ -91,6 +98,7 @@ class ReplayResult:
             "prompt_tokens": self.prompt_tokens,
             "hit_tokens": self.hit_tokens,
             "hit_rate": round(self.hit_rate, 6),
+            "host_hit_tokens": self.host_hit_tokens,
             "group_hit_rates": [round(rate, 6) for rate in self.group_hit_rates],
             "bound_hit_tokens": self.bound_hit_tokens,
             "bound_hit_rate": round(self.bound_hit_rate, 6),
