@@ -171,3 +171,14 @@ def test_evictions_count_the_cached_keys_new_tokens_took() -> None:
     )
     result = replay.run()
     assert (result.evictions, result.hit_tokens, result.group_hit_tokens) == (4, 4, [4])
+
+
+def test_the_bound_counts_every_arrived_request_refused_ones_too() -> None:
+    """Two usable 4-token blocks: request 0 (16 tokens) can never run and is refused, yet the
+    bound (requests in file order) lets request 1 hit request 0's first block: 4 of the 22
+    arrived prompt tokens. The hit rate counts admitted prompts only (6 tokens, none hit)."""
+    trace = _trace((0, 16, 1, [1, 2]), (50, 6, 1, [1]))
+    result = Replay(_manager(3), trace, _request, block_size=4, config=FLAT).run()
+    assert (result.refused, result.prompt_tokens, result.arrived_prompt_tokens) == (1, 6, 22)
+    assert (result.hit_tokens, result.bound_hit_tokens) == (0, 4)
+    assert result.bound_hit_rate == pytest.approx(4 / 22)

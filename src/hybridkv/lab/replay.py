@@ -190,6 +190,7 @@ class Replay:
             request = self.make_request(f"r{trace.index}", trace.prompt_tokens())
             self.waiting.append(_Live(trace, request, self._arrival_ms(trace)))
             self.result.requests += 1
+            self.result.arrived_prompt_tokens += trace.input_length
 
     # --- One step ---------------------------------------------------------------------------
 

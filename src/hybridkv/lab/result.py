@@ -35,6 +35,8 @@ class ReplayResult:
     host_hit_tokens: int = 0
     """Prompt tokens (of first admissions) past the GPU hit that the host tier supplied."""
     bound_hit_tokens: int = 0
+    arrived_prompt_tokens: int = 0
+    """Prompt tokens of every arrived request (admitted or refused): the bound's denominator."""
     readmissions: int = 0
     readmission_hit_tokens: int = 0
     readmission_prompt_tokens: int = 0
@@ -70,9 +72,9 @@ class ReplayResult:
     def bound_hit_rate(self) -> float:
         """The infinite-cache bound of the same requests (arrived ones), same block size.
 
-        Its denominator is the prompt tokens of every arrived request; it equals
-        ``prompt_tokens`` once every request was admitted (none refused)."""
-        total = self.prompt_tokens
+        Its denominator is the prompt tokens of every arrived request (``arrived_prompt_tokens``);
+        it equals ``prompt_tokens`` when no request was refused."""
+        total = self.arrived_prompt_tokens
         return self.bound_hit_tokens / total if total else 0.0
 
     @property
@@ -101,6 +103,7 @@ class ReplayResult:
             "host_hit_tokens": self.host_hit_tokens,
             "group_hit_rates": [round(rate, 6) for rate in self.group_hit_rates],
             "bound_hit_tokens": self.bound_hit_tokens,
+            "arrived_prompt_tokens": self.arrived_prompt_tokens,
             "bound_hit_rate": round(self.bound_hit_rate, 6),
             "readmissions": self.readmissions,
             "readmission_hit_tokens": self.readmission_hit_tokens,
