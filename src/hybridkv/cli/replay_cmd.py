@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -260,70 +260,52 @@ class _Progress:
     default="table",
     show_default=True,
 )
-def replay(
-    model: str | None,
-    trace: str,
-    trace_format: str | None,
-    trace_block_tokens: int,
-    max_requests: int | None,
-    memory: str,
-    eviction: str,
-    backend: str,
-    device: str,
-    jobs: int,
-    time_scale: float,
-    gpu: str,
-    fixed_ms: float | None,
-    prefill_token_ms: float | None,
-    decode_seq_ms: float | None,
-    context_token_ms: float | None,
-    defaults: str,
-    host_memory: int | None,
-    host_bandwidth: float,
-    host_accounting: str,
-    max_model_len: int,
-    max_num_batched_tokens: int,
-    block_size: int,
-    kv_dtype: str,
-    mamba_ssm_dtype: str,
-    max_num_seqs: int,
-    plot: str | None,
-    output_format: str,
-) -> None:
+def replay(**options: Any) -> None:
     """Replay a block-hash trace (Mooncake FAST'25's format) on MODEL's planned KV cache.
 
     Prints, per memory and eviction policy, the prompt tokens hit at first admission beside
     the trace's infinite-cache bound, re-admission hits, per-group hits, preemptions,
     evictions and simulated TTFT.
     """
-    given = (fixed_ms, prefill_token_ms, decode_seq_ms, context_token_ms)
-    setup = ReplaySetup(
-        trace=trace,
-        model=model,
-        backend=backend,
-        device=device,
-        block_tokens=trace_block_tokens,
-        max_requests=max_requests,
-        max_model_len=max_model_len,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_num_seqs=max_num_seqs,
-        block_size=block_size,
-        kv_dtype=kv_dtype,
-        mamba_ssm_dtype=mamba_ssm_dtype,
-        defaults=defaults,
-        time_scale=time_scale,
-        gpu=gpu,
-        cost=tuple((n, v) for n, v in zip(COST_FIELDS, given, strict=True) if v is not None),
-        host_memory_bytes=host_memory,
-        host_bandwidth_gbps=host_bandwidth,
-    )
+    grid = {name: options.pop(name) for name in GRID_OPTIONS}
     run_block_trace(
-        setup,
-        memories=parse_memories(memory),
-        evictions=parse_evictions(eviction),
-        host_accountings=parse_accountings(host_accounting) if host_memory else None,
-        trace_format=trace_format,
-        jobs=jobs,
-        output_format=output_format,
-        plot=plot,
+        setup_from_options(options),
+        memories=parse_memories(grid["memory"]),
+        evictions=parse_evictions(grid["eviction"]),
+        host_accountings=(
+            parse_accountings(grid["host_accounting"]) if options["host_memory"] else None
+        ),
+        trace_format=grid["trace_format"],
+        jobs=grid["jobs"],
+        output_format=grid["output_format"],
+        plot=grid["plot"],
     )
+
+
+GRID_OPTIONS = (
+    "memory",
+    "eviction",
+    "host_accounting",
+    "trace_format",
+    "jobs",
+    "output_format",
+    "plot",
+)
+"""The command's options that shape the grid and its output, not one replay."""
+
+RENAMED = {
+    "trace_block_tokens": "block_tokens",
+    "host_memory": "host_memory_bytes",
+    "host_bandwidth": "host_bandwidth_gbps",
+}
+"""Command-line names whose ``ReplaySetup`` field is named otherwise."""
+
+
+def setup_from_options(options: dict[str, Any]) -> ReplaySetup:
+    """One replay's ``ReplaySetup`` from the command's other options (cost coefficients given
+    on the command line override the model's)."""
+    values = {RENAMED.get(name, name): value for name, value in options.items()}
+    values["cost"] = tuple(
+        (name, value) for name in COST_FIELDS if (value := values.pop(name)) is not None
+    )
+    return ReplaySetup(**values)
