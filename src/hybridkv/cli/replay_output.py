@@ -31,6 +31,7 @@ def print_table(cells: Sequence[CellResult]) -> None:
     from rich.table import Table
 
     console = Console(highlight=False)
+    console = Console(highlight=False, width=max(console.width, 110))  # never truncate a figure
     first = cells[0].summary
     console.print(
         f"[bold]{first['model']}[/bold] · {first['requests']:,} requests · "
@@ -38,47 +39,47 @@ def print_table(cells: Sequence[CellResult]) -> None:
         f"{first['defaults']} defaults · {first['scheduler']} scheduler · bound "
         f"{first['bound_hit_rate']:.2%}"
     )
-    table = Table(box=box.SIMPLE)
-    for column in (
-        "memory",
-        "blocks",
-        "eviction",
-        "hit rate",
-        "of bound",
-        "re-admission hits",
-        "groups",
-        "preempt",
-        "evictions",
-        "host",
-        "TTFT p50/p90/p99 ms",
-        "wall s",
-    ):
-        table.add_column(column, justify="right")
+    table = Table(box=box.SIMPLE, pad_edge=False)
+    host = any(cell.summary["host_hit_rate"] is not None for cell in cells)
+    columns = ("memory", "policy", "hit", "/bound", "re-adm", "preempt", "evicted", "host")
+    for column in columns[: len(columns) - (not host)]:
+        table.add_column(column, justify="right", no_wrap=True)
+    table.add_column("TTFT p50/p99 s", justify="right", no_wrap=True)
+    table.add_column("wall s", justify="right", no_wrap=True)
     for cell in cells:
-        table.add_row(*_row(cell.summary))
+        row = _row(cell.summary)
+        table.add_row(*(row if host else row[:7] + row[8:]))
     console.print(table)
+    console.print("per-group hits, end-to-end and queueing times: --format json")
     skipped = sum(cell.summary["skipped"] for cell in cells)
     if skipped:
         console.print(f"skipped (longer than --max-model-len): {skipped:,} requests over the grid")
 
 
+def _count(value: int) -> str:
+    """A count in at most five characters: 987, 12.3k, 4.5M."""
+    if value < 1000:
+        return str(value)
+    if value < 1_000_000:
+        return f"{value / 1e3:.1f}k"
+    return f"{value / 1e6:.1f}M"
+
+
 def _row(s: dict[str, Any]) -> list[str]:
     bound = s["bound_hit_rate"]
     ttft = s["ttft_ms"]
-    groups = " ".join(f"{rate:.0%}" for rate in s["group_hit_rates"])
+    host = "-" if s["host_hit_rate"] is None else f"{s['host_accounting']} {s['host_hit_rate']:.2%}"
     return [
         _gib(s["memory_bytes"]),
-        f"{s['num_blocks']:,}",
         s["eviction"],
         f"{s['hit_rate']:.2%}",
-        f"{s['hit_rate'] / bound:.1%}" if bound else "-",
-        f"{s['readmission_hit_tokens']:,}",
-        groups,
+        f"{s['hit_rate'] / bound:.0%}" if bound else "-",
+        _count(s["readmission_hit_tokens"]),
         f"{s['preemptions']:,}",
-        f"{s['evictions']:,}",
-        "-" if s["host_hit_rate"] is None else f"{s['host_accounting']} {s['host_hit_rate']:.2%}",
-        f"{ttft['p50']:,.0f}/{ttft['p90']:,.0f}/{ttft['p99']:,.0f}",
-        f"{s['wall_seconds']:.1f}",
+        _count(s["evictions"]),
+        host,
+        f"{ttft['p50'] / 1e3:.1f}/{ttft['p99'] / 1e3:.1f}",
+        f"{s['wall_seconds']:.0f}",
     ]
 
 
