@@ -87,10 +87,22 @@ def test_a_partial_block_hits_only_its_whole_manager_blocks(tmp_path: Path) -> N
     assert bound.hit_tokens == 4  # the first prompt's 6 tokens cover one whole 4-token block
 
 
-def test_the_manager_block_size_must_divide_the_trace_block(tmp_path: Path) -> None:
-    path = _write(tmp_path, _line(0, 6, [4]))
-    with pytest.raises(BlockTraceError, match="block_size 3 must divide the trace's 8-token"):
-        infinite_cache_bound(read_block_trace(path, block_tokens=8), block_size=3)
+def test_a_manager_block_straddling_trace_blocks_is_shared_only_when_both_are(
+    tmp_path: Path,
+) -> None:
+    """6-token manager blocks over 8-token trace blocks: request 2 shares trace block 1 and
+    not block 2, so only its first 6-token block (tokens 0-5) hits, not tokens 6-11; request 3
+    repeats request 1 (16 tokens: two full 6-token blocks cached), so it hits 12 tokens."""
+    path = _write(tmp_path, _line(0, 16, [1, 2]), _line(1, 16, [1, 3]), _line(2, 16, [1, 2]))
+    bound = infinite_cache_bound(read_block_trace(path, block_tokens=8), block_size=6)
+    assert bound.hit_tokens == 6 + 12
+
+
+def test_a_prompt_covers_only_its_full_manager_blocks(tmp_path: Path) -> None:
+    """Request 1 (10 tokens, 6-token blocks) caches tokens 0-5 only: request 2 hits 6."""
+    path = _write(tmp_path, _line(0, 10, [1, 2]), _line(1, 16, [1, 2]))
+    bound = infinite_cache_bound(read_block_trace(path, block_tokens=8), block_size=6)
+    assert bound.hit_tokens == 6
 
 
 @pytest.mark.skipif(not SHARED_TRACE.exists(), reason="the shared Mooncake trace is not beside")

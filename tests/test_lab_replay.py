@@ -148,3 +148,37 @@ def test_the_shared_trace_slice_hits_its_bound_when_nothing_is_evicted(tmp_path:
     assert result.preemptions == 0
     assert result.hit_tokens == result.bound_hit_tokens
     assert json.dumps(result.summary())  # every figure is JSON
+
+
+def test_evictions_count_the_cached_keys_new_tokens_took() -> None:
+    """Four usable blocks of 4 tokens: request 0 caches 3 full blocks (12 tokens) and frees
+    them; request 1 (other ids) needs 3 blocks: the never-cached free block first, then two
+    of request 0's cached blocks, least recently used first (2 evictions). Request 2 repeats
+    request 0: only its first block is still cached (a 4-token hit), and its two new blocks
+    take two of request 1's (2 more)."""
+    spec = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype_bytes=2)
+    config = KVCacheConfig(5, (KVCacheGroup(("layer",), spec),))
+    manager = KVCacheManager(config, max_model_len=64, enable_kv_cache_events=True)
+    trace = _trace((0, 12, 1, [1, 2]), (50, 12, 1, [3, 4]), (100, 12, 1, [1, 2]))
+    replay = Replay(
+        manager,
+        trace,
+        _request,
+        block_size=4,
+        config=FLAT,
+        group_block_sizes=[4],
+        events=manager.take_events,
+    )
+    result = replay.run()
+    assert (result.evictions, result.hit_tokens, result.group_hit_tokens) == (4, 4, [4])
+
+
+def test_the_bound_counts_every_arrived_request_refused_ones_too() -> None:
+    """Two usable 4-token blocks: request 0 (16 tokens) can never run and is refused, yet the
+    bound (requests in file order) lets request 1 hit request 0's first block: 4 of the 22
+    arrived prompt tokens. The hit rate counts admitted prompts only (6 tokens, none hit)."""
+    trace = _trace((0, 16, 1, [1, 2]), (50, 6, 1, [1]))
+    result = Replay(_manager(3), trace, _request, block_size=4, config=FLAT).run()
+    assert (result.refused, result.prompt_tokens, result.arrived_prompt_tokens) == (1, 6, 22)
+    assert (result.hit_tokens, result.bound_hit_tokens) == (0, 4)
+    assert result.bound_hit_rate == pytest.approx(4 / 22)

@@ -211,23 +211,22 @@ def infinite_cache_bound(
 ) -> CacheBound:
     """The infinite-cache hit of ``requests`` in order, at manager blocks of ``block_size``.
 
-    A request hits its longest prefix of whole ``block_size``-token blocks that an earlier
-    request's prompt held, at most ``((L − 1) // block_size) × block_size`` tokens of a prompt of
-    ``L`` (the last token is always computed, as every engine does), then its own prompt's full
-    blocks are cached. ``covered[h]`` is how many leading tokens of the block with id ``h`` some
-    earlier prompt held: a prefix ends inside a trace block where that count ends.
+    A request hits its longest token prefix that an earlier request's prompt held in whole
+    ``block_size``-token blocks (a manager caches a prompt's full blocks only), rounded down to
+    whole blocks and at most ``((L − 1) // block_size) × block_size`` tokens of a prompt of
+    ``L`` (the last token is always computed, as every engine does). ``covered[h]`` is how many
+    leading tokens of the trace block with id ``h`` some earlier prompt's full manager blocks
+    held: a common prefix ends inside a trace block where that count ends.
 
-    ``block_size`` must divide the trace's ``block_tokens``, or manager blocks would straddle
-    two trace blocks and the ids could not say whether they are shared.
+    Any block size works: the tokens of ``prompt_tokens`` make two prompts agree exactly on
+    their common prefix of trace blocks, so a manager block straddling two trace blocks is
+    shared exactly when both are.
     """
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise BlockTraceError(f"block_size must be an int >= 1, got {block_size!r}")
     covered: dict[int, int] = {}
     hit_tokens = prompt = count = 0
     for request in requests:
-        if request.block_tokens % block_size:
-            raise BlockTraceError(
-                f"block_size {block_size} must divide the trace's {request.block_tokens}-token "
-                f"blocks"
-            )
         hit_tokens += prefix_hit_tokens(request, covered, block_size)
         prompt += request.input_length
         count += 1
@@ -239,7 +238,7 @@ def prefix_hit_tokens(request: BlockTraceRequest, covered: dict[int, int], block
     records this one too (one step of ``infinite_cache_bound``, for a replay that computes the
     bound as it reads the trace)."""
     hit = _prefix_hit(request, covered, block_size)
-    _cover(request, covered)
+    _cover(request, covered, block_size)
     return hit
 
 
@@ -249,18 +248,19 @@ def _prefix_hit(request: BlockTraceRequest, covered: dict[int, int], block_size:
     for h in request.hash_ids:
         seen = covered.get(h, 0)
         if seen < request.block_tokens:
-            hit += seen // block_size * block_size
+            hit += seen
             break
         hit += request.block_tokens
-    return min(hit, (request.input_length - 1) // block_size * block_size)
+    hit = min(hit, request.input_length - 1)
+    return hit // block_size * block_size
 
 
-def _cover(request: BlockTraceRequest, covered: dict[int, int]) -> None:
-    """Record how far this prompt reaches into each of its blocks."""
-    last = len(request.hash_ids) - 1
+def _cover(request: BlockTraceRequest, covered: dict[int, int], block_size: int) -> None:
+    """Record how far this prompt's full manager blocks reach into each of its trace blocks."""
+    cached = request.input_length // block_size * block_size
     for i, h in enumerate(request.hash_ids):
-        reach = (
-            request.block_tokens if i < last else request.input_length - request.block_tokens * i
-        )
+        reach = min(request.block_tokens, cached - request.block_tokens * i)
+        if reach <= 0:
+            break
         if covered.get(h, 0) < reach:
             covered[h] = reach

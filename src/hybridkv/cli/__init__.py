@@ -1,5 +1,5 @@
-"""The ``hybridkv`` command: ``plan``, ``policies``, ``simulate``, ``models``, ``conformance``,
-``bench``, ``vllm-check``.
+"""The ``hybridkv`` command: ``plan``, ``policies``, ``simulate``, ``replay``, ``models``,
+``conformance``, ``bench``, ``vllm-check``.
 
 Built on click; tables, the layout picture and progress bars come from rich. Each subcommand
 imports what it needs when it runs.
@@ -13,6 +13,7 @@ from hybridkv import __version__
 from hybridkv.cli.forward import bench, conformance, vllm_check
 from hybridkv.cli.plan_cmd import models, plan
 from hybridkv.cli.policies_cmd import policies
+from hybridkv.cli.replay_cmd import replay
 from hybridkv.cli.simulate_cmd import simulate
 
 
@@ -25,7 +26,7 @@ def main() -> None:
     """
 
 
-for _command in (plan, policies, simulate, models, conformance, bench, vllm_check):
+for _command in (plan, policies, simulate, replay, models, conformance, bench, vllm_check):
     main.add_command(_command)
 
 __all__ = ["main"]

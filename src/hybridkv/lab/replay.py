@@ -29,13 +29,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import ParamSpec, TypeVar
+from typing import ParamSpec, Protocol, TypeVar
 
-from hybridkv.block_trace import BlockTraceError, BlockTraceRequest, prefix_hit_tokens
+from hybridkv.block_trace import BlockTraceRequest, prefix_hit_tokens
 from hybridkv.lab.cost_model import CostModel
+from hybridkv.lab.host_tier import HostTier
 from hybridkv.lab.result import ReplayResult
-from hybridkv.reference import Request
-from hybridkv.simulate import Manager
+from hybridkv.reference import KVCacheBlocks, Request
+from hybridkv.reference.events import BlockRemoved
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -43,6 +44,31 @@ _T = TypeVar("_T")
 OUTPUT_TOKEN_BASE = 1 << 40
 """Output tokens are ``OUTPUT_TOKEN_BASE + (request index << 20) + k``: no trace token (``hash id ×
 block tokens + offset``) and no other request's output is ever equal to one."""
+
+
+class Manager(Protocol):
+    """The scheduler-facing calls the replay makes (``KVCacheManager`` and the torch backend)."""
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]: ...
+
+    def new_step_starts(self) -> None: ...
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        *,
+        full_sequence_must_fit: bool = False,
+    ) -> KVCacheBlocks | None: ...
+
+    def free(self, request: Request) -> None: ...
+
+
+EventSource = Callable[[], Sequence[object]]
+"""The manager's ``take_events`` (built with ``enable_kv_cache_events=True``): each
+``BlockRemoved`` names the cached keys (hash, group) whose blocks were reused for new tokens."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +83,9 @@ class ReplayConfig:
     attention_mix: tuple[tuple[float, int | None], ...] = ((1.0, None),)
     """``(share of the KV bytes per token, window)`` per attention kind, for the context a step
     attends: a full-attention share reads the whole context, a windowed one at most its window."""
+    full_prompt_admission: bool = False
+    """Admit a waiting request only when its whole sequence fits (vLLM 0.33's engine admits so:
+    ``allocate_slots(..., full_sequence_must_fit=True)``); off, only its first chunk must fit."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -85,6 +114,8 @@ class _Live:
     first_token_ms: float | None = None
     queue_ms: float | None = None
     emitted: int = 0
+    loaded_until: int = 0
+    """Prompt tokens below this (past the GPU hit) come from the host tier, not prefill."""
 
 
 RequestMaker = Callable[[str, Sequence[int]], Request]
@@ -102,6 +133,9 @@ class Replay:
         block_size: int,
         config: ReplayConfig | None = None,
         mamba_block_size: int | None = None,
+        group_block_sizes: Sequence[int] = (),
+        events: EventSource | None = None,
+        host: HostTier | None = None,
     ) -> None:
         self.manager = manager
         self.trace = iter(trace)
@@ -109,7 +143,10 @@ class Replay:
         self.block_size = block_size
         self.config = ReplayConfig() if config is None else config
         self.mamba_block_size = mamba_block_size
-        self.result = ReplayResult()
+        self.group_block_sizes = tuple(group_block_sizes)
+        self.events = events
+        self.host = host
+        self.result = ReplayResult(group_hit_tokens=[0] * len(self.group_block_sizes))
         self.now_ms = 0.0
         self.waiting: deque[_Live] = deque()
         self.running: list[_Live] = []
@@ -149,15 +186,11 @@ class Replay:
             if trace.input_length + trace.output_length > self.config.max_model_len:
                 self.result.skipped += 1
                 continue
-            if trace.block_tokens % self.block_size:
-                raise BlockTraceError(
-                    f"the manager's hash block size {self.block_size} must divide the trace's "
-                    f"{trace.block_tokens}-token blocks"
-                )
             self.result.bound_hit_tokens += prefix_hit_tokens(trace, self._covered, self.block_size)
             request = self.make_request(f"r{trace.index}", trace.prompt_tokens())
             self.waiting.append(_Live(trace, request, self._arrival_ms(trace)))
             self.result.requests += 1
+            self.result.arrived_prompt_tokens += trace.input_length
 
     # --- One step ---------------------------------------------------------------------------
 
@@ -165,8 +198,22 @@ class Replay:
         self._call(self.manager.new_step_starts)
         scheduled = self._schedule()
         self.result.steps += 1
-        self.now_ms += self.config.cost_model.step_ms(*self._work(scheduled))
+        prefill, decode, context, loaded = self._work(scheduled)
+        self.now_ms += self.config.cost_model.step_ms(prefill, decode, context)
+        if self.host is not None and loaded:
+            self.now_ms += self.host.load_ms(loaded)
         self._advance(scheduled)
+        if self.events is not None:
+            events = self._call(self.events)
+            self._count_evictions(events)
+            if self.host is not None:
+                self.host.observe(events)
+
+    def _count_evictions(self, events: Sequence[object]) -> None:
+        """Each ``BlockRemoved`` is one cached (hash, group) key whose block new tokens took."""
+        for event in events:
+            if isinstance(event, BlockRemoved):
+                self.result.evictions += len(event.block_hashes)
 
     def _schedule(self) -> list[tuple[_Live, int]]:
         """The requests that compute this step and how many tokens each computes."""
@@ -230,7 +277,14 @@ class Replay:
             blocks, num_hits, boundary = self._call(self.manager.get_computed_blocks, request)
             request.shared_prefix_boundary = boundary
             num_new = self._chunk(request, num_hits, min(request.num_tokens - num_hits, budget))
-            new = self._call(self.manager.allocate_slots, request, num_new, num_hits, blocks)
+            new = self._call(
+                self.manager.allocate_slots,
+                request,
+                num_new,
+                num_hits,
+                blocks,
+                full_sequence_must_fit=self.config.full_prompt_admission,
+            )
             if new is None:
                 if self.running or admitted:
                     break
@@ -241,12 +295,22 @@ class Replay:
             self.waiting.popleft()
             self.running.append(live)
             request.num_computed_tokens = num_hits
-            self._count_admission(live, num_hits)
+            self._host_hit(live, num_hits)
+            self._count_admission(live, num_hits, blocks)
             admitted.append((live, num_new))
             budget -= num_new
         return admitted
 
-    def _count_admission(self, live: _Live, num_hits: int) -> None:
+    def _host_hit(self, live: _Live, num_hits: int) -> None:
+        """The host tier continues the GPU hit: those tokens are loaded, not prefilled."""
+        if self.host is None:
+            return
+        loaded = self.host.hit_tokens(live.trace, num_hits)
+        live.loaded_until = num_hits + loaded
+        if not live.admitted:
+            self.result.host_hit_tokens += loaded
+
+    def _count_admission(self, live: _Live, num_hits: int, blocks: KVCacheBlocks) -> None:
         if live.admitted:
             self.result.readmissions += 1
             self.result.readmission_hit_tokens += num_hits
@@ -256,19 +320,35 @@ class Replay:
         live.queue_ms = self.now_ms - live.arrival_ms
         self.result.prompt_tokens += live.trace.input_length
         self.result.hit_tokens += num_hits
+        if num_hits:
+            self._count_group_hits(blocks)
 
-    def _work(self, scheduled: list[tuple[_Live, int]]) -> tuple[int, int, int]:
-        """Prefill tokens, decoding requests and attended context tokens of this step."""
-        prefill = decode = 0
+    def _count_group_hits(self, blocks: KVCacheBlocks) -> None:
+        """Per group, the prompt tokens whose blocks the hit found cached: its non-null block
+        ids × the group's block size (a sliding window counts its in-window blocks, a Mamba
+        group its one state block)."""
+        totals = self.result.group_hit_tokens
+        for g, (ids, size) in enumerate(
+            zip(blocks.block_ids, self.group_block_sizes, strict=False)
+        ):
+            totals[g] += size * sum(1 for block_id in ids if block_id)
+
+    def _work(self, scheduled: list[tuple[_Live, int]]) -> tuple[int, int, int, int]:
+        """Prefill tokens, decoding requests, attended context tokens and tokens loaded from
+        the host tier this step."""
+        prefill = decode = loaded = 0
         context = 0.0
         for live, num_new in scheduled:
             request = live.request
-            if request.num_computed_tokens < request.num_prompt_tokens:
-                prefill += num_new
+            start = request.num_computed_tokens
+            if start < request.num_prompt_tokens:
+                from_host = max(0, min(start + num_new, live.loaded_until) - start)
+                loaded += from_host
+                prefill += num_new - from_host
             else:
                 decode += 1
-            context += self.config.attended(request.num_computed_tokens + num_new)
-        return prefill, decode, int(context)
+            context += self.config.attended(start + num_new)
+        return prefill, decode, int(context), loaded
 
     def _advance(self, scheduled: list[tuple[_Live, int]]) -> None:
         """The "model" runs: computed tokens advance; complete requests emit their next token."""

@@ -29,9 +29,14 @@ class ReplayResult:
     finished: int = 0
     steps: int = 0
     preemptions: int = 0
+    evictions: int = 0
     prompt_tokens: int = 0
     hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    """Prompt tokens (of first admissions) past the GPU hit that the host tier supplied."""
     bound_hit_tokens: int = 0
+    arrived_prompt_tokens: int = 0
+    """Prompt tokens of every arrived request (admitted or refused): the bound's denominator."""
     readmissions: int = 0
     readmission_hit_tokens: int = 0
     readmission_prompt_tokens: int = 0
@@ -43,6 +48,15 @@ class ReplayResult:
     ttft_ms: list[float] = field(default_factory=list)
     e2e_ms: list[float] = field(default_factory=list)
     queue_ms: list[float] = field(default_factory=list)
+    group_hit_tokens: list[int] = field(default_factory=list)
+    """Per KV cache group, prompt tokens (of first admissions) whose blocks that group found
+    cached: the hit's non-null block ids of the group × its block size."""
+
+    @property
+    def group_hit_rates(self) -> list[float]:
+        """``group_hit_tokens`` over ``prompt_tokens``, one per group."""
+        total = self.prompt_tokens
+        return [tokens / total if total else 0.0 for tokens in self.group_hit_tokens]
 
     @property
     def hit_rate(self) -> float:
@@ -50,12 +64,17 @@ class ReplayResult:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
+    def host_hit_rate(self) -> float:
+        """Host-tier hits at first admission / prompt tokens of admitted requests."""
+        return self.host_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
     def bound_hit_rate(self) -> float:
         """The infinite-cache bound of the same requests (arrived ones), same block size.
 
-        Its denominator is the prompt tokens of every arrived request; it equals
-        ``prompt_tokens`` once every request was admitted (none refused)."""
-        total = self.prompt_tokens
+        Its denominator is the prompt tokens of every arrived request (``arrived_prompt_tokens``);
+        it equals ``prompt_tokens`` when no request was refused."""
+        total = self.arrived_prompt_tokens
         return self.bound_hit_tokens / total if total else 0.0
 
     @property
@@ -77,10 +96,14 @@ class ReplayResult:
             "finished": self.finished,
             "steps": self.steps,
             "preemptions": self.preemptions,
+            "evictions": self.evictions,
             "prompt_tokens": self.prompt_tokens,
             "hit_tokens": self.hit_tokens,
             "hit_rate": round(self.hit_rate, 6),
+            "host_hit_tokens": self.host_hit_tokens,
+            "group_hit_rates": [round(rate, 6) for rate in self.group_hit_rates],
             "bound_hit_tokens": self.bound_hit_tokens,
+            "arrived_prompt_tokens": self.arrived_prompt_tokens,
             "bound_hit_rate": round(self.bound_hit_rate, 6),
             "readmissions": self.readmissions,
             "readmission_hit_tokens": self.readmission_hit_tokens,

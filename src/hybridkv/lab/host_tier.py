@@ -1,0 +1,163 @@
+"""A host (CPU memory) tier under the GPU pool: evicted cached blocks move there, LRU.
+
+What moves: every cached key ``(block, KV cache group)`` the GPU pool evicts (its
+``BlockRemoved`` events), never a block still cached on the GPU. A key is named by the trace
+itself, not by the manager's hash: ``(last token id of the block, group)``. The replay's token
+``hash_id × block_tokens + offset`` names the whole prefix up to and including that token (a
+trace id names its whole prefix), so two blocks with the same last token and group hold the
+same KV. ``BlockStored`` events carry each block's tokens; the tier keeps the hash → key map
+of blocks cached on the GPU and forgets an entry when the block is evicted.
+
+What a key costs, the two accountings of issue 24 item 7:
+
+* ``vllm`` (vLLM 0.33's OffloadingConnector): each ``OffloadKey = hash‖group`` takes a chunk
+  sized for *every* group's page, so a model of ``n`` groups fits ``n`` times fewer keys than
+  its bytes suggest (``vllm/v1/kv_offload/cpu/spec.py``, vllm#56871);
+* ``hybrid`` (hybrid-aware): each key takes its own group's pages only.
+
+A host hit continues a GPU hit. Ending at block ``k`` (``(k + 1) × block_size`` tokens) needs
+on the host, for the blocks past the GPU hit: a full-attention group every block up to ``k``,
+a windowed group (sliding window or attention chunk) the blocks of its last window, a Mamba
+group the state of block ``k``. Loading takes ``bytes / bandwidth``: the replay adds it to the
+step that computes those tokens instead of prefilling them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hybridkv.block_trace import BlockTraceRequest
+from hybridkv.reference.events import BlockRemoved, BlockStored
+
+ACCOUNTINGS = ("vllm", "hybrid")
+
+HostKey = tuple[int, int]
+"""``(last token id of the block, KV cache group)``."""
+
+FULL = -1
+"""``GroupNeed.window_blocks`` of a full-attention group: every block of the prefix."""
+STATE = 0
+"""``GroupNeed.window_blocks`` of a Mamba group: the state at the hit's end only."""
+
+
+@dataclass(frozen=True)
+class GroupNeed:
+    """What one group's hit needs, and the bytes of one of its blocks (all its layers)."""
+
+    window_blocks: int
+    """``FULL``, ``STATE``, or the number of trailing blocks a windowed group reads."""
+    block_bytes: int
+
+
+def key_bytes(accounting: str, needs: Sequence[GroupNeed]) -> tuple[int, ...]:
+    """Host bytes one key of each group takes under ``accounting``."""
+    if accounting not in ACCOUNTINGS:
+        raise ValueError(f"host accounting must be one of {ACCOUNTINGS}, got {accounting!r}")
+    if accounting == "vllm":
+        chunk = sum(need.block_bytes for need in needs)
+        return tuple(chunk for _ in needs)
+    return tuple(need.block_bytes for need in needs)
+
+
+class HostTier:
+    """The host tier's keys in LRU order, its byte count, and the GPU's hash → key map."""
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        needs: Sequence[GroupNeed],
+        *,
+        accounting: str = "hybrid",
+        bandwidth_gbps: float = 25.0,
+        block_size: int,
+    ) -> None:
+        if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+            raise ValueError(f"host capacity must be an int >= 0, got {capacity_bytes!r}")
+        if not bandwidth_gbps > 0:
+            raise ValueError(f"host bandwidth must be > 0 GB/s, got {bandwidth_gbps!r}")
+        self.capacity_bytes = capacity_bytes
+        self.needs = tuple(needs)
+        self.accounting = accounting
+        self.key_bytes = key_bytes(accounting, self.needs)
+        self.bandwidth_gbps = bandwidth_gbps
+        self.block_size = block_size
+        self.used_bytes = 0
+        self.stores = 0
+        self.keys: OrderedDict[HostKey, None] = OrderedDict()
+        self.on_gpu: dict[tuple[object, int], int] = {}
+
+    # --- What the GPU pool evicts ----------------------------------------------------------
+
+    def observe(self, events: Sequence[object]) -> None:
+        """Learn the keys of blocks the GPU caches; move the ones it evicts to the host."""
+        for event in events:
+            if isinstance(event, BlockStored):
+                group = event.group_idx or 0
+                size = event.block_size
+                tokens = event.token_ids
+                for i, block_hash in enumerate(event.block_hashes):
+                    self.on_gpu[(block_hash, group)] = tokens[(i + 1) * size - 1]
+            elif isinstance(event, BlockRemoved):
+                group = event.group_idx or 0
+                for block_hash in event.block_hashes:
+                    token = self.on_gpu.pop((block_hash, group), None)
+                    if token is not None:
+                        self.store((token, group))
+
+    def store(self, key: HostKey) -> None:
+        """Put ``key`` at the LRU tail, evicting the head until it fits."""
+        if key in self.keys:
+            self.keys.move_to_end(key)
+            return
+        cost = self.key_bytes[key[1]]
+        if cost > self.capacity_bytes:
+            return
+        while self.used_bytes + cost > self.capacity_bytes:
+            old, _ = self.keys.popitem(last=False)
+            self.used_bytes -= self.key_bytes[old[1]]
+        self.keys[key] = None
+        self.used_bytes += cost
+        self.stores += 1
+
+    # --- Hits -------------------------------------------------------------------------------
+
+    def hit_tokens(self, trace: BlockTraceRequest, num_gpu_hits: int) -> int:
+        """Tokens past the GPU hit the host supplies (a multiple of the block size); the keys
+        used move to the LRU tail."""
+        size = self.block_size
+        first = num_gpu_hits // size
+        last = (trace.input_length - 1) // size  # the block of the last prompt token: computed
+        best = first
+        for k in range(first, last):
+            if any(
+                need.window_blocks == FULL and (self._key(trace, k), g) not in self.keys
+                for g, need in enumerate(self.needs)
+            ):
+                break  # a full-attention chain ends here
+            if all(self._ready(trace, k, first, g, need) for g, need in enumerate(self.needs)):
+                best = k + 1
+        for k in range(first, best):
+            for g in range(len(self.needs)):
+                if (key := (self._key(trace, k), g)) in self.keys:
+                    self.keys.move_to_end(key)
+        return (best - first) * size
+
+    def _ready(self, trace: BlockTraceRequest, k: int, first: int, g: int, need: GroupNeed) -> bool:
+        if need.window_blocks == FULL:
+            return True  # checked block by block
+        start = k if need.window_blocks == STATE else max(first, k + 1 - need.window_blocks)
+        return all((self._key(trace, j), g) in self.keys for j in range(start, k + 1))
+
+    def _key(self, trace: BlockTraceRequest, k: int) -> int:
+        """The token id at the end of block ``k`` of ``trace``'s prompt."""
+        position = (k + 1) * self.block_size - 1
+        return trace.hash_ids[position // trace.block_tokens] * trace.block_tokens + (
+            position % trace.block_tokens
+        )
+
+    def load_ms(self, num_tokens: int) -> float:
+        """Milliseconds to load ``num_tokens`` tokens' blocks of every group over the link."""
+        per_block = sum(need.block_bytes for need in self.needs)
+        return num_tokens / self.block_size * per_block / (self.bandwidth_gbps * 1e6)

@@ -1,0 +1,99 @@
+"""The host tier: its two accountings of a key, LRU, what a hit needs, and a replay using it."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv.block_trace import BlockTraceRequest
+from hybridkv.lab import CostModel, Replay, ReplayConfig
+from hybridkv.lab.host_tier import FULL, STATE, GroupNeed, HostTier, key_bytes
+from hybridkv.reference import KVCacheManager, Request
+from hybridkv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
+
+FULL_AND_WINDOW = (GroupNeed(FULL, 100), GroupNeed(2, 300))
+"""A full-attention group of 100-byte blocks and a 2-block window of 300-byte blocks."""
+
+
+def _trace(index: int, length: int, ids: list[int]) -> BlockTraceRequest:
+    return BlockTraceRequest(index, 0, length, 1, tuple(ids), 8)
+
+
+def test_vllms_accounting_charges_every_key_a_chunk_of_all_groups_pages() -> None:
+    assert key_bytes("vllm", FULL_AND_WINDOW) == (400, 400)
+    assert key_bytes("hybrid", FULL_AND_WINDOW) == (100, 300)
+    with pytest.raises(ValueError, match="host accounting must be one of"):
+        key_bytes("lmcache", FULL_AND_WINDOW)
+
+
+@pytest.mark.parametrize(("accounting", "kept"), [("vllm", 3), ("hybrid", 12)])
+def test_equal_host_bytes_hold_more_keys_hybrid_aware(accounting: str, kept: int) -> None:
+    """1,200 bytes of full-group keys: vLLM's chunks of 400 hold 3, own pages of 100 hold 12;
+    the LRU keeps the last ones stored."""
+    host = HostTier(1200, FULL_AND_WINDOW, accounting=accounting, block_size=4)
+    for token in range(100, 114):
+        host.store((token, 0))
+    assert list(host.keys) == [(token, 0) for token in range(114 - kept, 114)]
+    assert host.used_bytes == 1200
+
+
+def test_the_lru_head_leaves_first_and_a_hit_moves_its_keys_to_the_tail() -> None:
+    """Blocks of 4 tokens of ids [1, 2] end at tokens 11, 15, 19: stored 19 first, then the
+    hit touches 11, 15, 19 in order, so 11 is the head when 99 needs room."""
+    host = HostTier(300, (GroupNeed(FULL, 100),), block_size=4)
+    trace = _trace(0, 13, [1, 2])
+    for token in (19, 11, 15):
+        host.store((token, 0))
+    assert host.hit_tokens(trace, 0) == 12  # blocks 0-2; block 3 holds the last token
+    host.store((99, 0))
+    assert list(host.keys) == [(15, 0), (19, 0), (99, 0)]
+
+
+def test_a_full_attention_chain_stops_at_its_first_missing_block() -> None:
+    host = HostTier(10_000, (GroupNeed(FULL, 100),), block_size=4)
+    trace = _trace(0, 16, [1, 2])
+    host.store((11, 0))
+    host.store((19, 0))  # block 1 (ending at 15) missing
+    assert host.hit_tokens(trace, 0) == 4
+    assert host.hit_tokens(trace, 4) == 0
+
+
+def test_a_window_needs_its_last_blocks_and_a_state_only_its_end() -> None:
+    """Hit end after block 2 (12 tokens): the full group needs blocks 0-2, the 2-block window
+    blocks 1-2, the Mamba group block 2 only."""
+    needs = (GroupNeed(FULL, 1), GroupNeed(2, 1), GroupNeed(STATE, 1))
+    host = HostTier(10_000, needs, block_size=4)
+    trace = _trace(0, 16, [1, 2])
+    for token in (11, 15, 19):
+        host.store((token, 0))
+    host.store((19, 2))
+    host.store((15, 1))
+    assert host.hit_tokens(trace, 0) == 0  # the window lacks block 2
+    host.store((19, 1))
+    assert host.hit_tokens(trace, 0) == 12
+
+
+def test_a_replay_moves_evicted_blocks_to_the_host_and_hits_them() -> None:
+    """Four usable 4-token blocks, 14-token requests (13 prompt, 1 output): request 1 takes
+    all four, evicting request 0's three cached blocks to the host; request 2 repeats request
+    0, misses on the GPU and finds those three blocks (12 tokens, the bound) on the host."""
+    spec = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype_bytes=2)
+    config = KVCacheConfig(5, (KVCacheGroup(("layer",), spec),))
+    manager = KVCacheManager(config, max_model_len=64, enable_kv_cache_events=True)
+    host = HostTier(1 << 20, (GroupNeed(FULL, spec.page_size_bytes),), block_size=4)
+    trace = [
+        BlockTraceRequest(i, t, 13, 1, tuple(ids), 8)
+        for i, (t, ids) in enumerate(((0, [1, 2]), (50, [3, 4]), (100, [1, 2])))
+    ]
+    replay = Replay(
+        manager,
+        trace,
+        lambda rid, tokens: Request(rid, tokens, hash_block_size=4),
+        block_size=4,
+        config=ReplayConfig(max_num_batched_tokens=64, cost_model=CostModel(1.0, 0, 0, 0)),
+        group_block_sizes=[4],
+        events=manager.take_events,
+        host=host,
+    )
+    result = replay.run()
+    assert (result.hit_tokens, result.host_hit_tokens, result.bound_hit_tokens) == (0, 12, 12)
+    assert result.host_hit_rate == pytest.approx(12 / 39)
