@@ -195,3 +195,22 @@ def test_a_host_accounting_that_is_neither_is_one_line(tmp_path: Path) -> None:
     args = ("--host-memory", "1GiB", "--host-accounting", "vllm,lmcache")
     result = replay("--trace", _trace(tmp_path, *GOOD), *args)
     assert "--host-accounting must be among ('vllm', 'hybrid'), got 'lmcache'" in _error(result)
+
+
+def test_simulate_replays_a_block_hash_trace_on_the_clock(tmp_path: Path) -> None:
+    """``hybridkv simulate --trace`` recognises Mooncake's format by its fields and replays it
+    as ``hybridkv replay`` does (first-admission hits beside the bound)."""
+    trace = _trace(
+        tmp_path, _line(0, 1024, [1, 2]), _line(100, 1024, [1, 3]), _line(200, 600, [1, 4])
+    )
+    args = ["simulate", "gpt-oss-120b", "--trace", trace, "--memory", "1GiB", "--format", "json"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    assert set(summary) >= ITEM_9_KEYS
+    assert (summary["requests"], summary["prompt_tokens"]) == (3, 2648)
+    # The bound: requests 2 and 3 share request 1's first 512-token block. Under the engine's
+    # sparse retention request 1 keeps no sliding-window blocks there, so request 2 misses and
+    # marks the shared boundary, and request 3 hits it.
+    assert summary["bound_hit_rate"] == round(1024 / 2648, 6)
+    assert summary["hit_tokens"] == 512

@@ -72,6 +72,18 @@ class CellResult:
     ttft_ms: tuple[float, ...] = field(default=())
 
 
+def is_block_trace(path: str) -> bool:
+    """Whether ``path``'s first line reads as a block-hash trace line (it holds ``hash_ids``);
+    anything unreadable is left to the token-trace reader, which names the problem."""
+    try:
+        with Path(path).open(encoding="utf-8") as handle:
+            first = next((line for line in handle if line.strip()), "")
+        record = json.loads(first)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(record, dict) and "hash_ids" in record
+
+
 def check_trace(path: str, trace_format: str | None) -> None:
     """``UserError`` unless ``path`` reads as a block-hash trace (``--trace-format`` or its
     first line's fields say so)."""

@@ -105,6 +105,8 @@ def simulate(
     tokens computed and saved, peak and mean usage, preemptions, steps and the manager's time.
     """
     _check_options(workload, trace, plot, backend)
+    if trace is not None and _replays_block_trace(trace, locals()):
+        return
     if device is not None and backend == "reference":
         click.echo(
             f"note: --device {device} is ignored: the reference backend is pure Python on the "
@@ -148,6 +150,34 @@ def simulate(
             f"{plan.report.num_blocks:,} blocks ({plan.settings.memory_bytes:,} bytes) holds; "
             "add --memory or lower --max-model-len"
         )
+
+
+def _replays_block_trace(trace: str, options: dict[str, Any]) -> bool:
+    """A block-hash trace (Mooncake's format) is replayed on a clock by ``hybridkv replay``'s
+    loop, with the same model and engine options; ``False`` for the project's token traces."""
+    from hybridkv.cli.replay_cmd import run_block_trace
+    from hybridkv.cli.replay_run import ReplaySetup, is_block_trace
+
+    if not is_block_trace(trace):
+        return False
+    names = (
+        "model",
+        "backend",
+        "max_model_len",
+        "max_num_batched_tokens",
+        "max_num_seqs",
+        "block_size",
+        "kv_dtype",
+        "mamba_ssm_dtype",
+    )
+    setup = ReplaySetup(
+        trace=trace,
+        memory_bytes=options["memory"],
+        device=options["device"] or "cpu",
+        **{name: options[name] for name in names},
+    )
+    run_block_trace(setup, output_format=options["output_format"], plot=options["plot"])
+    return True
 
 
 def _check_options(workload: str | None, trace: str | None, plot: str | None, backend: str) -> None:
