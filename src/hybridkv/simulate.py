@@ -27,9 +27,10 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ParamSpec, Protocol, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
-from hybridkv.reference import KVCacheBlocks, Request
+from hybridkv.reference import Request
+from hybridkv.scheduling import Manager, mamba_aligned_chunk
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -365,27 +366,6 @@ def _is_token(value: object) -> bool:
 # --- The scheduler loop -----------------------------------------------------------------------
 
 
-class Manager(Protocol):
-    """The scheduler-facing calls the loop makes (``KVCacheManager`` and the torch backend)."""
-
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]: ...
-
-    def new_step_starts(self) -> None: ...
-
-    def allocate_slots(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        new_computed_blocks: KVCacheBlocks | None = None,
-    ) -> KVCacheBlocks | None: ...
-
-    def free(self, request: Request) -> None: ...
-
-    @property
-    def usage(self) -> float: ...
-
-
 @dataclass(frozen=True)
 class SchedulerConfig:
     """The scheduler's limits: tokens per step, running requests, longest request."""
@@ -526,19 +506,7 @@ class Scheduler:
         return scheduled
 
     def _chunk(self, request: Request, start: int, num_new: int) -> int:
-        """A prefill chunk of a Mamba "align" model ends on a Mamba block boundary, and the
-        prompt's last chunk stops at the last boundary before the prompt's end, so that the
-        states there are cached; other models (and decode) take ``num_new`` as it is."""
-        block = self.mamba_block_size
-        if block is None or start >= request.num_prompt_tokens:
-            return num_new
-        end = start + num_new
-        last_boundary = (request.num_prompt_tokens - 1) // block * block
-        if start < last_boundary < end:
-            return last_boundary - start
-        if end < request.num_tokens and end // block * block > start:
-            return end // block * block - start
-        return num_new
+        return mamba_aligned_chunk(request, start, num_new, self.mamba_block_size)
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> tuple[bool, bool]:
         """Slots for a running request, preempting the latest-admitted ones until they fit.

@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from hybridkv.block_trace import BlockTraceRequest
     from hybridkv.lab import ReplayResult
     from hybridkv.lab.host_tier import HostTier
-    from hybridkv.lab.replay import Manager
     from hybridkv.reference import Request
+    from hybridkv.scheduling import Manager
 
 TRACE_FORMATS = ("mooncake",)
 """Block-hash trace formats ``--trace-format`` names (others are recognised by their fields)."""

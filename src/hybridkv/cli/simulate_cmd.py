@@ -20,7 +20,8 @@ from hybridkv.cli.plan_data import Plan, PlanSettings, make_plan
 from hybridkv.extras import first_missing, is_missing, needs_line
 
 if TYPE_CHECKING:
-    from hybridkv.simulate import Manager, RequestSpec, SimulationResult
+    from hybridkv.scheduling import Manager
+    from hybridkv.simulate import RequestSpec, SimulationResult
 
 
 @click.command()

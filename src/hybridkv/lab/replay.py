@@ -29,7 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import ParamSpec, Protocol, TypeVar
+from typing import ParamSpec, TypeVar
 
 from hybridkv.block_trace import BlockTraceRequest, prefix_hit_tokens
 from hybridkv.lab.cost_model import CostModel
@@ -37,6 +37,7 @@ from hybridkv.lab.host_tier import HostTier
 from hybridkv.lab.result import ReplayResult
 from hybridkv.reference import KVCacheBlocks, Request
 from hybridkv.reference.events import BlockRemoved
+from hybridkv.scheduling import Manager, mamba_aligned_chunk
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -44,26 +45,6 @@ _T = TypeVar("_T")
 OUTPUT_TOKEN_BASE = 1 << 40
 """Output tokens are ``OUTPUT_TOKEN_BASE + (request index << 20) + k``: no trace token (``hash id ×
 block tokens + offset``) and no other request's output is ever equal to one."""
-
-
-class Manager(Protocol):
-    """The scheduler-facing calls the replay makes (``KVCacheManager`` and the torch backend)."""
-
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]: ...
-
-    def new_step_starts(self) -> None: ...
-
-    def allocate_slots(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        new_computed_blocks: KVCacheBlocks | None = None,
-        *,
-        full_sequence_must_fit: bool = False,
-    ) -> KVCacheBlocks | None: ...
-
-    def free(self, request: Request) -> None: ...
 
 
 EventSource = Callable[[], Sequence[object]]
@@ -238,18 +219,7 @@ class Replay:
         return scheduled
 
     def _chunk(self, request: Request, start: int, num_new: int) -> int:
-        """A Mamba "align" model's prefill chunk ends on a Mamba block boundary, and its last
-        chunk stops at the last boundary before the prompt's end, so those states are cached."""
-        block = self.mamba_block_size
-        if block is None or start >= request.num_prompt_tokens:
-            return num_new
-        end = start + num_new
-        last_boundary = (request.num_prompt_tokens - 1) // block * block
-        if start < last_boundary < end:
-            return last_boundary - start
-        if end < request.num_tokens and end // block * block > start:
-            return end // block * block - start
-        return num_new
+        return mamba_aligned_chunk(request, start, num_new, self.mamba_block_size)
 
     def _allocate_or_preempt(self, live: _Live, num_new: int) -> tuple[bool, bool]:
         """Slots for a running request, preempting the latest-admitted until they fit."""
