@@ -67,6 +67,7 @@ _TOKEN_LIST = attrgetter("_all_token_ids")
 _HASH_LIST = attrgetter("_block_hashes")
 _HASH_BLOCK_SIZE = attrgetter("hash_block_size")
 _HASH_LOOKAHEAD = attrgetter("num_hash_lookahead_tokens")
+_IN_FLIGHT = attrgetter("num_in_flight_tokens")
 
 
 def expand(counts: Ints) -> tuple[Ints, Ints]:
@@ -260,9 +261,7 @@ def _step_busy(
     """The vectorised step of the busy requests (``None``, nothing changed, where it does not
     apply): their releases, takes and inserts in the order of their single calls."""
     pool, b, w = s.pool, s.layout.block_size, s.layout.max_blocks_per_req
-    in_flight = np.fromiter(
-        (getattr(r, "num_in_flight_tokens", 0) for r in requests), np.int64, len(requests)
-    )
+    in_flight = np.fromiter(map(_IN_FLIGHT, requests), np.int64, len(requests))
     # A step still in flight reads the window's blocks: windows release on the processed count.
     processed = np.maximum(comp - in_flight, 0)
     pair_index = s.rows.pair_index(rows)  # [n, G]: request-major pairs

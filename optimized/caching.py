@@ -28,7 +28,7 @@ import numpy.typing as npt
 from hybridkv.optimized.state import ManagerState
 from hybridkv.optimized.thresholds import INSERT_MIN
 from hybridkv.reference.block_hash import BlockHash
-from hybridkv.reference.request import RequestLike
+from hybridkv.reference.request import Request, RequestLike
 from hybridkv.reference.single_type_managers import prompt_tokens
 from hybridkv.spec import SlidingWindowSpec, rules
 
@@ -55,8 +55,8 @@ def source_of(
         src = pool.new_source(
             tokens,
             hashes,
-            getattr(request, "cache_salt", None),
-            getattr(request, "packed_token_ids", None),
+            request.cache_salt,
+            request.packed_token_ids if isinstance(request, Request) else None,
         )
         pool.source(src).row_refs += 1
         s.row_src[row] = src
@@ -66,7 +66,7 @@ def source_of(
     source = pool.source(src)
     if len(source.tokens) < num_tokens + s.layout.lookahead:
         source.tokens = tokens
-        source.packed = getattr(request, "packed_token_ids", None)
+        source.packed = request.packed_token_ids if isinstance(request, Request) else None
     if len(source.hashes) < num_hashes:
         source.hashes = hashes
     return src
@@ -75,10 +75,11 @@ def source_of(
 def hashed_by_memo(s: ManagerState, request: RequestLike) -> bool:
     """Whether the request's hashes are ``block_hasher``'s (so the memo may keep them)."""
     return (
-        getattr(request, "block_hasher", None) is s.block_hasher
+        isinstance(request, Request)
+        and request.block_hasher is s.block_hasher
         and not s.layout.lookahead
-        and not getattr(request, "num_hash_lookahead_tokens", 0)
-        and getattr(request, "hash_block_size", None) == s.layout.hash_block_size
+        and not request.num_hash_lookahead_tokens
+        and request.hash_block_size == s.layout.hash_block_size
     )
 
 
@@ -223,7 +224,7 @@ def reachable_boundaries(s: ManagerState, request: RequestLike) -> list[int]:
     the prompt, and the shared-prefix boundary the scheduler stored on the request."""
     eagle = bool(s.layout.eagle_groups)
     boundaries = list(rules.replay_boundaries(prompt_tokens(request), s.layout.block_size, eagle))
-    shared = int(getattr(request, "shared_prefix_boundary", 0))
+    shared = request.shared_prefix_boundary
     if shared:
         boundaries.append(shared)
     return boundaries
@@ -237,7 +238,7 @@ def retention_mask(
     assert isinstance(spec, SlidingWindowSpec)
     b = spec.block_size
     eagle = s.layout.group_eagle[g]
-    shared = int(getattr(request, "shared_prefix_boundary", 0))
+    shared = request.shared_prefix_boundary
     if eagle and shared:
         # A sibling diverging right after the junction cannot peek past it.
         boundaries = [*boundaries, shared - b]

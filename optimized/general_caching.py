@@ -159,7 +159,7 @@ def cache_mamba_group(
         src = source_of(s, request, row, num_full, num_full * b)
         eagle = s.layout.group_eagle[g]
         reach = list(boundaries)
-        shared = int(getattr(request, "shared_prefix_boundary", 0))
+        shared = request.shared_prefix_boundary
         if shared and eagle:
             reach.append(shared - b)
         mask = rules.mamba_retention_mask(
@@ -245,7 +245,7 @@ def _cache_checkpoint(
             reachable_boundaries=(),
         )
         is_retained = mask is None or mask[0]
-    shared = int(getattr(request, "shared_prefix_boundary", 0))
+    shared = request.shared_prefix_boundary
     # A checkpoint past the request's hashes has no key yet: transient (see the reference).
     hashed = position <= len(request.block_hashes) * s.layout.hash_block_size
     if not hashed or not (is_prompt_checkpoint or is_retained or position == shared):

@@ -58,7 +58,7 @@ def allocate(
             return None
     main = total_computed + num_new_tokens
     need_slot = min(main + num_lookahead_tokens, s.layout.max_model_len)
-    in_flight = int(getattr(request, "num_in_flight_tokens", 0))
+    in_flight = request.num_in_flight_tokens
     row = s.rows.row_of(request_id)
     if row is not None:
         _remove_skipped(s, request_id, row, max(0, total_computed - in_flight))

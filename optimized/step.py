@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from array import array
 
-from hybridkv.optimized import general_caching
+from hybridkv.optimized.caching import cache_uniform
+from hybridkv.optimized.general_caching import cache_general
 from hybridkv.optimized.layout import BlockIds
 from hybridkv.optimized.state import ManagerState
 from hybridkv.optimized.thresholds import PENDING_MAX
@@ -70,28 +71,27 @@ def step(
     what left each window or chunk, take the blocks ``need`` tokens lack, cache the blocks
     full up to ``cache_up_to`` tokens (-1: none); the row's thresholds say which of these
     can do anything."""
-    pool = s.pool
-    rows = s.rows
+    pool, rows, layout = s.pool, s.rows, s.layout
     # A step still in flight reads the window's blocks: only processed tokens count.
-    processed = max(0, computed - int(getattr(request, "num_in_flight_tokens", 0)))
+    processed = max(0, computed - request.num_in_flight_tokens)
     released = cached = False
     if processed >= rows.release_at[row]:
         release_skipped(s, row, processed)
         released = True
     new_blocks: tuple[tuple[int, ...], ...] | None = None
     took = need > rows.capacity[row]
-    g_count = s.layout.num_groups
+    g_count = layout.num_groups
     total = have = count = 0
     required: list[int] = []
     if took:
-        if s.layout.uniform_columns:
+        if layout.uniform_columns:
             # Every group of the row is as long (each allocation extends all of them to
             # the same length): the same count of new blocks for each.
             have = rows.length[row * g_count]
-            count = -(-need // s.layout.block_size) - have
+            count = -(-need // layout.block_size) - have
             total = count * g_count
         else:
-            required = [rule.blocks_for_tokens(need) for rule in s.layout.rules]
+            required = [rule.blocks_for_tokens(need) for rule in layout.rules]
             at, length = row * g_count, rows.length
             total = sum(max(c - length[at + g], 0) for g, c in enumerate(required))
     if (took or kept_free) and not fits(s, total + kept_free):
@@ -101,17 +101,20 @@ def step(
     if took:
         new_blocks = (
             extend_uniform(s, row, have, count)
-            if s.layout.uniform_columns
+            if layout.uniform_columns
             else extend(s, row, required)
         )
     if cache_up_to >= rows.cache_at[row]:
-        general_caching.cache(s, request, row, cache_up_to, defer=s.layout.columns.defers)
+        if layout.general:
+            cache_general(s, request, row, cache_up_to)
+        else:
+            cache_uniform(s, request, row, cache_up_to, layout.columns.defers)
         cached = True
     if released or took or cached:
         s.thresholds.after_step(row, released, took, cached)
     if len(pool.pending) >= PENDING_MAX:
         s.settle()  # long without another call: bounded memory
-    return s.layout.no_blocks if new_blocks is None else KVCacheBlocks(new_blocks)
+    return layout.no_blocks if new_blocks is None else KVCacheBlocks(new_blocks)
 
 
 def fits(s: ManagerState, blocks: int) -> bool:
