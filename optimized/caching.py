@@ -3,6 +3,7 @@
 ``cache_uniform`` enters a row's newly full blocks into the prefix cache (``cache_blocks``,
 and the caching part of ``allocate_slots``) when every group has the scheduler's block size,
 which is the hash block size: a block at position p of any group is keyed by hash p.
+``cache_busy`` does it for the busy requests of a whole step (``hybridkv.optimized.batch``).
 Layouts of several block sizes or with a Mamba ``"align"`` group cache through
 ``hybridkv.optimized.general_caching``, which uses ``store_full_blocks`` and ``source_of`` from
 here.
