@@ -115,13 +115,22 @@ def hybrid_hit_without_full_attention(
 
 @dataclass(frozen=True)
 class _HashedBlocks:
-    """The two fields of a request that ``BlockPool.cache_full_blocks`` reads."""
+    """The two fields of a request that ``BlockPool.cache_full_blocks`` reads (the others
+    at their defaults)."""
 
     block_hashes: Sequence[BlockHash]
     request_id: str = "harness"
     num_tokens: int = 1
     num_computed_tokens: int = 0
     all_token_ids: Sequence[int] = (0,)
+    # The engine attributes of a ``RequestLike``, at their defaults.
+    num_prompt_tokens: int = 1
+    num_in_flight_tokens: int = 0
+    shared_prefix_boundary: int = 0
+    skip_reading_prefix_cache: bool = False
+    cache_salt: str | None = None
+    session_id: str | None = None
+    num_preemptions: int = 0
 
 
 def block_pool_operations_keep_invariants(ops: list[int]) -> bool:

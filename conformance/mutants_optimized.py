@@ -32,9 +32,9 @@ OPTIMIZED_MUTANTS: tuple[Mutant, ...] = (
         "the vectorised step releases nothing from the last group's window or chunk",
         "batch",
         (
-            "        skipped = np.minimum(tokens // b, length)\n",
-            "        skipped = np.minimum(tokens // b, length)\n"
-            "        skipped[:, -1] = np.minimum(nulls[:, -1], skipped[:, -1])\n",
+            "    skipped = np.minimum(tokens // b, length)\n",
+            "    skipped = np.minimum(tokens // b, length)\n"
+            "    skipped[:, -1] = np.minimum(nulls[:, -1], skipped[:, -1])\n",
         ),
     ),
     optimized_mutant(
@@ -69,7 +69,7 @@ OPTIMIZED_MUTANTS: tuple[Mutant, ...] = (
         "opt_free_batch_head_order",
         "free_batch puts unhashed blocks at the head first batch first (sequential frees put "
         "the last batch first)",
-        "batch",
+        "batch_free",
         (
             "key = -pair[head_last] * (total + 1) + head_last",
             "key = pair[head_last] * (total + 1) + head_last",
@@ -78,7 +78,7 @@ OPTIMIZED_MUTANTS: tuple[Mutant, ...] = (
     optimized_mutant(
         "opt_free_batch_tail_by_id",
         "free_batch appends hashed blocks in id order, not in the order of their last release",
-        "batch",
+        "batch_free",
         (
             "tail = freed[hashed][np.argsort(freed_last[hashed])]",
             "tail = freed[hashed]",
@@ -87,15 +87,15 @@ OPTIMIZED_MUTANTS: tuple[Mutant, ...] = (
     optimized_mutant(
         "opt_hybrid_one_pass",
         "the optimized hybrid lookup stops after one pass over the types",
-        "manager",
+        "hits",
         (
-            "        hit_length, longest = rules.hybrid_hit_length(\n            lookup,\n",
-            "        calls = [0]\n\n"
-            "        def once(index: int, length: int, drop: bool) -> int:\n"
-            "            calls[0] += 1\n"
-            "            return length if calls[0] > len(self._types) else lookup(index, length, "
+            "    hit_length, longest = rules.hybrid_hit_length(\n        lookup,\n",
+            "    calls = [0]\n\n"
+            "    def once(index: int, length: int, drop: bool) -> int:\n"
+            "        calls[0] += 1\n"
+            "        return length if calls[0] > len(s.layout.types) else lookup(index, length, "
             "drop)\n\n"
-            "        hit_length, longest = rules.hybrid_hit_length(\n            once,\n",
+            "    hit_length, longest = rules.hybrid_hit_length(\n        once,\n",
         ),
     ),
     optimized_mutant(
@@ -110,17 +110,17 @@ OPTIMIZED_MUTANTS: tuple[Mutant, ...] = (
     optimized_mutant(
         "opt_release_walk_order",
         "the single-request path releases a window's blocks first to last",
-        "manager",
-        ("            released.reverse()\n", ""),
+        "step",
+        ("        released.reverse()\n", ""),
     ),
     optimized_mutant(
         "opt_pending_release_of_uncached",
         "a running step defers the release of a block that holds no cached hash (it belongs at "
         "the head of the free queue, not the tail)",
-        "manager",
+        "step",
         (
-            "            if min(map(pool.src.a.__getitem__, released)) >= 0:\n",
-            "            if True:\n",
+            "        if min(map(pool.src.a.__getitem__, released)) >= 0:\n",
+            "        if True:\n",
         ),
     ),
     optimized_mutant(
@@ -128,7 +128,7 @@ OPTIMIZED_MUTANTS: tuple[Mutant, ...] = (
         "a lookup reads the prefix cache without the running steps' pending inserts",
         "manager",
         (
-            "            return self._no_blocks, 0, 0\n        self._settle()\n",
+            "            return self._no_blocks, 0, 0\n        self._s.settle()\n",
             "            return self._no_blocks, 0, 0\n",
         ),
     ),

@@ -250,15 +250,10 @@ class HybridCoordinator(KVCacheCoordinator):
 
     def _split_attention_types(self, config: KVCacheConfig) -> list[AttentionType]:
         """One ``AttentionType`` per distinct spec, full attention first, else first appearance."""
-        types: dict[KVCacheSpec, list[int]] = {}
-        for group_id, group in enumerate(config.groups):
-            types.setdefault(group.spec, []).append(group_id)
-        ordered = [
+        return [
             AttentionType(spec, tuple(ids), any(i in self.drop_eagle_group_ids for i in ids))
-            for spec, ids in types.items()
+            for spec, ids in config.attention_types()
         ]
-        ordered.sort(key=lambda t: not t.is_full_attention)
-        return ordered
 
     def num_cacheable_tokens(self, num_tokens: int, manager: SingleTypeKVCacheManager) -> int:
         """Hits land on scheduler blocks, so cache up to the last one; an EAGLE group also one

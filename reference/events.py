@@ -140,7 +140,7 @@ class EventBuilder:
         tokens = request.all_token_ids
         extra_keys: Sequence[tuple[Any, ...] | None] | None = None
         if positions:
-            salt = getattr(request, "cache_salt", None)
+            salt = request.cache_salt
             first = (salt,) if salt and positions[0] == 0 else None
             extra_keys = seq((first,) + (None,) * (len(positions) - 1))
         lookahead: Sequence[Sequence[int]] | None = None
@@ -170,7 +170,7 @@ class EventBuilder:
             window,
             None,  # locality
             None,  # ownership
-            getattr(request, "session_id", None),
+            request.session_id,
             lookahead,
         )
         return event
@@ -248,5 +248,5 @@ def count_admission(
             f"num_hits must be an int in [0, {request.num_tokens}) for request "
             f"{request.request_id!r}, got {num_hits!r}"
         )
-    preempted = getattr(request, "num_preemptions", 0) > 0
+    preempted = request.num_preemptions > 0
     return stats.record(request.num_tokens, num_hits, preempted)

@@ -219,7 +219,7 @@ class KVCacheManager:
         num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
         # Release out-of-window blocks first: they may be exactly what this step needs. A step
         # still in flight reads them, so only processed tokens count.
-        in_flight = int(getattr(request, "num_in_flight_tokens", 0))
+        in_flight = request.num_in_flight_tokens
         self.coordinator.remove_skipped_blocks(request_id, max(0, total_computed - in_flight))
         if in_flight:
             self._in_flight[request_id] = in_flight
@@ -322,7 +322,7 @@ class KVCacheManager:
     def prefix_cache_lookup_enabled(self, request: RequestLike) -> bool:
         """Whether ``get_computed_blocks`` looks ``request`` up: caching is on and the request
         does not skip reading the cache."""
-        return self.enable_caching and not getattr(request, "skip_reading_prefix_cache", False)
+        return self.enable_caching and not request.skip_reading_prefix_cache
 
     def record_prefix_cache_stats(self, request: RequestLike, num_hits: int) -> None:
         """Count the lookup that admitted ``request``, with its ``num_hits`` cached tokens.

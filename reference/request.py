@@ -1,9 +1,13 @@
 """A request as the KV cache manager sees it: token ids, computed tokens and block hashes.
 
-The manager reads only ``request_id``, ``num_tokens``, ``all_token_ids``, ``num_computed_tokens``
-and ``block_hashes`` (``RequestLike``), and, when present, the engine attributes
-``num_prompt_tokens``, ``shared_prefix_boundary`` and ``skip_reading_prefix_cache`` (``Request``
-has them all), so a scheduler's own request objects of that shape work too.
+The manager reads ``request_id``, ``num_tokens``, ``all_token_ids``, ``num_computed_tokens``
+and ``block_hashes``, and the engine attributes ``num_prompt_tokens``,
+``num_in_flight_tokens``, ``shared_prefix_boundary``, ``skip_reading_prefix_cache``,
+``cache_salt``, ``session_id`` and ``num_preemptions`` (``RequestLike``). ``Request`` has them
+all, with their defaults; so does vLLM's ``Request``, which the vLLM integration passes in, so a
+scheduler's own request objects of that shape work too. What only ``Request`` carries (its
+hash block size, lookahead, block hasher and packed token ids) is read from a ``Request``
+alone.
 ``num_computed_tokens`` and ``shared_prefix_boundary`` belong to the scheduler: it advances the
 first after each step and stores the third result of ``get_computed_blocks`` in the second, as
 vLLM's scheduler does.
@@ -38,6 +42,29 @@ class RequestLike(Protocol):
 
     @property
     def block_hashes(self) -> Sequence[BlockHash]: ...
+
+    # The engine attributes (``Request.__init__`` gives each its default).
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_in_flight_tokens(self) -> int: ...
+
+    @property
+    def shared_prefix_boundary(self) -> int: ...
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool: ...
+
+    @property
+    def cache_salt(self) -> str | None: ...
+
+    @property
+    def session_id(self) -> str | None: ...
+
+    @property
+    def num_preemptions(self) -> int: ...
 
 
 class BlockHasher(Protocol):
@@ -193,6 +220,7 @@ class Request:
         self.num_computed_tokens = 0
         self.shared_prefix_boundary = 0
         self.num_preemptions = 0
+        self.num_in_flight_tokens = 0
         self._all_token_ids: list[int] = prompt
         self._packed_token_ids: array[int] | None = packed
         self._block_hashes: list[BlockHash] = []

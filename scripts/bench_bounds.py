@@ -67,7 +67,7 @@ class FloorManager:
             raise ValueError(request.request_id)
         row = self.rows[request.request_id]
         computed = request.num_computed_tokens
-        processed = computed - getattr(request, "num_in_flight_tokens", 0)
+        processed = computed - request.num_in_flight_tokens
         if (
             processed >= self.release_at[row]
             or computed + num_new_tokens > self.capacity[row]

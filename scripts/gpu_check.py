@@ -61,7 +61,7 @@ def make_manager(
     )
     if device == "cpu":
         # Dry run: a separate "device" copy of the tables, kept up to date by the flushes.
-        m.tables.on_device = m.tables.on_host.clone()
+        m.state.tables.on_device = m.state.tables.on_host.clone()
     return m
 
 
@@ -155,7 +155,7 @@ def copies_per_step(device: str, batch: int, steps: int, stagger: int, profiled:
     for _ in range(steps):
         for r, t in zip(requests, tokens(rng, batch), strict=True):
             r.append_output_token_ids(t)
-        before = m.tables.copies
+        before = m.state.tables.copies
 
         def step() -> None:
             results = m.allocate_slots_batch(requests, 1)
@@ -167,10 +167,10 @@ def copies_per_step(device: str, batch: int, steps: int, stagger: int, profiled:
             names.update(seen)
         else:
             step()
-        per_step_flushes.append(m.tables.copies - before)
+        per_step_flushes.append(m.state.tables.copies - before)
         for r in requests:
             r.num_computed_tokens += 1
-        tables_ok &= torch.equal(m.tables.on_device.cpu(), m.tables.on_host)
+        tables_ok &= torch.equal(m.state.tables.on_device.cpu(), m.state.tables.on_host)
     m.check_invariants()
     print(f"  B={batch}, {steps} steps, up to {-(-batch // stagger)} requests enter a new block:")
     check(

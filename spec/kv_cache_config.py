@@ -78,3 +78,14 @@ class KVCacheConfig:
             check_non_negative(
                 "prefix_cache_retention_interval", self.prefix_cache_retention_interval
             )
+
+    def attention_types(self) -> list[tuple[KVCacheSpec, list[int]]]:
+        """(spec, group ids) per distinct spec, in the order a hybrid lookup probes them: full
+        attention (whose hit is a prefix) first, the others in order of first appearance
+        (``HybridCoordinator``)."""
+        types: dict[KVCacheSpec, list[int]] = {}
+        for group_id, group in enumerate(self.groups):
+            types.setdefault(group.spec, []).append(group_id)
+        ordered = list(types.items())
+        ordered.sort(key=lambda item: not item[0].hit_is_prefix)
+        return ordered

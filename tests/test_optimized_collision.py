@@ -51,6 +51,13 @@ class HashedRequest:
         self.all_token_ids = list(tokens)
         self.cache_salt = cache_salt
         self.num_computed_tokens = 0
+        # The engine attributes a ``RequestLike`` carries, at their defaults.
+        self.num_prompt_tokens = len(tokens)
+        self.num_in_flight_tokens = 0
+        self.shared_prefix_boundary = 0
+        self.skip_reading_prefix_cache = False
+        self.session_id: str | None = None
+        self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = []
         parent: BlockHash | None = None
         for i in range(len(tokens) // 4):

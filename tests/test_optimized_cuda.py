@@ -112,7 +112,7 @@ def _decode_steps(
         run()
         for r in requests:
             r.num_computed_tokens += 1
-        assert torch.equal(m.tables.on_device.cpu(), m.tables.on_host)
+        assert torch.equal(m.state.tables.on_device.cpu(), m.state.tables.on_host)
     m.check_invariants()
 
 
@@ -124,13 +124,15 @@ BATCHES = [(64, 4), (8, 2)]
 @pytest.mark.parametrize(("batch", "stagger"), BATCHES)
 def test_a_step_flushes_its_table_changes_once(batch: int, stagger: int) -> None:
     m, requests = _decoding("cpu", batch, stagger)
-    m.tables.on_device = m.tables.on_host.clone()  # a separate "device" copy, kept by flushes
+    m.state.tables.on_device = (
+        m.state.tables.on_host.clone()
+    )  # a separate "device" copy, kept by flushes
     writes: list[int] = []
 
     def step() -> None:
-        before = m.tables.copies
+        before = m.state.tables.copies
         assert all(x is not None for x in m.allocate_slots_batch(requests, 1))
-        writes.append(m.tables.copies - before)
+        writes.append(m.state.tables.copies - before)
 
     _decode_steps(m, requests, 12, step)
     assert max(writes) == 1  # some step changed the tables, and none wrote twice

@@ -94,7 +94,7 @@ def lead_counts(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[int]]]:
         return counts
 
     with monkeypatch.context() as patch:
-        patch.setattr("hybridkv.optimized.manager.lead_run", spy)
+        patch.setattr("hybridkv.optimized.hits.lead_run", spy)
         yield seen
 
 

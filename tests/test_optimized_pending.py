@@ -16,7 +16,7 @@ import pytest
 
 from hybridkv.optimized import TorchKVCacheManager, bulk_inserts, free_queue
 from hybridkv.optimized import block_pool as optimized_pool
-from hybridkv.optimized import manager as optimized_manager
+from hybridkv.optimized import step as optimized_step
 from hybridkv.optimized.hashing import hash_full_blocks_torch
 from hybridkv.reference import KVCacheManager, Request
 from hybridkv.reference.block_hash import BlockHash
@@ -253,7 +253,7 @@ def test_the_memo_adopts_a_pending_block_s_hash_at_once() -> None:
 
 
 def test_pending_work_waits_for_at_most_pending_max(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(optimized_manager, "PENDING_MAX", 4)
+    monkeypatch.setattr(optimized_step, "PENDING_MAX", 4)
     pair = Pair(80, block_size=1, window=2)
     pair.add("a", [1, 2, 3])
     pair.admit("a")

@@ -79,7 +79,7 @@ def runs_read(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 
     with monkeypatch.context() as patch:
         patch.setattr(Lookup, "source_run", spy)
-        patch.setattr("hybridkv.optimized.manager.lead_run", lead_spy)
+        patch.setattr("hybridkv.optimized.hits.lead_run", lead_spy)
         yield widths
 
 

@@ -318,17 +318,17 @@ class KVCacheManager:
         if self._checked.get(request.request_id) is request:
             return
         refuse(
-            getattr(request, "lora_request", None) is not None,
+            request.lora_request is not None,
             "LoRA requests (lora_request)",
             "LoRA names are extra keys of vLLM's block hashes and events",
         )
         refuse(
-            bool(getattr(request, "mm_features", None)),
+            bool(request.mm_features),
             "multimodal requests (mm_features)",
             "encoder inputs are not modelled",
         )
         refuse(
-            getattr(request, "prompt_embeds", None) is not None,
+            request.prompt_embeds is not None,
             "prompt embeddings (prompt_embeds)",
             "they are extra keys of vLLM's block hashes and events",
         )
@@ -342,8 +342,7 @@ class KVCacheManager:
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         refuse(
-            getattr(request, "kv_cache_report_mode", "incremental") == "full"
-            and self.enable_kv_cache_events,
+            request.kv_cache_report_mode == "full" and self.enable_kv_cache_events,
             "kv_cache_report_mode='full'",
             "events for reused blocks are not emitted",
         )

@@ -1,0 +1,141 @@
+"""Admission: a request's first allocation, adopting its cache hit, then taking new blocks.
+
+``allocate`` is ``allocate_slots`` after validation (a request that already holds a row goes
+to ``hybridkv.optimized.step``); ``whole_sequence_fits`` is a full-prompt admission's first
+check. Both count, per group, the positions a window or
+chunk skips (nulls), the hit's blocks adopted past them (those in the free queue leave it) and
+the new blocks the rest needs, all before changing anything, so a request that does not fit
+leaves the state as it was.
+
+Data layout
+-----------
+A hit is one ``GroupHit`` per group (``hybridkv.optimized.lookup``): an int32 numpy array of
+block ids with its count of leading nulls (``nulls``) and whether it holds no null past them
+(``dense``). ``adopted_blocks`` concatenates every group's real blocks past its skipped
+positions into one array (blocks differ across groups, so one ``touch_array`` adopts them);
+``adopt`` writes each group's table slice ``tab[base : base + size]`` in one numpy assignment
+and sets its row counters (``length``, ``cached``, ``kept``, ``nulls``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from hybridkv.optimized import general_caching, step
+from hybridkv.optimized.lookup import GroupHit
+from hybridkv.optimized.state import ManagerState
+from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
+from hybridkv.reference.request import RequestLike
+
+
+def allocate(
+    s: ManagerState,
+    request: RequestLike,
+    num_new_tokens: int,
+    num_new_computed_tokens: int,
+    hits: Sequence[GroupHit],
+    num_lookahead_tokens: int,
+    delay_cache_blocks: bool,
+    kept_free: int = 0,
+) -> KVCacheBlocks | None:
+    """``allocate_slots`` after validation, ``hits`` each group's adopted hit; ``kept_free``
+    blocks (reserved and watermark) must stay free."""
+    pool = s.pool
+    request_id = request.request_id
+    row = s.rows.row_of(request_id)
+    computed = min(request.num_computed_tokens + num_new_computed_tokens, s.layout.max_model_len)
+    need = min(computed + num_new_tokens + num_lookahead_tokens, s.layout.max_model_len)
+    cache_up_to = -1
+    if s.layout.caching and not delay_cache_blocks:
+        cache_up_to = min(computed + num_new_tokens, request.num_tokens)
+    if row is not None:
+        return step.step(s, request, row, computed, need, cache_up_to, kept_free)
+    # Admission: skipped positions, then the adopted hits, then new blocks.
+    required = [rule.blocks_for_tokens(need) for rule in s.layout.rules]
+    skipped = [rule.skipped_positions(computed) for rule in s.layout.rules]
+    adopted = adopted_blocks(hits, skipped)
+    total = int(np.count_nonzero(pool.ref.n[adopted] == 0))  # hits in the free queue
+    for g, count in enumerate(required):
+        total += max(count - max(skipped[g], len(hits[g])), 0)
+    if total + kept_free > pool.num_free_blocks:
+        return None
+    row = s.rows.take(request_id)
+    adopt(s, row, hits, skipped, adopted)
+    admitted = step.extend(s, row, required)
+    if cache_up_to >= 0:
+        general_caching.cache(s, request, row, cache_up_to)
+    s.thresholds.refresh(row)
+    return KVCacheBlocks(admitted)
+
+
+def whole_sequence_fits(
+    s: ManagerState,
+    request: RequestLike,
+    num_new_computed_tokens: int,
+    hits: Sequence[GroupHit],
+    watermark_blocks: int = 0,
+) -> bool:
+    """A full-prompt admission's first check: the whole sequence, a window counting only
+    what it ever holds at once, fits in the free blocks less the watermark (before anything
+    is released)."""
+    computed = min(request.num_computed_tokens + num_new_computed_tokens, s.layout.max_model_len)
+    full_length = min(request.num_tokens, s.layout.max_model_len)
+    row = s.rows.row_of(request.request_id)
+    length = s.rows.length
+    total = 0
+    skipped = [rule.skipped_positions(computed) for rule in s.layout.rules]
+    for g, rule in enumerate(s.layout.rules):
+        required = rule.blocks_for_tokens(full_length)
+        cap = s.layout.admission_caps[g]
+        if cap is not None:
+            required = min(required, cap)
+        if row is not None:
+            total += max(required - length[row * s.layout.num_groups + g], 0)
+        else:
+            total += max(required - max(skipped[g], len(hits[g])), 0)
+    if row is None:
+        adopted = adopted_blocks(hits, skipped)
+        total += int(np.count_nonzero(s.pool.ref.n[adopted] == 0))
+    return total + watermark_blocks <= s.pool.num_free_blocks
+
+
+def adopted_blocks(hits: Sequence[GroupHit], skipped: Sequence[int]) -> npt.NDArray[Any]:
+    """The real blocks an admission adopts: each group's hit past its skipped positions
+    (every group's blocks differ from the others', and a group's from each other)."""
+    parts = [hit.ids[max(skip - hit.nulls, 0) :] for hit, skip in zip(hits, skipped, strict=True)]
+    adopted = np.concatenate(parts) if parts else np.empty(0, dtype=np.int32)
+    real: npt.NDArray[Any] = adopted[adopted != 0]
+    return real
+
+
+def adopt(
+    s: ManagerState,
+    row: int,
+    hits: Sequence[GroupHit],
+    skipped: Sequence[int],
+    adopted: npt.NDArray[Any],
+) -> None:
+    """Admit a request: null positions for its skipped tokens, then its adopted hits (whose
+    real blocks are ``adopted``)."""
+    s.pool.touch_array(adopted)
+    rows, tab = s.rows, s.tab.n
+    row_base = row * s.layout.max_blocks_per_req
+    for g, (hit, skip) in enumerate(zip(hits, skipped, strict=True)):
+        base = s.layout.group_bases[g] + row_base
+        size = max(skip, len(hit))
+        zeros = max(skip, hit.nulls)  # positions before the hit's first adopted block
+        ids = hit.ids[zeros - hit.nulls :] if zeros < size else hit.ids[:0]
+        tab[base : base + zeros] = 0
+        tab[base + zeros : base + size] = ids
+        nulls = zeros
+        if not hit.dense and ids.shape[0]:
+            real = np.flatnonzero(ids)
+            nulls += int(real[0]) if real.shape[0] else int(ids.shape[0])
+        i = rows.index(row, g)
+        rows.length[i] = rows.cached[i] = rows.kept[i] = size
+        rows.nulls[i] = nulls
+        s.tables.touched(g, row, 0, size)
