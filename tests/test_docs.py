@@ -139,3 +139,17 @@ def test_the_grouping_policies_table_is_what_its_command_prints() -> None:
     ).stdout.strip()
     assert printed.count("\n| ") == 28  # the header, 25 catalogue models and 2 layouts
     assert pasted.startswith(printed + "\n\n")
+
+
+def test_the_kill_tables_modules_are_where_the_catalogue_plants_each_bug() -> None:
+    """Each row of the planted-bug table in docs/checks.md names the module its mutant patches
+    today (code moves; the table must follow)."""
+    from hybridkv.conformance.mutants import MUTANTS
+
+    where = {m.name: m.module.removeprefix("hybridkv.") for m in MUTANTS}
+    rows = re.findall(
+        r"^\| `([a-z0-9_]+)` \| `([a-z0-9_.]+)` \|", read_page("docs/checks.md"), re.M
+    )
+    listed = {name: module for name, module in rows if name in where}
+    assert len(listed) == len(where)
+    assert {name: module for name, module in listed.items() if where[name] != module} == {}
