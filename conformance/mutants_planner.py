@@ -47,8 +47,8 @@ PLANNER_MUTANTS: tuple[Mutant, ...] = (
         "groups follow the model's order of types instead of full attention first",
         "reference.planner",
         (
-            'ordered = sorted(types.items(), key=lambda item: spec_kind(item[0]) != "full")',
-            "ordered = list(types.items())",
+            "ordered = full_attention_first(_types_in_model_order(specs))",
+            "ordered = list(_types_in_model_order(specs).items())",
         ),
     ),
 )

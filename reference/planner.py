@@ -30,14 +30,18 @@ from hybridkv.reference.grouping import GroupingPolicy, check_policy, split_type
 from hybridkv.reference.pipeline import layer_stages as layer_stages_of
 from hybridkv.spec import rules
 from hybridkv.spec.errors import check_non_negative
-from hybridkv.spec.kv_cache_config import KVCacheConfig, KVCacheGroup, KVCacheTensor
+from hybridkv.spec.kv_cache_config import (
+    KVCacheConfig,
+    KVCacheGroup,
+    KVCacheTensor,
+    full_attention_first,
+)
 from hybridkv.spec.kv_cache_spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
-    spec_kind,
 )
 
 _NO_SHARING: Mapping[str, str] = MappingProxyType({})
@@ -245,8 +249,7 @@ def _attention_types(specs: Mapping[str, KVCacheSpec]) -> dict[KVCacheSpec, tupl
     Gemma-3, whose first layer is sliding window) and the hybrid coordinator, which asks full
     attention for its hit first.
     """
-    types = _types_in_model_order(specs)
-    ordered = sorted(types.items(), key=lambda item: spec_kind(item[0]) != "full")
+    ordered = full_attention_first(_types_in_model_order(specs))
     return dict(ordered)
 
 

@@ -7,10 +7,25 @@ one buffer shared by one layer of every group; a logical block is one slice of e
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from hybridkv.spec.errors import check_non_negative
 from hybridkv.spec.kv_cache_spec import KVCacheSpec
+
+_V = TypeVar("_V")
+
+
+def full_attention_first(types: Mapping[KVCacheSpec, _V]) -> list[tuple[KVCacheSpec, _V]]:
+    """The attention-type order, written once: full attention (whose hit is a prefix) first,
+    the other types in order of first appearance.
+
+    The planner numbers its groups so (the document's Group 0 is full attention even in
+    Gemma-3, whose first layer is sliding window) and the hybrid coordinator probes its types
+    so (full attention's hit bounds every other type's).
+    """
+    return sorted(types.items(), key=lambda item: not item[0].hit_is_prefix)
 
 
 @dataclass(frozen=True)
@@ -86,6 +101,4 @@ class KVCacheConfig:
         types: dict[KVCacheSpec, list[int]] = {}
         for group_id, group in enumerate(self.groups):
             types.setdefault(group.spec, []).append(group_id)
-        ordered = list(types.items())
-        ordered.sort(key=lambda item: not item[0].hit_is_prefix)
-        return ordered
+        return full_attention_first(types)
