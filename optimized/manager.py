@@ -4,8 +4,8 @@ Same public API and observable behaviour as ``hybridkv.reference.KVCacheManager`
 results, free-queue order, reference counts, cached blocks, events and statistics), plus:
 ``device``, the capacity limits ``max_num_reqs`` and ``max_blocks_per_req``, the block-table
 tensors (``block_table``, ``row_of``), the batched calls ``allocate_slots_batch`` and
-``free_batch``, ``host_nbytes``, ``block_hasher``, the size thresholds in ``tuning`` and the
-whole ``state``.
+``free_batch``, ``host_nbytes``, ``block_hasher`` and ``make_request``, the size thresholds
+in ``tuning`` and the whole ``state``.
 
 This module is the facade: it validates each call and dispatches it to the phase that serves
 it, each a module of functions over one ``ManagerState`` (``hybridkv.optimized.state``, which
@@ -14,18 +14,16 @@ allocation), ``step`` (a running request's step), ``caching`` and ``general_cach
 (entering full blocks into the prefix cache), ``mamba`` (a Mamba ``"align"`` layout, request
 by request), ``batch`` (whole steps) and ``invariants`` (observation and self-checks).
 
-Data layout
------------
-The manager holds the state, the statistics and the last lookup's result, and keeps direct
-references to what the quiet exit of ``allocate_slots`` reads: the row counters
-(``RowTables.quiet_below[row]`` says in one comparison that a step needs no work, which
-decides most decode calls at once) and a few flags of the ``GroupLayout``.
+Data layout: the manager holds the state, the statistics and the last lookup's result, and
+references what the quiet exit of ``allocate_slots`` reads: the row counters (one comparison
+with ``RowTables.quiet_below[row]`` decides most decode calls) and a few ``GroupLayout`` flags.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -40,8 +38,12 @@ from hybridkv.optimized import (
 )
 from hybridkv.optimized.layout import BlockIds, GroupLayout
 from hybridkv.optimized.state import ManagerState, Tuning, tuning_knob
-from hybridkv.reference.events import EventBuilder, KVCacheEvent, PrefixCacheStats, count_admission
+from hybridkv.reference.events import (
+    EventBuilder,
+    KVCacheEvent,
+)
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
+from hybridkv.reference.prefix_stats import PrefixCacheCounter, PrefixCacheStatsCalls
 from hybridkv.reference.request import Request, RequestLike
 from hybridkv.reference.snapshot import PoolSnapshot
 from hybridkv.reference.validation import (
@@ -55,7 +57,7 @@ from hybridkv.spec.errors import check_non_negative
 __all__ = ["BlockIds", "TorchKVCacheManager", "Tuning"]
 
 
-class TorchKVCacheManager:
+class TorchKVCacheManager(PrefixCacheStatsCalls):
     """Allocation and prefix caching for every KV cache group, on flat buffers (see the module
     doc)."""
 
@@ -106,17 +108,29 @@ class TorchKVCacheManager:
         self._s = s = ManagerState.build(layout, self.device, builder, tuning or Tuning())
         self.pool = s.pool
         self.block_hasher = s.block_hasher
-        """The block hasher for this manager's requests: ``Request(..., hash_block_size=
-        manager.hash_block_size, block_hasher=manager.block_hasher)``. It returns the hashes of
-        ``hash_full_blocks_torch``, adopting those of a prefix this manager has cached
-        (``hybridkv.optimized.hash_memo``) and hashing only the rest."""
+        """``hash_full_blocks_torch``'s hashes, adopting those of a prefix this manager has
+        cached (``hybridkv.optimized.hash_memo``): ``make_request`` builds requests with it."""
         # What the quiet exit of ``allocate_slots`` reads, one attribute away.
         self._rows, self._row_of = s.rows, s.rows.row_of
         self._has_align, self._no_blocks = layout.has_align, layout.no_blocks
-        self._stats = PrefixCacheStats()
+        self._stats = PrefixCacheCounter(log_stats)
         # The last lookup's result: handed back to ``allocate_slots`` as it is, its ids need
         # no checking (they are pool blocks by construction).
         self._issued: KVCacheBlocks | None = None
+
+    def make_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], **options: Any
+    ) -> Request:
+        """A ``Request`` on this manager's fast path: hashed at its hash block size and
+        lookahead by ``block_hasher``; ``options`` are ``Request``'s other keywords."""
+        return Request(
+            request_id,
+            prompt_token_ids,
+            hash_block_size=self.hash_block_size,
+            num_hash_lookahead_tokens=self.lookahead,
+            block_hasher=self.block_hasher,
+            **options,
+        )
 
     @property
     def state(self) -> ManagerState:
@@ -349,8 +363,7 @@ class TorchKVCacheManager:
         if not self.pool.reset_prefix_cache():
             return False
         self._s.row_src[:] = [-1] * self.max_num_reqs
-        if self.log_stats:
-            self._stats = self._stats.after_reset()
+        self._stats.after_reset()
         return True
 
     @property
@@ -366,25 +379,6 @@ class TorchKVCacheManager:
     def take_events(self) -> list[KVCacheEvent]:
         self._s.settle()
         return self.pool.take_events()
-
-    @property
-    def prefix_cache_stats(self) -> PrefixCacheStats | None:
-        """The statistics counted since the last ``make_prefix_cache_stats`` (``None`` with
-        ``log_stats`` off)."""
-        return self._stats if self.log_stats else None
-
-    def prefix_cache_lookup_enabled(self, request: RequestLike) -> bool:
-        return self.enable_caching and not request.skip_reading_prefix_cache
-
-    def record_prefix_cache_stats(self, request: RequestLike, num_hits: int) -> None:
-        if self.log_stats and self.prefix_cache_lookup_enabled(request):
-            self._stats = count_admission(self._stats, request, num_hits)
-
-    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
-        if not self.log_stats:
-            return None
-        stats, self._stats = self._stats, PrefixCacheStats()
-        return stats
 
     def snapshot(self) -> PoolSnapshot:
         return invariants.snapshot(self._s)

@@ -13,17 +13,18 @@ a sliding window or chunk, exactly as a successful one would have).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
+from typing import Any
 
 from hybridkv.policies import EvictionPolicy, resolve_policy
 from hybridkv.reference.coordinator import make_coordinator
 from hybridkv.reference.events import (
     EventBuilder,
     KVCacheEvent,
-    PrefixCacheStats,
-    count_admission,
 )
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
-from hybridkv.reference.request import RequestLike
+from hybridkv.reference.prefix_stats import PrefixCacheCounter, PrefixCacheStatsCalls
+from hybridkv.reference.request import Request, RequestLike
 from hybridkv.reference.single_type_managers import BlocksPerGroup, prompt_tokens
 from hybridkv.reference.snapshot import PoolSnapshot
 from hybridkv.reference.validation import (
@@ -40,7 +41,7 @@ from hybridkv.spec import (
 from hybridkv.spec.errors import check_non_negative, require
 
 
-class KVCacheManager:
+class KVCacheManager(PrefixCacheStatsCalls):
     """Allocation and prefix caching for every KV cache group of one model.
 
     The keyword-only settings are an engine's (vLLM's names):
@@ -109,10 +110,24 @@ class KVCacheManager:
         self.block_pool = self.coordinator.block_pool
         self.num_groups = len(config.groups)
         self.log_stats = log_stats
-        self._stats = PrefixCacheStats()
+        self._stats = PrefixCacheCounter(log_stats)
         # Tokens in flight at each request's last allocation: that step still reads the Mamba
         # states before them, so an "align" table may hold their blocks too (the invariant).
         self._in_flight: dict[str, int] = {}
+
+    def make_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], **options: Any
+    ) -> Request:
+        """A ``Request`` hashed as this manager reads it (its hash block size and lookahead);
+        ``options`` are ``Request``'s other keywords. The optimized backend's ``make_request``
+        also gives it that backend's hashing memo, so the same line is the fast path there."""
+        return Request(
+            request_id,
+            prompt_token_ids,
+            hash_block_size=self.hash_block_size,
+            num_hash_lookahead_tokens=self.settings.num_hash_lookahead_tokens,
+            **options,
+        )
 
     # --- The scheduler's calls --------------------------------------------------------------
 
@@ -293,8 +308,7 @@ class KVCacheManager:
         """Forget every cached block; refused (``False``) while any request holds a block."""
         if not self.block_pool.reset_prefix_cache():
             return False
-        if self.log_stats:
-            self._stats = self._stats.after_reset()
+        self._stats.after_reset()
         return True
 
     # --- Observation ------------------------------------------------------------------------
@@ -312,36 +326,6 @@ class KVCacheManager:
         """KV cache events since the last call, in vLLM 0.33's schema (``reference.events``;
         empty unless events are enabled)."""
         return self.block_pool.take_events()
-
-    @property
-    def prefix_cache_stats(self) -> PrefixCacheStats | None:
-        """The statistics counted since the last ``make_prefix_cache_stats`` (``None`` with
-        ``log_stats`` off)."""
-        return self._stats if self.log_stats else None
-
-    def prefix_cache_lookup_enabled(self, request: RequestLike) -> bool:
-        """Whether ``get_computed_blocks`` looks ``request`` up: caching is on and the request
-        does not skip reading the cache."""
-        return self.enable_caching and not request.skip_reading_prefix_cache
-
-    def record_prefix_cache_stats(self, request: RequestLike, num_hits: int) -> None:
-        """Count the lookup that admitted ``request``, with its ``num_hits`` cached tokens.
-
-        The scheduler calls it when ``allocate_slots`` admitted the request, not after every
-        lookup: a waiting request is looked up at every step until it fits, and only the
-        admitting lookup says what the cache saved (vLLM's rule). Nothing is counted with
-        ``log_stats`` off or for a request that did not look the cache up.
-        """
-        if self.log_stats and self.prefix_cache_lookup_enabled(request):
-            self._stats = count_admission(self._stats, request, num_hits)
-
-    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
-        """Admitted lookups since the last call (the counters restart), or ``None`` with
-        ``log_stats`` off."""
-        if not self.log_stats:
-            return None
-        stats, self._stats = self._stats, PrefixCacheStats()
-        return stats
 
     def snapshot(self) -> PoolSnapshot:
         """The pool's observable state as one comparable value."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 from markdown_pages import ROOT, fenced_block, read_page
@@ -15,6 +16,24 @@ def test_the_quick_start_runs() -> None:
     namespace: dict[str, object] = {}
     exec(compile(code, "README.md", "exec"), namespace)
     assert namespace["num_hit_tokens"] == 0
+
+
+def test_the_quick_start_takes_the_optimized_backends_fast_path_with_the_same_lines() -> None:
+    """The same lines with ``TorchKVCacheManager``: the same blocks and hashes, and the request
+    hashed by the backend's memo (``make_request``), with no keyword a user has to know."""
+    pytest.importorskip("torch")
+    from hybridkv.optimized import TorchKVCacheManager
+
+    code = fenced_block("README.md", "Quick start", "python")
+    fast = code.replace("manager = KVCacheManager(", "manager = TorchKVCacheManager(")
+    assert fast != code
+    reference: dict[str, Any] = {}
+    optimized: dict[str, Any] = {"TorchKVCacheManager": TorchKVCacheManager}
+    exec(compile(code, "README.md", "exec"), reference)
+    exec(compile(fast, "README.md", "exec"), optimized)
+    assert optimized["req"].block_hasher == optimized["manager"].block_hasher
+    assert optimized["req"].block_hashes == reference["req"].block_hashes
+    assert optimized["new"].get_block_ids() == reference["new"].get_block_ids()
 
 
 def test_the_readme_has_exactly_two_setup_commands_and_ci_runs_the_second() -> None:
