@@ -98,12 +98,13 @@ def test_vllms_scheduler_tests_pass_on_both_backends_but_for_named_refusals(
         source = own_tests.fetch_source()
     except own_tests.SourceUnavailable as error:
         pytest.skip(f"vLLM's test tree is unavailable: {error}")
-    baseline = own_tests.run_tests(source, "vllm", tmp_path / "vllm.xml")
+    runs = own_tests.run_concurrently(
+        source, {name: tmp_path / f"{name}.xml" for name in own_tests.RUNS}
+    )
+    baseline = runs["vllm"]
     assert sum(o.status == "passed" for o in baseline.values()) == 234
     for backend in ("reference", "optimized"):
-        comparison = compare(
-            baseline, backend, own_tests.run_tests(source, backend, tmp_path / f"{backend}.xml")
-        )
+        comparison = compare(baseline, backend, runs[backend])
         print(own_tests.summary(baseline, [comparison]))
         assert comparison.unexplained == ()
         assert (comparison.passed, sum(comparison.refused.values())) == (153, 81)

@@ -4,7 +4,8 @@
 distribution (downloaded once into ``~/.cache/hybridkv``, see ``fetch_source``; or ``--source
 DIR``), runs ``tests/v1/core/test_scheduler.py`` and ``test_async_scheduler.py`` three times
 through ``hybridkv.integrations.vllm.pytest_plugin`` (``--hybridkv-backend vllm``, ``reference``,
-``optimized``; models served offline), and compares the outcomes test by test.
+``optimized``; models served offline; the three runs at once), and compares the outcomes test by
+test.
 
 A test that passes on vLLM's manager must pass on each backend, unless it fails on a setting
 the integration refuses by name (``UnsupportedSetting``, ``UnsupportedInternal``) or on an
@@ -123,17 +124,43 @@ def _download_sdist() -> bytes:
 
 def run_tests(source: Path, backend: str, report: Path) -> dict[str, Outcome]:
     """Run vLLM's scheduler tests with ``backend``'s manager; each test's outcome."""
-    command = [
+    return run_concurrently(source, {backend: report})[backend]
+
+
+def run_concurrently(source: Path, reports: dict[str, Path]) -> dict[str, dict[str, Outcome]]:
+    """Run vLLM's scheduler tests once per backend, all runs at once; each run's outcomes.
+
+    The runs are independent processes (one pytest each, writing its own JUnit report), so
+    starting them together lets them share the machine's cores instead of queueing; the
+    outcomes are the same as one run after another.
+    """
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+    commands = {backend: _pytest_command(backend, report) for backend, report in reports.items()}
+    running = {
+        backend: subprocess.Popen(
+            command, cwd=source, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        for backend, command in commands.items()
+    }
+    for process in running.values():
+        process.wait()
+    outcomes: dict[str, dict[str, Outcome]] = {}
+    for backend, report in reports.items():
+        if not report.is_file():
+            raise RuntimeError(
+                f"pytest wrote no report for backend {backend!r}: {commands[backend]}"
+            )
+        outcomes[backend] = parse_report(report)
+    return outcomes
+
+
+def _pytest_command(backend: str, report: Path) -> list[str]:
+    return [
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
         "-p", "hybridkv.integrations.vllm.pytest_plugin", "--hybridkv-backend", backend,
         "--hybridkv-offline-models", "--confcutdir", "tests/v1/core",
         f"--junitxml={report}", *TEST_FILES,
     ]  # fmt: skip
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
-    subprocess.run(command, cwd=source, env=env, capture_output=True, check=False)
-    if not report.is_file():
-        raise RuntimeError(f"pytest wrote no report for backend {backend!r}: {command}")
-    return parse_report(report)
 
 
 def parse_report(report: Path) -> dict[str, Outcome]:
@@ -224,11 +251,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"vLLM's tests unavailable: {error}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
-        baseline = run_tests(source, "vllm", Path(tmp) / "vllm.xml")
-        comparisons = [
-            compare(baseline, backend, run_tests(source, backend, Path(tmp) / f"{backend}.xml"))
-            for backend in args.backend or RUNS[1:]
-        ]
+        backends = args.backend or list(RUNS[1:])
+        runs = run_concurrently(
+            source, {name: Path(tmp) / f"{name}.xml" for name in ["vllm", *backends]}
+        )
+        baseline = runs["vllm"]
+        comparisons = [compare(baseline, backend, runs[backend]) for backend in backends]
     print(summary(baseline, comparisons))
     return 1 if any(c.unexplained for c in comparisons) else 0
 
