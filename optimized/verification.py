@@ -26,7 +26,7 @@ from hybridkv.optimized.block_pool import TorchBlockPool
 from hybridkv.optimized.sources import Source
 from hybridkv.optimized.thresholds import AGREE_MIN_STEP
 from hybridkv.reference.block_hash import BlockHash
-from hybridkv.reference.request import RequestLike
+from hybridkv.reference.request import Request, RequestLike
 
 
 def hashes_view(hashes: Sequence[BlockHash], scale: int) -> Sequence[BlockHash]:
@@ -92,8 +92,11 @@ class Verification:
         self.request_hashes: Sequence[BlockHash] = request.block_hashes
         self.hashes: Sequence[BlockHash] = hashes_view(request.block_hashes, scale)
         self.tokens: Sequence[int] = request.all_token_ids
-        self.packed: Sequence[int] | None = getattr(request, "packed_token_ids", None)
-        self.salt: object = getattr(request, "cache_salt", None)
+        # Only hybridkv's own ``Request`` keeps a packed copy (vLLM's does not).
+        self.packed: Sequence[int] | None = (
+            request.packed_token_ids if isinstance(request, Request) else None
+        )
+        self.salt: object = request.cache_salt
         self.block_size = block_size
         self.lookahead = lookahead
         self._views: dict[int, Sequence[BlockHash]] = {}

@@ -61,13 +61,13 @@ managers, beside ``MANAGERS``; a spec's own ``skipped_tokens`` calls the same ru
 
 
 def prompt_tokens(request: RequestLike) -> int:
-    """The request's prompt length (all its tokens, for a request object without one)."""
-    return int(getattr(request, "num_prompt_tokens", request.num_tokens))
+    """The request's prompt length (``RequestLike.num_prompt_tokens``)."""
+    return request.num_prompt_tokens
 
 
 def shared_prefix_boundary(request: RequestLike) -> int:
-    """The scheduler's copy of the request's shared-prefix boundary (0 if it keeps none)."""
-    return int(getattr(request, "shared_prefix_boundary", 0))
+    """The scheduler's copy of the request's shared-prefix boundary (0 until it stores one)."""
+    return request.shared_prefix_boundary
 
 
 def num_evictable(blocks: Sequence[KVCacheBlock]) -> int:
