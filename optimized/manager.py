@@ -40,6 +40,7 @@ from hybridkv.optimized import (
 )
 from hybridkv.optimized.layout import BlockIds, GroupLayout
 from hybridkv.optimized.state import ManagerState, Tuning, tuning_knob
+from hybridkv.policies import EvictionPolicy, resolve_policy
 from hybridkv.reference.events import EventBuilder, KVCacheEvent, PrefixCacheStats, count_admission
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import Request, RequestLike
@@ -76,7 +77,9 @@ class TorchKVCacheManager:
         log_stats: bool = True,
         event_builder_class: type[EventBuilder] = EventBuilder,
         tuning: Tuning | None = None,
+        eviction_policy: str | EvictionPolicy = "lru",
     ) -> None:
+        policy = resolve_policy(eviction_policy)
         self.settings = settings = validate_manager_config(
             config,
             max_model_len,
@@ -94,6 +97,7 @@ class TorchKVCacheManager:
             max_blocks_per_req,
             caching=enable_caching,
             events=enable_kv_cache_events,
+            immediate=policy is not None,
         )
         self.config, self.max_model_len, self.enable_caching = config, max_model_len, enable_caching
         self.log_stats = log_stats
@@ -103,8 +107,9 @@ class TorchKVCacheManager:
         self.retention_interval = layout.retention_interval
         self.device = torch.device(device)
         builder = event_builder_class.of(config, self.lookahead) if enable_kv_cache_events else None
-        self._s = s = ManagerState.build(layout, self.device, builder, tuning or Tuning())
+        self._s = s = ManagerState.build(layout, self.device, builder, tuning or Tuning(), policy)
         self.pool = s.pool
+        self.eviction_policy = "lru" if policy is None else policy.name
         self.block_hasher = s.block_hasher
         """The block hasher for this manager's requests: ``Request(..., hash_block_size=
         manager.hash_block_size, block_hasher=manager.block_hasher)``. It returns the hashes of
@@ -252,7 +257,7 @@ class TorchKVCacheManager:
             checked = True  # no hit, plain counts: nothing more to check
         else:
             checked = False
-        return allocation.allocate(
+        allocated = allocation.allocate(
             self._s,
             request,
             num_new_tokens,
@@ -266,6 +271,8 @@ class TorchKVCacheManager:
             checked=checked,
             issued=new_computed_blocks is not None and new_computed_blocks is self._issued,
         )
+        self._s.raise_policy_error()
+        return allocated
 
     def allocate_slots_batch(
         self,
@@ -329,6 +336,7 @@ class TorchKVCacheManager:
         self._s.settle()
         check_block_hashes(request, self.hash_block_size, self.lookahead, allow_fewer=True)
         general_caching.cache_blocks(self._s, request, num_computed_tokens)
+        self._s.raise_policy_error()
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's whole block table per group (empty lists for an unknown request)."""
@@ -351,6 +359,7 @@ class TorchKVCacheManager:
         self._s.row_src[:] = [-1] * self.max_num_reqs
         if self.log_stats:
             self._stats = self._stats.after_reset()
+        self._s.raise_policy_error()
         return True
 
     @property
