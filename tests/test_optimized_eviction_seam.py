@@ -16,6 +16,10 @@ from typing import Any
 
 import pytest
 
+from hybridkv.conformance.adapters import manager_backend
+from hybridkv.conformance.adapters.backends import SMALL_THRESHOLDS
+from hybridkv.conformance.golden import replay_trace, trace_names
+from hybridkv.conformance.machine import run_differential
 from hybridkv.optimized import TorchKVCacheManager
 from hybridkv.policies import CachedBlock, LRUPolicy, PolicyError
 from hybridkv.reference import KVCacheManager, Request
@@ -94,6 +98,63 @@ class Choosing(LRUPolicy):
 
     def choose(self, n: int) -> Sequence[int]:
         return self.answer  # type: ignore[return-value]
+
+
+def _small_thresholds_on_odd_pools(manager: Any, config: KVCacheConfig) -> None:
+    """The optimized backend's vectorised lookups on half the layouts, as ``optimized_backend``
+    draws them (the vectorised steps and batches stay off under a policy)."""
+    if config.num_blocks % 2:
+        for attribute, value in SMALL_THRESHOLDS.items():
+            setattr(manager, attribute, value)
+
+
+@pytest.mark.parametrize("policy", SHIPPED)
+def test_each_shipped_policy_gives_the_same_blocks_hits_and_events_on_both_backends(
+    policy: str,
+) -> None:
+    backends = [
+        manager_backend("reference", KVCacheManager, eviction_policy=policy),
+        manager_backend(
+            "optimized",
+            TorchKVCacheManager,
+            configure=_small_thresholds_on_odd_pools,
+            eviction_policy=policy,
+            max_num_reqs=32,
+        ),
+    ]
+    stats = run_differential(backends, max_examples=120, steps=40)
+    assert stats.examples > 0
+    assert stats.steps > stats.examples
+
+
+def test_another_order_on_one_backend_is_caught_by_the_lockstep_run() -> None:
+    """The lockstep run can fail: LRU against newest-first differs at the first reuse."""
+    backends = [
+        manager_backend("reference", KVCacheManager),
+        manager_backend(
+            "optimized",
+            TorchKVCacheManager,
+            eviction_policy="tests.test_eviction_seam:NewestFirst",
+            max_num_reqs=32,
+        ),
+    ]
+    with pytest.raises(Exception, match="optimized differs from reference"):
+        run_differential(backends, max_examples=40, steps=30, shrink=False)
+
+
+@pytest.mark.parametrize("trace_set", ["unit", "engine"])
+def test_lru_through_the_seam_replays_every_golden_trace_on_the_optimized_backend(
+    trace_set: str,
+) -> None:
+    _, factory = manager_backend(
+        "optimized-lru-seam", TorchKVCacheManager, eviction_policy=LRU_SEAM
+    )
+    names = trace_names(trace_set)
+    assert len(names) > 100
+    for name in names:
+        matched, divergence = replay_trace(name, factory)
+        assert divergence is None, str(divergence)
+        assert matched > 0
 
 
 def test_the_default_holds_no_policy() -> None:
