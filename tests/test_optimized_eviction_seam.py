@@ -16,8 +16,10 @@ from typing import Any
 
 import pytest
 
-from hybridkv.conformance.adapters import manager_backend
+from hybridkv.conformance import __main__ as conformance_command
+from hybridkv.conformance.adapters import EngineOptions, backends_named, manager_backend
 from hybridkv.conformance.adapters.backends import SMALL_THRESHOLDS
+from hybridkv.conformance.adapters.protocol_adapter import ProtocolAdapter
 from hybridkv.conformance.golden import replay_trace, trace_names
 from hybridkv.conformance.machine import run_differential
 from hybridkv.optimized import TorchKVCacheManager
@@ -283,3 +285,32 @@ def test_a_policy_that_raises_is_named_on_the_optimized_backend() -> None:
     with pytest.raises(PolicyError, match=r"'broken' raised in touched: KeyError: 'oops'"):
         manager.allocate_slots(b, 9 - num_hit, num_hit, hit)
     manager.check_invariants()
+
+
+def test_the_conformance_command_checks_both_backends_under_a_policy(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--eviction", "arc", "--examples", "12", "--steps", "20", "--hit-states", "20"]
+    status = conformance_command.main(argv)
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "golden traces skipped: they record vLLM's LRU order, not arc" in out
+    assert "under test reference, optimized[cpu]" in out
+    assert "PASS  differential machine" in out
+
+
+def test_the_conformance_command_refuses_an_unknown_policy_by_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert conformance_command.main(["--eviction", "fifo"]) == 2
+    assert "eviction_policy 'fifo' is not a policy name" in capsys.readouterr().err
+
+
+def test_the_conformance_backends_take_the_policy() -> None:
+    reference, optimized = backends_named("both", eviction_policy="cost")
+    adapters = [
+        factory(_config(), 64, True, False, EngineOptions())
+        for _, factory in (reference, optimized)
+    ]
+    managers = [adapter.manager for adapter in adapters if isinstance(adapter, ProtocolAdapter)]
+    assert [getattr(m, "eviction_policy", None) for m in managers] == ["cost", "cost"]
