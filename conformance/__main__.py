@@ -44,6 +44,7 @@ from hybridkv.conformance.adapters import (
 )
 from hybridkv.conformance.extras import missing_extra
 from hybridkv.extras import first_missing, needs_line
+from hybridkv.policies import resolve_policy
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--crosshair", action="store_true", help="run the CrossHair manifest")
     parser.add_argument("--mutants", action="store_true", help="hunt the planted bugs")
     parser.add_argument("--no-golden", action="store_true", help="skip the golden traces")
+    parser.add_argument(
+        "--eviction",
+        metavar="POLICY",
+        default="lru",
+        help="eviction policy of both backends: lru, hybrid, cost, arc or module:Class "
+        "(golden traces, vLLM's LRU order, only with lru)",
+    )
     parser.add_argument(
         "--adapter",
         metavar="MODULE:FACTORY",
@@ -248,6 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "--adapter and --backend are exclusive (--adapter is compared "
                     "with the reference)"
                 )
+            if args.eviction != "lru":
+                raise ValueError("--adapter and --eviction are exclusive (the adapter builds it)")
             under_test = [load_backend(args.adapter)]
             adapter_specs = {under_test[0][0]: args.adapter}
             backends = [reference_backend(), *under_test]
@@ -255,7 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             choice = args.backend or (
                 "both" if optimized_backend(args.device) is not None else "reference"
             )
-            backends = backends_named(choice, args.device)
+            resolve_policy(args.eviction)  # a bad name: refused here, by name
+            backends = backends_named(choice, args.device, args.eviction)
             under_test = backends
             adapter_specs = {}
         if args.traces is not None:
@@ -278,7 +289,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"seed {'derandomized' if args.seed is None else args.seed}"
     )
 
-    if not args.no_golden:
+    if args.eviction != "lru":
+        print(f"golden traces skipped: they record vLLM's LRU order, not {args.eviction}")
+    elif not args.no_golden:
         _section("golden traces (vLLM 0.33)")
         try:
             results["golden traces"] = run_golden(under_test, args.traces)

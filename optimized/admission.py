@@ -28,6 +28,7 @@ import numpy.typing as npt
 from hybridkv.optimized import general_caching, step
 from hybridkv.optimized.lookup import GroupHit
 from hybridkv.optimized.state import ManagerState
+from hybridkv.policies.protocol import PolicyError
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import RequestLike
 
@@ -65,7 +66,11 @@ def allocate(
         return None
     row = s.rows.take(request_id)
     adopt(s, row, hits, skipped, adopted)
-    admitted = step.extend(s, row, required)
+    try:
+        admitted = step.extend(s, row, required)
+    except PolicyError:
+        s.thresholds.refresh(row)  # the request keeps its hits, as the reference's does
+        raise
     if cache_up_to >= 0:
         general_caching.cache(s, request, row, cache_up_to)
     s.thresholds.refresh(row)
@@ -120,8 +125,13 @@ def adopt(
     adopted: npt.NDArray[Any],
 ) -> None:
     """Admit a request: null positions for its skipped tokens, then its adopted hits (whose
-    real blocks are ``adopted``)."""
-    s.pool.touch_array(adopted)
+    real blocks are ``adopted``; a policy hears them group by group, as the reference adopts
+    them)."""
+    if s.pool.policy is None:
+        s.pool.touch_array(adopted)
+    else:
+        for hit, skip in zip(hits, skipped, strict=True):
+            s.pool.touch(hit.ids[max(skip - hit.nulls, 0) :].tolist())
     rows, tab = s.rows, s.tab.n
     row_base = row * s.layout.max_blocks_per_req
     for g, (hit, skip) in enumerate(zip(hits, skipped, strict=True)):

@@ -28,7 +28,8 @@ from hybridkv.reference.request import RequestLike
 
 def free_batch(s: ManagerState, requests: Sequence[RequestLike]) -> bool:
     """``for r in requests: free(r)``, vectorised; ``False`` (nothing changed) where the
-    single calls are to be made instead (a small batch, a Mamba ``"align"`` group)."""
+    single calls are to be made instead (a small batch, a Mamba ``"align"`` group, an eviction
+    policy: it hears each request's releases as ``free`` makes them)."""
     pool = s.pool
     seen: set[str] = set()
     order: list[tuple[str, int]] = []
@@ -38,7 +39,7 @@ def free_batch(s: ManagerState, requests: Sequence[RequestLike]) -> bool:
         if row is not None and rid not in seen:
             seen.add(rid)
             order.append((rid, row))
-    if len(order) < s.tuning.batch_min or s.layout.columns.mamba_align:
+    if len(order) < s.tuning.batch_min or s.layout.columns.mamba_align or s.pool.policy:
         return False
     w = s.layout.max_blocks_per_req
     rows = np.array([row for _, row in order], dtype=np.int64)

@@ -69,6 +69,11 @@ makes in one numpy pass (``release_cached``, ``chain_entries``); the source reco
 such blocks, and the memo registers it, at once. The manager applies it before anything reads
 what it changes.
 
+An eviction policy (``policy``, ``attach_policy``; ``None`` for vLLM's own order): the pool
+then takes the policy's victims (``pop_heard``, ``pop_groups``) and tells it each release,
+touch and entry as ``BlockPool`` does; ``hybridkv.optimized.policy_seam`` says why such a pool
+is used only on its immediate paths.
+
 The hash memo
 -------------
 With the manager's ``HashMemo`` attached (``memo``), the sources of requests hashed by it are
@@ -110,9 +115,12 @@ import numpy as np
 
 from hybridkv.optimized.bulk_inserts import BulkInserts
 from hybridkv.optimized.free_queue import FreeQueue
+from hybridkv.optimized.policy_seam import HeardPolicy
 from hybridkv.optimized.sources import GROUP_MIX, Source, hash_key, keys_of
 from hybridkv.optimized.thresholds import INSERT_MIN
+from hybridkv.policies.protocol import EvictionPolicy, PolicyError
 from hybridkv.reference.events import EventBuilder, KVCacheEvent
+from hybridkv.spec import KVCacheSpec
 
 __all__ = ["GROUP_MIX", "Source", "TorchBlockPool", "hash_key", "keys_of"]
 
@@ -157,6 +165,8 @@ class TorchBlockPool(BulkInserts, FreeQueue):
             raise ValueError(
                 f"cannot take {count} blocks from a free queue of {self.num_free_blocks}"
             )
+        if self.policy is not None:
+            return self.pop_heard(count, sink)
         if count <= 0:
             return []
         nxt, prv, ref, src = self.next.a, self.prev.a, self.ref.a, self.src.a
@@ -198,6 +208,66 @@ class TorchBlockPool(BulkInserts, FreeQueue):
         self.num_free_blocks -= count
         return taken
 
+    # --- Under an eviction policy -----------------------------------------------------------
+
+    def attach_policy(
+        self, policy: EvictionPolicy, specs: Sequence[KVCacheSpec], hash_block_size: int
+    ) -> None:
+        """Let ``policy`` choose the blocks taken (``hybridkv.optimized.policy_seam``;
+        ``specs[g]`` is group ``g``'s spec); it first hears every block free, as ``BlockPool``
+        tells it."""
+        guarded = HeardPolicy(policy, specs)
+        self.policy = guarded
+        self.policy_hash_block_size = hash_block_size
+        self.policy_steps = tuple(max(1, spec.block_size // hash_block_size) for spec in specs)
+        guarded.released(list(range(1, self.num_blocks)), [])
+
+    def is_free(self, block: int) -> bool:
+        """Whether ``block`` is a free block of this pool (what a policy may choose)."""
+        return 0 < block < self.num_blocks and self.ref.a[block] == 0
+
+    def pop_heard(
+        self, count: int, sink: list[tuple[int, KVCacheEvent]] | None = None
+    ) -> list[int]:
+        """``pop_n`` under a policy, as ``BlockPool.get_new_blocks``: the policy's victims,
+        checked before any leaves the queue, then their hashes evicted in that order."""
+        assert self.policy is not None
+        taken = self.policy.choose(count, self.is_free)
+        for block in taken:
+            self.remove(block)
+        self.policy.taken(taken)
+        ref, src = self.ref.a, self.src.a
+        for index, block in enumerate(taken):
+            ref[block] = 1
+            if src[block] < 0:
+                continue  # no hash to evict
+            if sink is None:
+                self.evict(block)
+            else:
+                removed: list[KVCacheEvent] = []
+                self.evict(block, removed)
+                sink.extend((index, event) for event in removed)
+        return taken
+
+    def pop_groups(self, counts: Sequence[int]) -> list[int]:
+        """One ``pop_n`` per group's count, in group order, as the reference takes them (a
+        policy is asked once per group). If the policy fails for a later group, the blocks
+        the earlier ones took go back to the pool before the error propagates: nothing is
+        lost."""
+        total = sum(counts)
+        if total > self.num_free_blocks:
+            raise ValueError(
+                f"cannot take {total} blocks from a free queue of {self.num_free_blocks}"
+            )
+        popped: list[int] = []
+        try:
+            for count in counts:
+                popped.extend(self.pop_n(count))
+        except PolicyError:
+            self.free_blocks(popped)
+            raise
+        return popped
+
     # --- Releasing blocks ------------------------------------------------------------------
 
     def free_blocks(self, walk: Sequence[int]) -> None:
@@ -208,6 +278,10 @@ class TorchBlockPool(BulkInserts, FreeQueue):
         """``free_blocks`` of each walk in turn, in one pass: the blocks that become free
         uncached go after the head, the later walks' first (as each call puts its own there),
         the cached ones before the tail in walk order."""
+        if self.policy is not None:
+            for walk in walks:
+                self.free_heard(walk)
+            return
         ref, src = self.ref.a, self.src.a
         keep: list[int] = []
         reuses: list[list[int]] = []
@@ -228,6 +302,25 @@ class TorchBlockPool(BulkInserts, FreeQueue):
         if keep:
             self.link_after(self.prev.a[self.tail], keep)
 
+    def free_heard(self, walk: Sequence[int]) -> None:
+        """``free_blocks`` of one walk under a policy, which hears the blocks it freed."""
+        assert self.policy is not None
+        ref, src = self.ref.a, self.src.a
+        keep: list[int] = []
+        reuse: list[int] = []
+        for block in walk:
+            if block == 0:
+                continue
+            count = ref[block] - 1
+            ref[block] = count
+            if count == 0:
+                (keep if src[block] >= 0 else reuse).append(block)
+        if reuse:
+            self.link_after(self.head, reuse)
+        if keep:
+            self.link_after(self.prev.a[self.tail], keep)
+        self.policy.released(reuse, keep)
+
     def apply_pending(self) -> None:
         """Make the running requests' deferred releases and inserts (``PendingWork``)."""
         self.pending.apply(self)
@@ -240,6 +333,8 @@ class TorchBlockPool(BulkInserts, FreeQueue):
             return False
         self.clear_chains()
         self.clear_entries()
+        if self.policy is not None:
+            self.policy.reset()
         return True
 
     # --- Invariants -------------------------------------------------------------------------

@@ -64,6 +64,12 @@ class BulkInserts(ExtraKeys):
         source.refs += count
         if src in self.memo_srcs and self.memo is not None:
             self.memo.remember(src, source)
+        if self.policy is not None:
+            steps = self.policy_steps
+            for block, group_id, pos in zip(
+                blocks.tolist(), groups.tolist(), positions.tolist(), strict=True
+            ):
+                self.heard_cached(block, group_id, pos, src, steps[group_id])
 
     def chain_entries(
         self,

@@ -56,7 +56,7 @@ class ExtraKeys(PrefixCache):
             return
         block_hash = self.source(src).hashes[hidx]
         if self.src.a[block] < 0:
-            self.insert(block, block_hash, group_id, hidx, src)
+            self.insert(block, block_hash, group_id, hidx, src, 1)
             return
         key = (hash_key(block_hash), group_id, hidx)
         before = set(self.candidates(*key))
@@ -64,6 +64,8 @@ class ExtraKeys(PrefixCache):
         self.extra_index.setdefault(key, {})[block] = (self._extra_count, before)
         self._extra_count += 1
         self.source(src).refs += 1
+        if self.policy is not None:
+            self.heard_cached(block, group_id, hidx, src, 1)
 
     def remove_keys(self, block: int, events: list[KVCacheEvent] | None = None) -> bool:
         """Forget every key of the block (primary first, then extras in insertion order);
@@ -71,6 +73,8 @@ class ExtraKeys(PrefixCache):
         if self.src.a[block] < 0:
             return False
         self.evict(block, events)
+        if self.policy is not None:
+            self.policy.uncached(block)  # not reused: the policy hears the keys are gone
         return True
 
     def _drop_extras(self, block: int, events: list[KVCacheEvent] | None) -> None:

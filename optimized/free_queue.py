@@ -30,6 +30,7 @@ import numpy.typing as npt
 import torch
 
 from hybridkv.optimized._buffers import IntBuffer
+from hybridkv.optimized.policy_seam import HeardPolicy
 from hybridkv.optimized.thresholds import INSERT_MIN
 from hybridkv.spec.errors import require
 
@@ -54,6 +55,8 @@ class FreeQueue:
         self.next.a[n - 1] = self.tail
         self.prev.a[self.tail] = n - 1
         self.num_free_blocks = n - 1
+        # The eviction policy (``TorchBlockPool.attach_policy``); ``None``: vLLM's own order.
+        self.policy: HeardPolicy | None = None
 
     @property
     def usage(self) -> float:
@@ -70,6 +73,9 @@ class FreeQueue:
 
     def touch(self, blocks: Iterable[int]) -> None:
         """A cache hit adopts ``blocks``: one more holder each; evictable ones leave the queue."""
+        if self.policy is not None:
+            self.touch_heard(blocks)
+            return
         ref = self.ref.a
         for block in blocks:
             if block == 0:
@@ -78,10 +84,25 @@ class FreeQueue:
                 self.remove(block)
             ref[block] += 1
 
+    def touch_heard(self, blocks: Iterable[int]) -> None:
+        """``touch`` under a policy: the policy hears the adopted blocks, in order."""
+        assert self.policy is not None
+        ref = self.ref.a
+        touched: list[int] = []
+        for block in blocks:
+            if block == 0:
+                continue
+            if not ref[block]:
+                self.remove(block)  # it was free
+            ref[block] += 1
+            touched.append(block)
+        self.policy.touched(touched)
+
     def touch_array(self, blocks: npt.NDArray[Any]) -> None:
         """``touch`` for a numpy array of distinct non-null blocks (order does not matter: a
-        block leaves the queue wherever it is)."""
-        if blocks.shape[0] < INSERT_MIN:
+        block leaves the queue wherever it is; under a policy, which hears the order, it is
+        the array's)."""
+        if blocks.shape[0] < INSERT_MIN or self.policy is not None:
             self.touch(blocks.tolist())
             return
         ref = self.ref.n

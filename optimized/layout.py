@@ -95,6 +95,7 @@ class GroupLayout:
         *,
         caching: bool,
         events: bool,
+        immediate: bool = False,
     ) -> GroupLayout:
         """The layout of ``config`` under ``settings`` (validated) for R rows of W positions
         (by default what ``max_model_len`` needs), with caching and KV cache events on or off;
@@ -124,8 +125,12 @@ class GroupLayout:
         # A running request's step leaves its releases and inserts to the pool's pending work
         # (``defers``) where they are plain: one block size, no Mamba ``"align"`` group, no
         # speculative blocks, caching on without events or sparse retention.
+        # ``immediate`` (an eviction policy, which must hear each pool call in the reference's
+        # order): no deferred pool work and no whole-step vectorised batches.
         defers = uniform_columns and not general and caching and not events and not sparse_groups
-        columns = _columns(r, group_rules, sparse_groups, not general and not spec_blocks, defers)
+        defers = defers and not immediate
+        vectorisable = not general and not spec_blocks and not immediate
+        columns = _columns(r, group_rules, sparse_groups, vectorisable, defers)
         return cls(
             config=config,
             settings=settings,

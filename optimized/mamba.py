@@ -26,6 +26,7 @@ from hybridkv.optimized.group_rules import MAMBA
 from hybridkv.optimized.layout import BlockIds
 from hybridkv.optimized.lookup import GroupHit
 from hybridkv.optimized.state import ManagerState
+from hybridkv.policies.protocol import PolicyError
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import RequestLike
 from hybridkv.reference.single_type_managers import prompt_tokens
@@ -77,9 +78,14 @@ def allocate(
         row = s.rows.take(request_id)
         if any(hits):
             _adopt(s, request_id, row, hits, num_local_computed)
-    new_blocks = tuple(
-        _allocate_group(s, request_id, row, g, need_slot, main) for g in range(s.layout.num_groups)
-    )
+    try:
+        new_blocks = tuple(
+            _allocate_group(s, request_id, row, g, need_slot, main)
+            for g in range(s.layout.num_groups)
+        )
+    except PolicyError:
+        s.thresholds.refresh(row)  # the earlier groups keep their blocks, as the reference's
+        raise
     if not delay_cache_blocks:
         cache_general(s, request, row, min(total_computed + num_new_tokens, request.num_tokens))
     s.thresholds.refresh(row)

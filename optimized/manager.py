@@ -38,10 +38,8 @@ from hybridkv.optimized import (
 )
 from hybridkv.optimized.layout import BlockIds, GroupLayout
 from hybridkv.optimized.state import ManagerState, Tuning, tuning_knob
-from hybridkv.reference.events import (
-    EventBuilder,
-    KVCacheEvent,
-)
+from hybridkv.policies import EvictionPolicy, resolve_policy
+from hybridkv.reference.events import EventBuilder, KVCacheEvent
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.prefix_stats import PrefixCacheCounter, PrefixCacheStatsCalls
 from hybridkv.reference.request import Request, RequestLike
@@ -78,7 +76,9 @@ class TorchKVCacheManager(PrefixCacheStatsCalls):
         log_stats: bool = True,
         event_builder_class: type[EventBuilder] = EventBuilder,
         tuning: Tuning | None = None,
+        eviction_policy: str | EvictionPolicy = "lru",
     ) -> None:
+        policy = resolve_policy(eviction_policy)
         self.settings = settings = validate_manager_config(
             config,
             max_model_len,
@@ -96,6 +96,7 @@ class TorchKVCacheManager(PrefixCacheStatsCalls):
             max_blocks_per_req,
             caching=enable_caching,
             events=enable_kv_cache_events,
+            immediate=policy is not None,
         )
         self.config, self.max_model_len, self.enable_caching = config, max_model_len, enable_caching
         self.log_stats = log_stats
@@ -105,8 +106,9 @@ class TorchKVCacheManager(PrefixCacheStatsCalls):
         self.retention_interval = layout.retention_interval
         self.device = torch.device(device)
         builder = event_builder_class.of(config, self.lookahead) if enable_kv_cache_events else None
-        self._s = s = ManagerState.build(layout, self.device, builder, tuning or Tuning())
+        self._s = s = ManagerState.build(layout, self.device, builder, tuning or Tuning(), policy)
         self.pool = s.pool
+        self.eviction_policy = "lru" if policy is None else policy.name
         self.block_hasher = s.block_hasher
         """``hash_full_blocks_torch``'s hashes, adopting those of a prefix this manager has
         cached (``hybridkv.optimized.hash_memo``): ``make_request`` builds requests with it."""
@@ -266,7 +268,7 @@ class TorchKVCacheManager(PrefixCacheStatsCalls):
             checked = True  # no hit, plain counts: nothing more to check
         else:
             checked = False
-        return allocation.allocate(
+        allocated = allocation.allocate(
             self._s,
             request,
             num_new_tokens,
@@ -280,6 +282,8 @@ class TorchKVCacheManager(PrefixCacheStatsCalls):
             checked=checked,
             issued=new_computed_blocks is not None and new_computed_blocks is self._issued,
         )
+        self._s.raise_policy_error()
+        return allocated
 
     def allocate_slots_batch(
         self,
@@ -343,6 +347,7 @@ class TorchKVCacheManager(PrefixCacheStatsCalls):
         self._s.settle()
         check_block_hashes(request, self.hash_block_size, self.lookahead, allow_fewer=True)
         general_caching.cache_blocks(self._s, request, num_computed_tokens)
+        self._s.raise_policy_error()
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's whole block table per group (empty lists for an unknown request)."""
@@ -364,6 +369,7 @@ class TorchKVCacheManager(PrefixCacheStatsCalls):
             return False
         self._s.row_src[:] = [-1] * self.max_num_reqs
         self._stats.after_reset()
+        self._s.raise_policy_error()
         return True
 
     @property

@@ -30,6 +30,7 @@ import torch
 
 from hybridkv.optimized.cache_chains import CacheChains
 from hybridkv.optimized.hash_memo import HashMemo
+from hybridkv.optimized.policy_seam import HeardPolicy
 from hybridkv.optimized.sources import GROUP_MIX, Source, hash_key
 from hybridkv.optimized.thresholds import SETTLE_MAX
 from hybridkv.reference.block_hash import BlockHash
@@ -66,6 +67,12 @@ class PrefixCache(CacheChains):
         # it: caching a block of such a source registers it, evicting its last one unregisters it.
         self.memo: HashMemo | None = None
         self.memo_srcs: set[int] = set()
+        # The eviction policy and what its ``cached`` calls need (``TorchBlockPool.
+        # attach_policy``): tokens per hash, and per group the hashes per block (the step back
+        # from a full block's hash to its parent's).
+        self.policy: HeardPolicy | None = None
+        self.policy_hash_block_size = 1
+        self.policy_steps: tuple[int, ...] = ()
 
     # --- Sources ----------------------------------------------------------------------------
 
@@ -101,8 +108,11 @@ class PrefixCache(CacheChains):
 
     # --- Entries ----------------------------------------------------------------------------
 
-    def insert(self, block: int, block_hash: bytes, group_id: int, pos: int, src: int) -> None:
-        """Cache ``block`` under (hash, group) at table position ``pos``, from source ``src``."""
+    def insert(
+        self, block: int, block_hash: bytes, group_id: int, pos: int, src: int, step: int = 0
+    ) -> None:
+        """Cache ``block`` under (hash, group) at table position ``pos``, from source ``src``
+        (a policy hears it with the parent ``step`` hashes back: by default a full block's)."""
         key = hash_key(block_hash)
         bucket = (key + group_id * GROUP_MIX) & self.mask
         heads, hnext, hk, end = self.heads.a, self.hnext.a, self.hk.a, self.end
@@ -127,6 +137,18 @@ class PrefixCache(CacheChains):
             self.memo.remember(src, source)
         if len(self.unsettled) >= SETTLE_MAX:
             self.settle_duplicates()  # long without a lookup: bounded memory
+        if self.policy is not None:
+            self.heard_cached(block, group_id, pos, src, step or self.policy_steps[group_id])
+
+    def heard_cached(self, block: int, group_id: int, hidx: int, src: int, step: int) -> None:
+        """Tell the policy ``block`` holds the key at hash index ``hidx`` of source ``src``:
+        as ``BlockPool`` does, its parent is the hash ``step`` back (one block of its group
+        for a full block, one hash block for a partial entry) and its prefix ends there."""
+        assert self.policy is not None
+        hashes = self.source(src).hashes
+        parent = hashes[hidx - step] if hidx >= step else None
+        tokens = (hidx + 1) * self.policy_hash_block_size
+        self.policy.cached(block, hashes[hidx], group_id, parent, tokens)
 
     def insert_entries(
         self, entries: Sequence[tuple[int, int, int]], hashes: Sequence[BlockHash], src: int
@@ -166,6 +188,9 @@ class PrefixCache(CacheChains):
             self.memo.remember(src, source)
         if len(self.unsettled) >= SETTLE_MAX:
             self.settle_duplicates()  # long without a lookup: bounded memory
+        if self.policy is not None:
+            for block, group_id, pos in entries:
+                self.heard_cached(block, group_id, pos, src, self.policy_steps[group_id])
 
     def evict_primary(self, block: int, events: list[KVCacheEvent] | None = None) -> None:
         """Forget the block's primary entry (this block only; its extras stay)."""

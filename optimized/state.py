@@ -42,6 +42,7 @@ from hybridkv.optimized.layout import GroupLayout
 from hybridkv.optimized.row_thresholds import RowThresholds
 from hybridkv.optimized.rows import RowTables
 from hybridkv.optimized.thresholds import BATCH_MIN, BUSY_BATCH_MIN, VECTOR_MIN
+from hybridkv.policies.protocol import EvictionPolicy
 from hybridkv.reference.events import EventBuilder
 
 Key = tuple[bytes, int]
@@ -151,9 +152,11 @@ class ManagerState:
         device: torch.device,
         event_builder: EventBuilder | None,
         tuning: Tuning,
+        policy: EvictionPolicy | None = None,
     ) -> ManagerState:
         """The empty state of a manager of ``layout``: a pool with every block free (and the
-        hasher's memo when caching), empty tables on ``device``, no rows taken."""
+        hasher's memo when caching; ``policy`` choosing its victims), empty tables on
+        ``device``, no rows taken."""
         pool = TorchBlockPool(
             layout.config.num_blocks,
             layout.num_groups,
@@ -164,6 +167,9 @@ class ManagerState:
         tables = BlockTables(
             layout.num_groups, layout.max_num_reqs, layout.max_blocks_per_req, device
         )
+        if policy is not None:
+            specs = [group.spec for group in layout.config.groups]
+            pool.attach_policy(policy, specs, layout.hash_block_size)
         block_hasher = HashMemo(layout.hash_block_size)
         if layout.caching:
             pool.memo = block_hasher
@@ -174,6 +180,12 @@ class ManagerState:
         that reads the pool, but a running request's step, calls this first."""
         if self.pool.pending:
             self.pool.apply_pending()
+
+    def raise_policy_error(self) -> None:
+        """Raise the eviction policy's first notification error of the manager call just
+        made (``hybridkv.optimized.policy_seam``), if any."""
+        if self.pool.policy is not None:
+            self.pool.policy.raise_failed()
 
     def table(self, group_id: int, row: int) -> list[int]:
         """Group ``group_id``'s block table of the request in row ``row``."""
@@ -192,6 +204,7 @@ class ManagerState:
             walk.reverse()
             self.pool.free_blocks(walk)
         self.release_row(request_id, row)
+        self.raise_policy_error()
 
     def release_row(self, request_id: str, row: int) -> None:
         """Give the request's row back, with its Mamba bookkeeping and its source."""

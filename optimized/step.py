@@ -24,6 +24,7 @@ from hybridkv.optimized.general_caching import cache_general
 from hybridkv.optimized.layout import BlockIds
 from hybridkv.optimized.state import ManagerState
 from hybridkv.optimized.thresholds import PENDING_MAX
+from hybridkv.policies.protocol import PolicyError
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import RequestLike
 
@@ -53,9 +54,12 @@ def run(
         if cache_up_to > request.num_tokens:
             cache_up_to = request.num_tokens
     try:
-        return step(s, request, row, computed, need, cache_up_to, kept_free)
+        blocks = step(s, request, row, computed, need, cache_up_to, kept_free)
     finally:
         s.tables.flush()
+    if s.pool.policy is not None:
+        s.raise_policy_error()  # a policy's notification error, raised once the step is made
+    return blocks
 
 
 def step(
@@ -99,11 +103,15 @@ def step(
             s.thresholds.after_step(row, True, False, False)
         return None
     if took:
-        new_blocks = (
-            extend_uniform(s, row, have, count)
-            if layout.uniform_columns
-            else extend(s, row, required)
-        )
+        try:
+            new_blocks = (
+                extend_uniform(s, row, have, count)
+                if layout.uniform_columns
+                else extend(s, row, required)
+            )
+        except PolicyError:
+            s.thresholds.refresh(row)  # the blocks it released stay released
+            raise
     if cache_up_to >= rows.cache_at[row]:
         if layout.general:
             cache_general(s, request, row, cache_up_to)
@@ -136,7 +144,10 @@ def extend(s: ManagerState, row: int, required: list[int]) -> BlockIds:
     total = sum(c for c in counts if c > 0)
     if not total:
         return s.layout.no_hits
-    popped = s.pool.pop_n(total)
+    if s.pool.policy is None:
+        popped = s.pool.pop_n(total)
+    else:
+        popped = s.pool.pop_groups([c for c in counts if c > 0])
     tab, row_base, bases = s.tab.a, row * s.layout.max_blocks_per_req, s.layout.group_bases
     tracking = s.tables.mirrored
     new_blocks: list[tuple[int, ...]] = []
@@ -168,7 +179,10 @@ def extend_uniform(s: ManagerState, row: int, have: int, count: int) -> BlockIds
     if count <= 0:
         return s.layout.no_hits
     g_count = s.layout.num_groups
-    popped = s.pool.pop_n(count * g_count)
+    if s.pool.policy is None:
+        popped = s.pool.pop_n(count * g_count)
+    else:
+        popped = s.pool.pop_groups([count] * g_count)
     tab, length, at = s.tab.a, s.rows.length, row * g_count
     offset = row * s.layout.max_blocks_per_req + have
     tracking = s.tables.mirrored

@@ -67,12 +67,20 @@ def manager_backend(
     return name, factory
 
 
-def reference_backend() -> Backend:
+def _policy_keywords(eviction_policy: str) -> dict[str, Any]:
+    """The manager keyword for an eviction policy; none for the default (a patched copy of a
+    backend need not take it)."""
+    return {} if eviction_policy == "lru" else {"eviction_policy": eviction_policy}
+
+
+def reference_backend(eviction_policy: str = "lru") -> Backend:
     """``hybridkv.reference.KVCacheManager``: the model every other backend is compared with
-    (its planner too, ``plan_report``)."""
+    (its planner too, ``plan_report``), under ``eviction_policy``."""
     from hybridkv.reference import KVCacheManager, plan_report
 
-    return manager_backend("reference", KVCacheManager, plan_report=plan_report)
+    return manager_backend(
+        "reference", KVCacheManager, plan_report=plan_report, **_policy_keywords(eviction_policy)
+    )
 
 
 def reference_stand_in() -> Backend:
@@ -89,7 +97,10 @@ starts at its constant in ``hybridkv.optimized.thresholds``; the constants stay 
 
 
 def optimized_backend(
-    device: str = "cpu", max_num_reqs: int = 32, manager_class: Any = None
+    device: str = "cpu",
+    max_num_reqs: int = 32,
+    manager_class: Any = None,
+    eviction_policy: str = "lru",
 ) -> Backend | None:
     """``hybridkv.optimized.TorchKVCacheManager`` (or ``manager_class``, a patched copy) when it
     (and torch) can be imported.
@@ -119,20 +130,22 @@ def optimized_backend(
         configure=small_thresholds_on_odd_pools,
         device=device,
         max_num_reqs=max_num_reqs,
+        **_policy_keywords(eviction_policy),
     )
 
 
-def backends_named(choice: str, device: str = "cpu") -> list[Backend]:
-    """``reference``, ``optimized`` or ``both`` (the reference first: it is the model).
+def backends_named(choice: str, device: str = "cpu", eviction_policy: str = "lru") -> list[Backend]:
+    """``reference``, ``optimized`` or ``both`` (the reference first: it is the model), each
+    under ``eviction_policy``.
 
     A lone ``optimized`` is still compared with the reference. ``ValueError`` if the optimized
     backend was asked for and cannot be imported.
     """
     if choice not in ("reference", "optimized", "both"):
         raise ValueError(f"backend must be reference, optimized or both, got {choice!r}")
-    chosen = [reference_backend()]
+    chosen = [reference_backend(eviction_policy)]
     if choice != "reference":
-        optimized = optimized_backend(device)
+        optimized = optimized_backend(device, eviction_policy=eviction_policy)
         if optimized is None:
             raise ValueError("backend optimized: hybridkv.optimized.TorchKVCacheManager is missing")
         chosen.append(optimized)

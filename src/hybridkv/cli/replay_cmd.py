@@ -18,7 +18,13 @@ import click
 from hybridkv.cli.options import MemorySize, UserError
 from hybridkv.cli.plan_cmd import model_options
 from hybridkv.cli.replay_output import check_plot, print_table, write_plot
-from hybridkv.cli.replay_run import COST_FIELDS, TRACE_FORMATS, CellResult, ReplaySetup
+from hybridkv.cli.replay_run import (
+    COST_FIELDS,
+    TRACE_FORMATS,
+    CellResult,
+    ReplaySetup,
+    is_block_trace,
+)
 
 if TYPE_CHECKING:
     from hybridkv.lab import ReplayResult
@@ -309,3 +315,29 @@ def setup_from_options(options: dict[str, Any]) -> ReplaySetup:
         (name, value) for name in COST_FIELDS if (value := values.pop(name)) is not None
     )
     return ReplaySetup(**values)
+
+
+def replays_block_trace(trace: str, options: dict[str, Any]) -> bool:
+    """``hybridkv simulate --trace``: a block-hash trace (Mooncake's format) is replayed on a
+    clock by this command's loop, with simulate's model and engine options (``options``: its
+    arguments by name); ``False`` for the project's token traces, which simulate reads."""
+    if not is_block_trace(trace):
+        return False
+    names = (
+        "model",
+        "backend",
+        "max_model_len",
+        "max_num_batched_tokens",
+        "max_num_seqs",
+        "block_size",
+        "kv_dtype",
+        "mamba_ssm_dtype",
+    )
+    setup = ReplaySetup(
+        trace=trace,
+        memory_bytes=options["memory"],
+        device=options["device"] or "cpu",
+        **{name: options[name] for name in names},
+    )
+    run_block_trace(setup, output_format=options["output_format"], plot=options["plot"])
+    return True

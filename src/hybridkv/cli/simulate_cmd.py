@@ -17,6 +17,7 @@ from hybridkv.cli.options import (
 )
 from hybridkv.cli.plan_cmd import model_options
 from hybridkv.cli.plan_data import Plan, PlanSettings, make_plan
+from hybridkv.cli.replay_cmd import replays_block_trace
 from hybridkv.extras import first_missing, is_missing, needs_line
 
 if TYPE_CHECKING:
@@ -79,6 +80,12 @@ if TYPE_CHECKING:
     show_default=True,
 )
 @click.option("--assume-full-attention", is_flag=True, help=ASSUME_FULL_ATTENTION_HELP)
+@click.option(
+    "--eviction",
+    default="lru",
+    show_default=True,
+    help="Eviction policy: lru (vLLM's), hybrid, cost, arc or module:Class.",
+)
 def simulate(
     model: str | None,
     workload: str | None,
@@ -98,6 +105,7 @@ def simulate(
     plot: str | None,
     output_format: str,
     assume_full_attention: bool,
+    eviction: str,
 ) -> None:
     """Replay a workload on MODEL's planned KV cache (default gemma-3-27b-it, 4 GiB).
 
@@ -106,7 +114,13 @@ def simulate(
     tokens computed and saved, peak and mean usage, preemptions, steps and the manager's time.
     """
     _check_options(workload, trace, plot, backend)
-    if trace is not None and _replays_block_trace(trace, locals()):
+    from hybridkv.policies import resolve_policy
+
+    try:
+        resolve_policy(eviction)
+    except ValueError as error:
+        raise UserError(str(error)) from None
+    if trace is not None and replays_block_trace(trace, locals()):
         return
     if device is not None and backend == "reference":
         click.echo(
@@ -120,7 +134,9 @@ def simulate(
     plan = make_plan(resolve_model(model, assume_full_attention=assume_full_attention), settings)
     caching = prefix_caching
     requests, too_long = _requests(workload or "mixed", trace, num_requests, seed, max_model_len)
-    manager = _build_manager(backend, plan, caching, device or "cpu", output_format == "table")
+    manager = _build_manager(
+        backend, plan, caching, device or "cpu", output_format == "table", eviction
+    )
     result = _run(
         manager,
         requests,
@@ -151,34 +167,6 @@ def simulate(
             f"{plan.report.num_blocks:,} blocks ({plan.settings.memory_bytes:,} bytes) holds; "
             "add --memory or lower --max-model-len"
         )
-
-
-def _replays_block_trace(trace: str, options: dict[str, Any]) -> bool:
-    """A block-hash trace (Mooncake's format) is replayed on a clock by ``hybridkv replay``'s
-    loop, with the same model and engine options; ``False`` for the project's token traces."""
-    from hybridkv.cli.replay_cmd import run_block_trace
-    from hybridkv.cli.replay_run import ReplaySetup, is_block_trace
-
-    if not is_block_trace(trace):
-        return False
-    names = (
-        "model",
-        "backend",
-        "max_model_len",
-        "max_num_batched_tokens",
-        "max_num_seqs",
-        "block_size",
-        "kv_dtype",
-        "mamba_ssm_dtype",
-    )
-    setup = ReplaySetup(
-        trace=trace,
-        memory_bytes=options["memory"],
-        device=options["device"] or "cpu",
-        **{name: options[name] for name in names},
-    )
-    run_block_trace(setup, output_format=options["output_format"], plot=options["plot"])
-    return True
 
 
 def _check_options(workload: str | None, trace: str | None, plot: str | None, backend: str) -> None:
@@ -222,22 +210,23 @@ def _requests(
 
 
 def _build_manager(
-    backend: str, plan: Plan, caching: bool, device: str, show_progress: bool
+    backend: str, plan: Plan, caching: bool, device: str, show_progress: bool, eviction: str
 ) -> Manager:
     """The manager, with a spinner on a terminal: a large pool takes seconds to build."""
     if not show_progress:
-        return _manager(backend, plan, caching, device)
+        return _manager(backend, plan, caching, device, eviction)
     from rich.console import Console
 
     console = Console(stderr=True)
     if not console.is_terminal:
-        return _manager(backend, plan, caching, device)
+        return _manager(backend, plan, caching, device, eviction)
     with console.status(f"building a pool of {plan.report.num_blocks:,} blocks"):
-        return _manager(backend, plan, caching, device)
+        return _manager(backend, plan, caching, device, eviction)
 
 
-def _manager(backend: str, plan: Plan, caching: bool, device: str) -> Manager:
-    """The reference manager, or the torch backend (``simulate`` checked torch and numpy)."""
+def _manager(backend: str, plan: Plan, caching: bool, device: str, eviction: str) -> Manager:
+    """The reference manager, or the torch backend (``simulate`` checked torch and numpy),
+    under the ``eviction`` policy."""
     from hybridkv.reference.planner import with_mamba_cache_mode
 
     config = with_mamba_cache_mode(plan.report.config, caching)
@@ -245,7 +234,9 @@ def _manager(backend: str, plan: Plan, caching: bool, device: str) -> Manager:
     if backend == "reference":
         from hybridkv.reference import KVCacheManager
 
-        return KVCacheManager(config, max_model_len, enable_caching=caching)
+        return KVCacheManager(
+            config, max_model_len, enable_caching=caching, eviction_policy=eviction
+        )
     from hybridkv.cli.devices import device_problem
     from hybridkv.optimized import TorchKVCacheManager
 
@@ -253,7 +244,7 @@ def _manager(backend: str, plan: Plan, caching: bool, device: str) -> Manager:
         raise UserError(problem)
     try:
         manager: Manager = TorchKVCacheManager(
-            config, max_model_len, enable_caching=caching, device=device
+            config, max_model_len, enable_caching=caching, device=device, eviction_policy=eviction
         )
     except (RuntimeError, ValueError) as error:
         raise UserError(f"cannot start the optimized backend on {device!r}: {error}") from None

@@ -2,7 +2,8 @@
 
 vLLM's ``Scheduler`` builds its manager with ``KVCacheManager(kv_cache_config=…, …)`` and then
 calls the methods and reads the attributes below; this class accepts exactly those keyword
-arguments, plus ``backend=`` and ``device=``. A setting hybridkv cannot honour raises
+arguments, plus ``backend=`` and ``device=`` (and reads ``HYBRIDKV_EVICTION``, an eviction
+policy for either backend, ``hybridkv.policies``). A setting hybridkv cannot honour raises
 ``UnsupportedSetting`` naming it, at construction or at the call that uses it.
 
 What the scheduler reads and where it comes from:
@@ -24,6 +25,7 @@ What the scheduler reads and where it comes from:
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -118,7 +120,8 @@ def make_core(
     max_num_reqs: int | None = None,
     log_stats: bool = True,
 ) -> Any:
-    """The core manager of ``backend`` with vLLM's settings."""
+    """The core manager of ``backend`` with vLLM's settings, under the eviction policy
+    ``HYBRIDKV_EVICTION`` names (``lru``, vLLM's own order, when unset)."""
     settings: dict[str, Any] = {
         "hash_block_size": hash_block_size,
         "max_in_flight_tokens": max_in_flight_tokens,
@@ -127,6 +130,9 @@ def make_core(
         "log_stats": log_stats,
         "event_builder_class": vllm_event_builder_class(),
     }
+    eviction = os.environ.get("HYBRIDKV_EVICTION", "lru")
+    if eviction != "lru":
+        settings["eviction_policy"] = eviction
     if backend == "reference":
         refuse(device is not None, "device= with backend='reference'", "it runs on the CPU")
         del max_num_reqs  # the reference's tables grow as needed
