@@ -20,7 +20,7 @@ def _numbers(*args: str) -> dict[str, Any]:
     return {k: v for k, v in numbers.items() if not k.startswith("manager_") and k != "backend"}
 
 
-@pytest.mark.parametrize("policy", ["hybrid", "arc", "tests.test_eviction_seam:NewestFirst"])
+@pytest.mark.parametrize("policy", ["hybrid", "arc", "test_eviction_seam:NewestFirst"])
 def test_a_policy_gives_the_same_numbers_on_both_backends(policy: str) -> None:
     pytest.importorskip("torch")
     reference = _numbers("--eviction", policy)

@@ -116,7 +116,7 @@ def test_another_order_changes_which_prefixes_survive() -> None:
     blocks: under LRU d evicts a's blocks (released first) and b's prefix still hits; under
     newest-first d evicts b's and a's prefix hits."""
     hits = {}
-    for policy in ("lru", "tests.test_eviction_seam:NewestFirst"):
+    for policy in ("lru", "test_eviction_seam:NewestFirst"):
         manager = KVCacheManager(_config(5), max_model_len=64, eviction_policy=policy)
         a = _admit(manager, "a", list(range(8)))
         b = _admit(manager, "b", list(range(100, 108)))
@@ -128,7 +128,7 @@ def test_another_order_changes_which_prefixes_survive() -> None:
             manager.get_computed_blocks(Request(rid, tokens, hash_block_size=4))[1]
             for rid, tokens in (("a2", [*range(8), 9]), ("b2", [*range(100, 108), 9]))
         )
-    assert hits == {"lru": (0, 8), "tests.test_eviction_seam:NewestFirst": (8, 0)}
+    assert hits == {"lru": (0, 8), "test_eviction_seam:NewestFirst": (8, 0)}
 
 
 def test_a_policy_hears_cached_released_touched_taken_and_reset() -> None:

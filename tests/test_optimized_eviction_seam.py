@@ -136,7 +136,7 @@ def test_another_order_on_one_backend_is_caught_by_the_lockstep_run() -> None:
         manager_backend(
             "optimized",
             TorchKVCacheManager,
-            eviction_policy="tests.test_eviction_seam:NewestFirst",
+            eviction_policy="test_eviction_seam:NewestFirst",
             max_num_reqs=32,
         ),
     ]
