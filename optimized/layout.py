@@ -97,10 +97,9 @@ class GroupLayout:
         events: bool,
         immediate: bool = False,
     ) -> GroupLayout:
-        """The layout of ``config`` under ``settings`` (validated) for R rows of W positions
-        (by default what ``max_model_len`` needs), with caching and KV cache events on or off;
-        ``ValueError`` naming ``max_num_reqs`` or ``max_blocks_per_req`` if they are not
-        positive, or W is less than ``max_model_len`` needs."""
+        """The layout of ``config`` under ``settings`` for R rows of W positions (default: what
+        ``max_model_len`` needs); ``ValueError`` naming ``max_num_reqs`` or
+        ``max_blocks_per_req`` when not positive or W is less than ``max_model_len`` needs."""
         check_positive("max_num_reqs", max_num_reqs)
         group_rules = tuple(GroupRule.of(group.spec) for group in config.groups)
         g_count, r = len(group_rules), max_num_reqs
@@ -116,17 +115,13 @@ class GroupLayout:
         uniform_columns = uniform and not has_align and not spec_blocks
         types = tuple(config.attention_types())
         eagle = _eagle_groups(config, settings.use_eagle)
-        type_eagle = tuple(any(g in eagle for g in group_ids) for _, group_ids in types)
-        group_eagle = [False] * g_count
-        for (_, group_ids), eagle_type in zip(types, type_eagle, strict=True):
-            for group_id in group_ids:
-                group_eagle[group_id] = eagle_type
+        type_eagle, group_eagle = _eagle_by_type(types, eagle, g_count)
         sparse_groups = _sparse_groups(config, caching, block_size, group_eagle)
         # A running request's step leaves its releases and inserts to the pool's pending work
         # (``defers``) where they are plain: one block size, no Mamba ``"align"`` group, no
         # speculative blocks, caching on without events or sparse retention.
-        # ``immediate`` (an eviction policy, which must hear each pool call in the reference's
-        # order): no deferred pool work and no whole-step vectorised batches.
+        # ``immediate`` (an eviction policy hears each pool call in the reference's order):
+        # no deferred pool work and no whole-step vectorised batches.
         defers = uniform_columns and not general and caching and not events and not sparse_groups
         defers = defers and not immediate
         vectorisable = not general and not spec_blocks and not immediate
@@ -148,7 +143,7 @@ class GroupLayout:
             eagle_groups=frozenset(eagle),
             types=types,
             type_eagle=type_eagle,
-            group_eagle=tuple(group_eagle),
+            group_eagle=group_eagle,
             columns=columns,
         )
 
@@ -248,3 +243,16 @@ def _sparse_groups(
             )
         )
     ]
+
+
+def _eagle_by_type(
+    types: tuple[tuple[KVCacheSpec, list[int]], ...], eagle: set[int] | frozenset[int], g_count: int
+) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+    """Whether each attention type drops its last hit block for EAGLE (any of its groups is
+    flagged), and the same per group: a type's groups share their hit, so they share the flag."""
+    type_eagle = tuple(any(g in eagle for g in group_ids) for _, group_ids in types)
+    group_eagle = [False] * g_count
+    for (_, group_ids), eagle_type in zip(types, type_eagle, strict=True):
+        for group_id in group_ids:
+            group_eagle[group_id] = eagle_type
+    return type_eagle, tuple(group_eagle)

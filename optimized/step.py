@@ -84,20 +84,10 @@ def step(
         released = True
     new_blocks: tuple[tuple[int, ...], ...] | None = None
     took = need > rows.capacity[row]
-    g_count = layout.num_groups
     total = have = count = 0
     required: list[int] = []
     if took:
-        if layout.uniform_columns:
-            # Every group of the row is as long (each allocation extends all of them to
-            # the same length): the same count of new blocks for each.
-            have = rows.length[row * g_count]
-            count = -(-need // layout.block_size) - have
-            total = count * g_count
-        else:
-            required = [rule.blocks_for_tokens(need) for rule in layout.rules]
-            at, length = row * g_count, rows.length
-            total = sum(max(c - length[at + g], 0) for g, c in enumerate(required))
+        total, have, count, required = _blocks_to_take(s, row, need)
     if (took or kept_free) and not fits(s, total + kept_free):
         if released:
             s.thresholds.after_step(row, True, False, False)
@@ -123,6 +113,22 @@ def step(
     if len(pool.pending) >= PENDING_MAX:
         s.settle()  # long without another call: bounded memory
     return layout.no_blocks if new_blocks is None else KVCacheBlocks(new_blocks)
+
+
+def _blocks_to_take(s: ManagerState, row: int, need: int) -> tuple[int, int, int, list[int]]:
+    """New blocks ``need`` tokens take for ``row``: (total, have, count per group) when every
+    group of the row is as long (each allocation extends all of them to the same length, so
+    each takes the same count), else (total, 0, 0, blocks each group needs)."""
+    layout, rows = s.layout, s.rows
+    g_count = layout.num_groups
+    if layout.uniform_columns:
+        have = rows.length[row * g_count]
+        count = -(-need // layout.block_size) - have
+        return count * g_count, have, count, []
+    required = [rule.blocks_for_tokens(need) for rule in layout.rules]
+    at, length = row * g_count, rows.length
+    total = sum(max(c - length[at + g], 0) for g, c in enumerate(required))
+    return total, 0, 0, required
 
 
 def fits(s: ManagerState, blocks: int) -> bool:
