@@ -33,6 +33,7 @@ tables to one length).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -224,7 +225,7 @@ def _eagle_groups(config: KVCacheConfig, use_eagle: bool) -> set[int]:
 
 
 def _sparse_groups(
-    config: KVCacheConfig, caching: bool, block_size: int, group_eagle: list[bool]
+    config: KVCacheConfig, caching: bool, block_size: int, group_eagle: Sequence[bool]
 ) -> list[int]:
     """Sliding-window groups that cache only the blocks a later hit can reach
     (``reachable_block_mask``): under sparse retention, or when a hit needs fewer of their
