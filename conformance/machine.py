@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, Phase, Verbosity, settings
 from hypothesis.stateful import get_state_machine_test
 
 from hybridkv.conformance.adapters import Backend, reference_stand_in
+from hybridkv.conformance.draws import seed_only_draws
 from hybridkv.conformance.lockstep import repro
 from hybridkv.conformance.machine_rules import DifferentialMachine
 from hybridkv.conformance.machine_state import MAX_LIVE_REQUESTS, LiveRequest
@@ -120,7 +121,8 @@ def run_differential(
         if seed is not None:
             test._hypothesis_internal_use_seed = seed
         try:
-            test()
+            with seed_only_draws():
+                test()
         except Exception as error:
             if stats.last_run is not None:
                 layout, script, names = stats.last_run
