@@ -9,15 +9,28 @@ skipped (``pytest.importorskip("torch")``), and the ``reference`` runs go on.
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import pytest
+from parallel_order import reorder_for_workers
 
 from hybridkv.conformance.protocol import KVCacheManagerLike
 from hybridkv.reference import KVCacheManager
 from hybridkv.spec import KVCacheConfig
 
 BACKENDS = ["reference", "optimized"]
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under pytest-xdist each worker is one of as many processes as cores: torch's intra-op
+    # pool (one thread per core by default) would oversubscribe them. Set before any test
+    # module imports torch; the subprocesses tests start inherit it.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Spread the tests marked ``slow`` over the xdist workers (``parallel_order``)."""
+    reorder_for_workers(items)
 
 
 class BackendManager(KVCacheManagerLike, Protocol):

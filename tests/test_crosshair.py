@@ -110,6 +110,7 @@ def test_the_skip_ahead_scan_equals_the_reference_scan_exhaustively() -> None:
                 assert fast == rules.sliding_window_hit_blocks(cached, needed)
 
 
+@pytest.mark.slow(seconds=66)
 def test_the_manifest_holds_and_catches_every_planted_bug_fast_profile() -> None:
     report = runner.run_manifest("fast", workers=2)
     print("\n".join(report.lines()))

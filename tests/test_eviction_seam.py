@@ -97,6 +97,7 @@ def _admit(manager: KVCacheManager, rid: str, tokens: list[int]) -> Request:
     return request
 
 
+@pytest.mark.slow(seconds=9)
 @pytest.mark.parametrize("trace_set", ["unit", "engine"])
 def test_lru_through_the_seam_replays_every_golden_trace(trace_set: str) -> None:
     """Block ids, hits, events and snapshots equal vLLM 0.33's on every recorded trace."""

@@ -8,7 +8,6 @@ is caught for its bug, not for the harness).
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
@@ -24,22 +23,18 @@ def test_there_are_at_least_fifteen_mutants_with_unique_names() -> None:
     assert {m.suite for m in MUTANTS} == {"manager", "planner"}
 
 
-IN_A_FRESH_PROCESS = {"opt_window_vector_off_by_one"}
-"""Caught by the differential machine at the fast budget when its hunt is the first in its
-process (a derandomized run's examples depend on what ran before in the process): hunted in
-a subprocess of its own by ``test_a_mutant_hunted_in_a_fresh_process_is_caught``."""
-
-
+@pytest.mark.slow(seconds=3)
 @pytest.mark.parametrize(
     "mutant",
-    [m for m in MUTANTS if m.name not in IN_A_FRESH_PROCESS],
-    ids=[m.name for m in MUTANTS if m.name not in IN_A_FRESH_PROCESS],
+    MUTANTS,
+    ids=[m.name for m in MUTANTS],
 )
 def test_the_suite_catches_the_mutant(mutant: Mutant) -> None:
     result = hunt(mutant)
     assert result.caught_by is not None, f"{mutant.name} survived: {mutant.description}"
 
 
+@pytest.mark.slow(seconds=11)
 @pytest.mark.parametrize("suite", ["manager", "planner"])
 def test_the_unpatched_reference_passes_every_check(suite: str) -> None:
     unpatched = Mutant("none", "no change", "hybridkv.reference.block_pool", (), suite)  # type: ignore[arg-type]
@@ -87,17 +82,3 @@ def test_the_engine_rules_have_mutants_and_the_engine_traces_are_in_the_kill_set
         "engine golden traces",
         "golden traces",
     ]
-
-
-@pytest.mark.parametrize("name", sorted(IN_A_FRESH_PROCESS))
-def test_a_mutant_hunted_in_a_fresh_process_is_caught(name: str) -> None:
-    code = (
-        "from hybridkv.conformance.mutants import MUTANTS, hunt\n"
-        f"result = hunt(next(m for m in MUTANTS if m.name == {name!r}))\n"
-        "assert result.caught_by is not None, result\n"
-        "print(result.caught_by)\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=600
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

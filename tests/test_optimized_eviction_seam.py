@@ -110,6 +110,7 @@ def _small_thresholds_on_odd_pools(manager: Any, config: KVCacheConfig) -> None:
             setattr(manager, attribute, value)
 
 
+@pytest.mark.slow(seconds=7)
 @pytest.mark.parametrize("policy", SHIPPED)
 def test_each_shipped_policy_gives_the_same_blocks_hits_and_events_on_both_backends(
     policy: str,
@@ -144,6 +145,7 @@ def test_another_order_on_one_backend_is_caught_by_the_lockstep_run() -> None:
         run_differential(backends, max_examples=40, steps=30, shrink=False)
 
 
+@pytest.mark.slow(seconds=20)
 @pytest.mark.parametrize("trace_set", ["unit", "engine"])
 def test_lru_through_the_seam_replays_every_golden_trace_on_the_optimized_backend(
     trace_set: str,

@@ -57,6 +57,7 @@ def test_a_model_is_grouped_as_vllm_groups_it() -> None:
     )
 
 
+@pytest.mark.slow(seconds=8)
 @pytest.mark.parametrize(("run", "defaults"), [("sync", "engine"), ("async", "unit")])
 def test_full_and_sliding_window_model_steps_equal_vllms(
     run: str, defaults: str, capsys: pytest.CaptureFixture[str]

@@ -87,6 +87,7 @@ def test_a_test_lost_without_a_refusal_is_a_difference() -> None:
     assert comparison.passes_only_here == ("t::fails_on_vllm",)
 
 
+@pytest.mark.slow(seconds=150)
 def test_vllms_scheduler_tests_pass_on_both_backends_but_for_named_refusals(
     tmp_path: Path,
 ) -> None:
