@@ -36,6 +36,7 @@ from hybridkv.conformance.extras import missing_extra
 
 PROJECT_TESTS = (
     "conftest.py",
+    "parallel_order.py",  # conftest.py imports it
     "test_block_hash_fast.py",
     "test_conformance_invariants.py",
     "test_manager_errors.py",
