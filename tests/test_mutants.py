@@ -82,3 +82,13 @@ def test_the_engine_rules_have_mutants_and_the_engine_traces_are_in_the_kill_set
         "engine golden traces",
         "golden traces",
     ]
+
+
+def test_a_first_check_names_a_mutant_and_one_of_its_suites_checks() -> None:
+    """``FIRST_CHECK`` only reorders a hunt: a stale name would silently stop doing that."""
+    unpatched = Mutant("none", "no change", "hybridkv.reference.block_pool", ())
+    checks = [name for name, _ in mutants.manager_checks(load_mutant(unpatched))]
+    names = {m.name for m in MUTANTS}
+    for mutant, check in mutants.FIRST_CHECK.items():
+        assert mutant in names
+        assert check in checks
