@@ -155,10 +155,14 @@ def run_concurrently(source: Path, reports: dict[str, Path]) -> dict[str, dict[s
 
 
 def _pytest_command(backend: str, report: Path) -> list[str]:
+    """One pytest run of vLLM's scheduler tests with ``backend``'s manager. ``--tb=native``:
+    pytest's own traceback format, with source context for every frame, took most of a run
+    that has a hundred refused tests to report; the outcomes and messages in the report are
+    the same."""
     return [
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
         "-p", "hybridkv.integrations.vllm.pytest_plugin", "--hybridkv-backend", backend,
-        "--hybridkv-offline-models", "--confcutdir", "tests/v1/core",
+        "--hybridkv-offline-models", "--confcutdir", "tests/v1/core", "--tb=native",
         f"--junitxml={report}", *TEST_FILES,
     ]  # fmt: skip
 
