@@ -22,7 +22,7 @@ from hybridkv.reference.free_queue import FreeKVCacheBlockQueue
 from hybridkv.reference.kv_cache_block import BlockHashWithGroupId, KVCacheBlock
 from hybridkv.reference.request import RequestLike
 from hybridkv.spec import KVCacheSpec
-from hybridkv.spec.errors import require
+from hybridkv.spec.errors import InvariantError, require
 
 
 def hashes_at_block_size(
@@ -347,26 +347,52 @@ class BlockPool:
     # --- Invariants -------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Raise ``AssertionError`` if the pool's own bookkeeping is inconsistent."""
-        free = [block.block_id for block in self.free_block_queue]
-        require(len(free) == len(set(free)), f"free queue holds a block twice: {free}")
-        require(0 not in free, "the null block is in the free queue")
-        zero = {b.block_id for b in self.blocks[1:] if b.ref_cnt == 0}
-        require(set(free) == zero, f"free queue {sorted(free)} != count-0 blocks {sorted(zero)}")
-        require(all(b.ref_cnt >= 0 for b in self.blocks[1:]), "a negative reference count")
-        cached = 0
-        for key, blocks in self.cached_block_hash_to_block.items():
-            require(bool(blocks), f"an empty cache entry for group {key[1]}")
-            for block_id, block in blocks.items():
-                require(
-                    block.block_id == block_id
-                    and (
-                        block.block_hash == key or key in self.extra_keys_by_block.get(block_id, ())
-                    ),
-                    f"cache entry of group {key[1]} points at block {block_id} holding another key",
-                )
-                cached += 1
-        hashed = sum(1 for b in self.blocks if b.block_hash is not None)
-        hashed += sum(len(keys) for keys in self.extra_keys_by_block.values())
-        require(hashed == cached, f"{hashed} blocks hold a hash but {cached} are in the cache")
+        """Raise ``InvariantError`` if the pool's own bookkeeping is inconsistent.
+
+        Tests call it after every step, so each check gathers its offenders with one
+        comprehension or set comparison and formats a message only when it fails.
+        """
+        self._check_free_queue()
+        self._check_cache_entries()
         require(self.null_block.block_hash is None, "the null block holds a hash")
+
+    def _check_free_queue(self) -> None:
+        """The free queue holds each block of reference count 0 once and nothing else (never
+        the null block); no count is negative."""
+        free = [block.block_id for block in self.free_block_queue]
+        free_set = set(free)
+        if len(free_set) != len(free):
+            raise InvariantError(f"free queue holds a block twice: {free}")
+        require(0 not in free_set, "the null block is in the free queue")
+        blocks = self.blocks[1:]
+        zero = {block.block_id for block in blocks if block.ref_cnt == 0}
+        if free_set != zero:
+            raise InvariantError(f"free queue {sorted(free)} != count-0 blocks {sorted(zero)}")
+        require(
+            min([block.ref_cnt for block in blocks], default=0) >= 0, "a negative reference count"
+        )
+
+    def _check_cache_entries(self) -> None:
+        """Every cache entry is non-empty and points at blocks that hold its key (as their
+        primary key or beside it), and every key a block holds has its entry (counted)."""
+        entries = self.cached_block_hash_to_block
+        empty = [key for key, blocks in entries.items() if not blocks]
+        if empty:
+            raise InvariantError(f"an empty cache entry for group {empty[0][1]}")
+        extra = self.extra_keys_by_block
+        stray = [
+            (key, block_id)
+            for key, blocks in entries.items()
+            for block_id, block in blocks.items()
+            if block.block_id != block_id
+            or (block.block_hash != key and key not in extra.get(block_id, ()))
+        ]
+        if stray:
+            (_, group_id), block_id = stray[0]
+            raise InvariantError(
+                f"cache entry of group {group_id} points at block {block_id} holding another key"
+            )
+        cached = sum(map(len, entries.values()))
+        hashed = len([block for block in self.blocks if block.block_hash is not None])
+        hashed += sum(map(len, extra.values()))
+        require(hashed == cached, f"{hashed} blocks hold a hash but {cached} are in the cache")

@@ -12,7 +12,6 @@ a sliding window or chunk, exactly as a successful one would have).
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +26,7 @@ from hybridkv.reference.prefix_stats import PrefixCacheCounter, PrefixCacheStats
 from hybridkv.reference.request import Request, RequestLike
 from hybridkv.reference.single_type_managers import BlocksPerGroup, prompt_tokens
 from hybridkv.reference.snapshot import PoolSnapshot
+from hybridkv.reference.table_invariants import check_ref_counts, check_tables
 from hybridkv.reference.validation import (
     check_allocation,
     check_block_hashes,
@@ -35,10 +35,8 @@ from hybridkv.reference.validation import (
 )
 from hybridkv.spec import (
     KVCacheConfig,
-    KVCacheSpec,
-    rules,
 )
-from hybridkv.spec.errors import check_non_negative, require
+from hybridkv.spec.errors import InvariantError, check_non_negative
 
 
 class KVCacheManager(PrefixCacheStatsCalls):
@@ -300,7 +298,7 @@ class KVCacheManager(PrefixCacheStatsCalls):
         (``check_invariants`` compares the two)."""
         cached: int | None = None
         for table in self.coordinator.get_blocks(request_id):
-            longest = max((block.block_hash_num_tokens or 0 for block in table), default=0)
+            longest = max([block.block_hash_num_tokens or 0 for block in table], default=0)
             cached = longest if cached is None else min(cached, longest)
         return cached or 0
 
@@ -343,44 +341,20 @@ class KVCacheManager(PrefixCacheStatsCalls):
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` if the pool and the managers disagree (tests call it after
         every step): reference counts equal holders, no block in two groups, nulls only where
-        the group's type puts them, and each request's estimate of its cached tokens equal to
-        the scan of its tables."""
+        the group's type puts them (``hybridkv.reference.table_invariants``), and each
+        request's estimate of its cached tokens equal to the scan of its tables."""
         self.block_pool.check_invariants()
-        holders: Counter[int] = Counter()
-        owner_group: dict[int, int] = {}
-        for manager in self.coordinator.managers:
-            for request_id, table in manager.req_to_blocks.items():
-                in_flight = self._in_flight.get(request_id, 0)
-                _check_null_positions(
-                    manager.spec,
-                    request_id,
-                    [b.block_id for b in table],
-                    rules.cdiv(in_flight, manager.block_size),
-                )
-                for block in table:
-                    if block.is_null:
-                        continue
-                    holders[block.block_id] += 1
-                    group = owner_group.setdefault(block.block_id, manager.group_id)
-                    require(
-                        group == manager.group_id,
-                        f"block {block.block_id} is in groups {group} and {manager.group_id}",
-                    )
-        for block in self.block_pool.blocks[1:]:
-            count = holders[block.block_id]
-            require(
-                block.ref_cnt == count,
-                f"block {block.block_id} has ref_cnt {block.ref_cnt} but {count} holders",
-            )
+        holders = check_tables(self.coordinator.managers, self._in_flight)
+        check_ref_counts(self.block_pool.blocks, holders)
         # Last: the estimate reads the tables the checks above vouch for.
         for request_id in {r for m in self.coordinator.managers for r in m.req_to_blocks}:
             estimate = self.estimate_cached_tokens(request_id)
             scan = self._estimate_cached_tokens_by_scan(request_id)
-            require(
-                estimate == scan,
-                f"request {request_id!r}: estimate_cached_tokens {estimate} but its tables hold "
-                f"a prefix of {scan} cached tokens",
-            )
+            if estimate != scan:
+                raise InvariantError(
+                    f"request {request_id!r}: estimate_cached_tokens {estimate} but its tables "
+                    f"hold a prefix of {scan} cached tokens"
+                )
 
     # --- Validation (hybridkv.reference.validation) ------------------------------------------
 
@@ -407,28 +381,3 @@ class KVCacheManager(PrefixCacheStatsCalls):
         )
         blocks = self.block_pool.blocks
         return tuple([blocks[i] for i in ids] for ids in hit_ids)
-
-
-def _check_null_positions(
-    spec: KVCacheSpec, request_id: str, table: list[int], in_flight_blocks: int = 0
-) -> None:
-    """Nulls only where the type puts them: a window or chunk (or a Mamba state in ``"none"``
-    mode) releases from the front only; full attention keeps every position; an ``"align"``
-    Mamba table holds nulls anywhere but at most a few real blocks (the state, the previous
-    one, a prefill checkpoint and the speculative blocks), plus the blocks of tokens still in
-    flight (``in_flight_blocks``: states released only once their step is processed)."""
-    nulls = [i for i, block_id in enumerate(table) if block_id == 0]
-    limit = spec.max_live_blocks
-    if limit is not None:
-        limit += in_flight_blocks
-        real = len(table) - len(nulls)
-        require(
-            real <= limit, f"request {request_id!r} holds {real} {spec.title} blocks (> {limit})"
-        )
-    if spec.null_positions == "leading":
-        require(
-            nulls == list(range(len(nulls))),
-            f"request {request_id!r} has null positions {nulls} after a real block",
-        )
-    elif spec.null_positions == "none":
-        require(not nulls, f"request {request_id!r} of a {spec.title} group holds null blocks")

@@ -16,6 +16,7 @@ from hybridkv.spec import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroup,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from hybridkv.spec.errors import InvariantError
@@ -118,6 +119,12 @@ def _null_block_in_queue(m: KVCacheManager) -> None:
     m.block_pool.free_block_queue.append_n([m.block_pool.null_block])
 
 
+def _estimate_below_the_scan(m: KVCacheManager) -> None:
+    """Longer prefixes at positions the estimate does not read (it reads positions 4 and 5)."""
+    m.coordinator.managers[0].req_to_blocks["run"][0].block_hash_num_tokens = 12
+    m.coordinator.managers[1].req_to_blocks["run"][2].block_hash_num_tokens = 12
+
+
 def _empty_cache_entry(m: KVCacheManager) -> None:
     key = next(iter(m.block_pool.cached_block_hash_to_block))
     m.block_pool.cached_block_hash_to_block[(key[0], 1)] = {}
@@ -140,6 +147,10 @@ CORRUPTIONS: list[tuple[Callable[[KVCacheManager], None], str]] = [
     (_negative_count, "a negative reference count"),
     (_null_block_in_queue, "the null block is in the free queue"),
     (_empty_cache_entry, "an empty cache entry for group 1"),
+    (
+        _estimate_below_the_scan,
+        "request 'run': estimate_cached_tokens 10 but its tables hold a prefix of 12 cached tokens",
+    ),
 ]
 
 
@@ -162,3 +173,27 @@ def test_the_live_state_is_what_the_corruptions_assume() -> None:
     assert manager.get_block_ids("run")[1][0] == 0
     assert manager.block_pool.cached_block_hash_to_block
     assert manager.num_free_blocks > 0
+
+
+def test_an_align_mamba_table_holding_too_many_real_blocks_is_reported() -> None:
+    """An ``"align"`` Mamba table may hold nulls anywhere but at most 3 real blocks here (no
+    speculative blocks, no tokens in flight): two more than the one state are reported."""
+    sizes = {"num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
+    config = KVCacheConfig(
+        num_blocks=14,
+        groups=(
+            KVCacheGroup(("full",), FullAttentionSpec(block_size=4, **sizes)),
+            KVCacheGroup(
+                ("mamba",), MambaSpec(block_size=4, state_bytes=16, mamba_cache_mode="align")
+            ),
+        ),
+    )
+    manager = KVCacheManager(config, 64)
+    assert manager.allocate_slots(Request("r", list(range(10)), hash_block_size=4), 10)
+    table = manager.coordinator.managers[1].req_to_blocks["r"]
+    assert [block.block_id for block in table] == [0, 0, 4]
+    manager.check_invariants()
+    table.extend(list(manager.block_pool.free_block_queue)[:3])
+    with pytest.raises(InvariantError) as raised:
+        manager.check_invariants()
+    assert str(raised.value) == "request 'r' holds 4 Mamba blocks (> 3)"
