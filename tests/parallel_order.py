@@ -44,15 +44,16 @@ def spread(items: list[pytest.Item], workers: int) -> list[pytest.Item]:
     if workers < 2 or len(items) < workers:
         return items
     sizes = share_sizes(len(items), workers)
-    slow = sorted((i for i in items if marked_seconds(i) > 0), key=marked_seconds, reverse=True)
+    seconds = [marked_seconds(item) for item in items]
+    slow = sorted((n for n, s in enumerate(seconds) if s > 0), key=lambda n: -seconds[n])
     shares: list[list[pytest.Item]] = [[] for _ in range(workers)]
     loads = [0.0] * workers
-    for item in slow:
+    for n in slow:
         open_shares = [w for w in range(workers) if len(shares[w]) < sizes[w]]
         target = min(open_shares, key=lambda w: (loads[w], w))
-        shares[target].append(item)
-        loads[target] += marked_seconds(item)
-    rest = iter(i for i in items if marked_seconds(i) == 0)
+        shares[target].append(items[n])
+        loads[target] += seconds[n]
+    rest = iter(item for item, s in zip(items, seconds, strict=True) if s == 0)
     for w in range(workers):
         while len(shares[w]) < sizes[w]:
             shares[w].append(next(rest))
