@@ -308,9 +308,8 @@ order, so the verdict is the same and the hunt short."""
 def _first_check_first(
     mutant: Mutant, checks: Iterator[tuple[str, Callable[[], None]]]
 ) -> list[tuple[str, Callable[[], None]]]:
-    ordered = list(checks)
     first = FIRST_CHECK.get(mutant.name)
-    return sorted(ordered, key=lambda check: check[0] != first)
+    return sorted(checks, key=lambda check: check[0] != first)
 
 
 def hunt(mutant: Mutant, examples: int = 40) -> Hunt:
