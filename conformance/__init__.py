@@ -6,7 +6,8 @@
 * ``stateful``: the Hypothesis state machine that drives implementations in lockstep (split
   into ``strategies``, ``invariants`` and ``machine``; ``stateful`` re-exports them);
 * ``oracles``: brute-force checks of the longest hit and of the planner;
-* ``harnesses``, ``planted_bugs``, ``crosshair_manifest``, ``crosshair_runner``: CrossHair;
+* ``harnesses``, ``planted_bugs``, ``crosshair_manifest``, ``crosshair_runner``,
+  ``crosshair_batches``: CrossHair;
 * ``mutants``: planted bugs in the reference that the suite must catch;
 * ``mutation_score``: mutmut over ``reference/`` (a separate command);
 * ``python -m hybridkv.conformance``: all of it, with a report.

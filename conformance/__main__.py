@@ -333,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.crosshair:
         _section("CrossHair (a bounded symbolic search, not a proof)")
-        from hybridkv.conformance.crosshair_runner import run_manifest
+        from hybridkv.conformance.crosshair_batches import run_manifest
 
         try:
             report = run_manifest(args.profile)

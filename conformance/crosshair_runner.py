@@ -21,12 +21,11 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from hybridkv.conformance.crosshair_manifest import MANIFEST, Target
+from hybridkv.conformance.crosshair_manifest import Target
 
 
 @dataclass(frozen=True)
@@ -97,6 +96,8 @@ class TargetResult:
     other_output: tuple[str, ...]
     verdict: Verdict
     reason: str
+    batch_size: int = 1
+    """How many targets shared the CrossHair process (and ``seconds``)."""
 
     @property
     def num_confirmed(self) -> int:
@@ -132,9 +133,10 @@ class CrosshairReport:
                 f"{r.num_counterexamples} counterexample(s)"
             )
             reason = f": {r.reason}" if r.reason else ""
+            shared = f" with {r.batch_size - 1} other(s)" if r.batch_size > 1 else ""
             out.append(
                 f"  {r.verdict.upper():5} {r.target.name.removeprefix('hybridkv.')} "
-                f"[{r.target.expect}] {counts} ({r.seconds:.1f}s){reason}"
+                f"[{r.target.expect}] {counts} ({r.seconds:.1f}s{shared}){reason}"
             )
         holds = [r for r in self.results if r.target.expect == "hold"]
         bugs = [r for r in self.results if r.target.expect == "counterexample"]
@@ -153,6 +155,11 @@ class CrosshairReport:
 
 def crosshair_command(target: Target, budget: Budget) -> list[str]:
     """The exact command line for one target."""
+    return [*crosshair_arguments(target, budget), target.name]
+
+
+def crosshair_arguments(target: Target, budget: Budget) -> list[str]:
+    """The command line for ``target``'s budget, before the names of the targets it checks."""
     return [
         sys.executable,
         "-m",
@@ -165,13 +172,20 @@ def crosshair_command(target: Target, budget: Budget) -> list[str]:
         f"{budget.per_condition_timeout * target.scale:g}",
         "--max_uninteresting_iterations",
         str(int(budget.max_uninteresting_iterations * target.scale)),
-        target.name,
     ]
 
 
 def parse_output(stdout: str) -> tuple[tuple[ConditionResult, ...], tuple[str, ...]]:
     """Condition lines, and every other non-empty line."""
-    conditions: list[ConditionResult] = []
+    located, other = parse_located_output(stdout)
+    return tuple(condition for _, condition in located), other
+
+
+def parse_located_output(
+    stdout: str,
+) -> tuple[tuple[tuple[str, ConditionResult], ...], tuple[str, ...]]:
+    """Condition lines with the file each names, and every other non-empty line."""
+    located: list[tuple[str, ConditionResult]] = []
     other: list[str] = []
     for raw in stdout.splitlines():
         line = raw.strip()
@@ -179,10 +193,11 @@ def parse_output(stdout: str) -> tuple[tuple[ConditionResult, ...], tuple[str, .
             continue
         match = _LINE.match(line)
         if match and match["level"] in ("info", "error"):
-            conditions.append(ConditionResult(int(match["line"]), match["level"], match["msg"]))
+            condition = ConditionResult(int(match["line"]), match["level"], match["msg"])
+            located.append((match["path"], condition))
         else:
             other.append(line)
-    return tuple(conditions), tuple(other)
+    return tuple(located), tuple(other)
 
 
 def judge(
@@ -236,29 +251,3 @@ def run_target(target: Target, budget: Budget) -> TargetResult:
     verdict, reason = judge(target, returncode, conditions, other)
     seconds = time.monotonic() - start
     return TargetResult(target, returncode, seconds, conditions, other, verdict, reason)
-
-
-def run_manifest(
-    profile: str = "fast",
-    *,
-    targets: Sequence[Target] = MANIFEST,
-    workers: int = 2,
-    progress: Callable[[TargetResult], None] | None = None,
-) -> CrosshairReport:
-    """Check every target; the slowest first so that the workers finish together."""
-    budget = PROFILES[profile]
-    report = CrosshairReport(profile)
-    start = time.monotonic()
-    ordered = sorted(targets, key=lambda t: -t.scale)
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(run_target, target, budget) for target in ordered]
-        for future in futures:
-            remaining = budget.total_wall_clock - (time.monotonic() - start)
-            result = future.result(timeout=max(remaining, 1.0))
-            report.results.append(result)
-            if progress is not None:
-                progress(result)
-    order = {t.name: i for i, t in enumerate(targets)}
-    report.results.sort(key=lambda r: order[r.target.name])
-    report.seconds = time.monotonic() - start
-    return report

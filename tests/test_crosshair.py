@@ -11,11 +11,22 @@ import importlib
 import inspect
 import itertools
 import os
+import subprocess
 
 import pytest
 
+from hybridkv.conformance import crosshair_batches
 from hybridkv.conformance import crosshair_runner as runner
+from hybridkv.conformance.crosshair_batches import (
+    BATCH_SCALE,
+    Batch,
+    attribute,
+    batches,
+    run_batch,
+    source_span,
+)
 from hybridkv.conformance.crosshair_manifest import CHECKED_MODULES, MANIFEST, Target
+from hybridkv.conformance.crosshair_runner import ConditionResult
 from hybridkv.conformance.harnesses import sliding_window_scan_equivalence
 from hybridkv.spec import rules
 
@@ -110,17 +121,73 @@ def test_the_skip_ahead_scan_equals_the_reference_scan_exhaustively() -> None:
                 assert fast == rules.sliding_window_hit_blocks(cached, needed)
 
 
-@pytest.mark.slow(seconds=66)
-def test_the_manifest_holds_and_catches_every_planted_bug_fast_profile() -> None:
-    report = runner.run_manifest("fast", workers=2)
+def test_the_batches_check_every_target_once_under_its_own_budget() -> None:
+    grouped = batches(MANIFEST)
+    names = [t.name for b in grouped for t in b.targets]
+    assert sorted(names) == sorted(t.name for t in MANIFEST)
+    for batch in grouped:
+        assert len({(t.expect, t.scale) for t in batch.targets}) == 1
+        assert batch.weight <= BATCH_SCALE or len(batch.targets) == 1
+    assert len(grouped) < len(MANIFEST) / 3
+
+
+def test_each_reported_line_goes_to_the_target_whose_source_holds_it() -> None:
+    batch = Batch((Target(f"{rules.__name__}.cdiv"), Target(f"{rules.__name__}.group_size")))
+    path, cdiv_lines = source_span(batch.targets[0])
+    _, group_size_lines = source_span(batch.targets[1])
+    first = ConditionResult(cdiv_lines[2], "info", "Confirmed over all paths.")
+    second = ConditionResult(group_size_lines[3], "error", "false when calling group_size(1)")
+    found = attribute(batch, [(path, first), (path, second)])
+    assert found == {batch.targets[0].name: [first], batch.targets[1].name: [second]}
+    outside = ConditionResult(max(cdiv_lines[-1], group_size_lines[-1]) + 10_000, "info", "x")
+    assert attribute(batch, [(path, outside)]) is None
+    assert attribute(batch, [("elsewhere.py", first)]) is None
+
+
+@pytest.mark.parametrize("returncode", [2, 1])
+def test_a_batch_whose_report_cannot_be_split_is_checked_one_target_at_a_time(
+    monkeypatch: pytest.MonkeyPatch, returncode: int
+) -> None:
+    """A crash, or an exit for a counterexample that no line reports: nothing is decided
+    from the batch, each target runs alone."""
+    batch = Batch((Target(f"{rules.__name__}.cdiv"), Target(f"{rules.__name__}.group_size")))
+    done = subprocess.CompletedProcess(["crosshair"], returncode, "", "Traceback ...")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: done)
+    alone: list[str] = []
+
+    def run_alone(target: Target, budget: runner.Budget) -> runner.TargetResult:
+        alone.append(target.name)
+        return runner.TargetResult(target, 0, 0.0, (), (), "pass", "")
+
+    monkeypatch.setattr(crosshair_batches, "run_target", run_alone)
+    results = run_batch(batch, runner.PROFILES["fast"])
+    assert alone == [t.name for t in batch.targets]
+    assert [r.target for r in results] == list(batch.targets)
+
+
+def _batch_param(batch: Batch) -> object:
+    """One test per batch, marked with about its seconds on an idle 2-core machine (about
+    two per unit of scale), so that the workers share the manifest."""
+    return pytest.param(batch, id=batch.name, marks=pytest.mark.slow(seconds=2 * batch.weight))
+
+
+@pytest.mark.parametrize("batch", [_batch_param(b) for b in batches(MANIFEST)])
+def test_each_batch_of_the_manifest_holds_and_catches_its_planted_bugs_fast_profile(
+    batch: Batch,
+) -> None:
+    """The fast profile, one CrossHair process per batch: every contract holds (confirmed or
+    searched to the budget), every planted bug is caught, no target is vacuous."""
+    results = run_batch(batch, runner.PROFILES["fast"])
+    report = runner.CrosshairReport("fast", results)
     print("\n".join(report.lines()))
-    failures = [r for r in report.results if r.verdict == "fail"]
+    assert [r.target for r in results] == list(batch.targets)
+    failures = [r for r in results if r.verdict == "fail"]
     assert not failures, "\n".join(f"{r.target.name}: {r.reason}" for r in failures)
-    assert all(r.conditions for r in report.results)
+    assert all(r.conditions for r in results)
 
 
 @pytest.mark.skipif(os.environ.get("HYBRIDKV_LONG") != "1", reason="long profile: HYBRIDKV_LONG=1")
 def test_the_manifest_long_profile() -> None:
-    report = runner.run_manifest("long", workers=os.cpu_count() or 2)
+    report = crosshair_batches.run_manifest("long", workers=os.cpu_count() or 2)
     print("\n".join(report.lines()))
     assert report.ok
