@@ -94,8 +94,10 @@ def _code_strings() -> tuple[str, ...]:
 def _in_code(quoted: str) -> bool:
     """Whether one string literal of the sources reads ``quoted``, each ``…`` of it standing for
     any text."""
-    pattern = ".*?".join(re.escape(fragment) for fragment in quoted.split("…"))
-    return any(re.search(pattern, string, re.DOTALL) for string in _code_strings())
+    fragments = quoted.split("…")
+    pattern = re.compile(".*?".join(re.escape(fragment) for fragment in fragments), re.DOTALL)
+    longest = max(fragments, key=len)  # a plain substring test first: most strings lack it
+    return any(longest in string and pattern.search(string) for string in _code_strings())
 
 
 def _quoted_errors() -> list[str]:
