@@ -299,8 +299,12 @@ FIRST_CHECK: dict[str, str] = {
     "opt_lookup_before_pending": "differential machine, roomy pools",
     "capacity_ignores_queued_hits": "engine golden traces",
     "full_prompt_without_window_cap": "engine golden traces",
+    "opt_touch_many_keeps_queued": "differential machine, roomy pools",
+    "opt_window_vector_off_by_one": "differential machine, roomy pools",
+    "opt_hybrid_one_pass": "golden traces",
+    "full_hit_no_stop": "longest-hit oracle",
 }
-"""Mutants caught late in the cheapest-first order, and the check that catches them
+"""Mutants caught late or slowly in the cheapest-first order, and the check that catches them
 (``python -m hybridkv.conformance.kill_table``): their hunt tries it first, then the others in
 order, so the verdict is the same and the hunt short."""
 
