@@ -78,6 +78,11 @@ SWEEP = [
         "pip install '.[dev]'",
     ),
     (
+        [sys.executable, "-m", "hybridkv.integrations.vllm.own_test_runs", "runs.json"],
+        f"python -m hybridkv.integrations.vllm.own_test_runs needs vllm, which is not installed: "
+        f"{VLLM_LINE}",
+    ),
+    (
         [HYBRIDKV, "bench", "--quick"],
         "python -m hybridkv.bench needs torch, which is not installed: pip install '.[torch]'",
     ),

@@ -87,7 +87,7 @@ def test_a_test_lost_without_a_refusal_is_a_difference() -> None:
     assert comparison.passes_only_here == ("t::fails_on_vllm",)
 
 
-@pytest.mark.slow(seconds=150)
+@pytest.mark.slow(seconds=40)
 def test_vllms_scheduler_tests_pass_on_both_backends_but_for_named_refusals(
     tmp_path: Path,
 ) -> None:
@@ -99,7 +99,7 @@ def test_vllms_scheduler_tests_pass_on_both_backends_but_for_named_refusals(
         source = own_tests.fetch_source()
     except own_tests.SourceUnavailable as error:
         pytest.skip(f"vLLM's test tree is unavailable: {error}")
-    runs = own_tests.run_concurrently(
+    runs = own_tests.run_backends(
         source, {name: tmp_path / f"{name}.xml" for name in own_tests.RUNS}
     )
     baseline = runs["vllm"]

@@ -4,8 +4,8 @@
 distribution (downloaded once into ``~/.cache/hybridkv``, see ``fetch_source``; or ``--source
 DIR``), runs ``tests/v1/core/test_scheduler.py`` and ``test_async_scheduler.py`` three times
 through ``hybridkv.integrations.vllm.pytest_plugin`` (``--hybridkv-backend vllm``, ``reference``,
-``optimized``; models served offline; the three runs at once), and compares the outcomes test by
-test.
+``optimized``; models served offline; the three runs one after another in one process), and
+compares the outcomes test by test.
 
 A test that passes on vLLM's manager must pass on each backend, unless it fails on a setting
 the integration refuses by name (``UnsupportedSetting``, ``UnsupportedInternal``) or on an
@@ -124,43 +124,41 @@ def _download_sdist() -> bytes:
 
 def run_tests(source: Path, backend: str, report: Path) -> dict[str, Outcome]:
     """Run vLLM's scheduler tests with ``backend``'s manager; each test's outcome."""
-    return run_concurrently(source, {backend: report})[backend]
+    return run_backends(source, {backend: report})[backend]
 
 
-def run_concurrently(source: Path, reports: dict[str, Path]) -> dict[str, dict[str, Outcome]]:
-    """Run vLLM's scheduler tests once per backend, all runs at once; each run's outcomes.
-
-    The runs are independent processes (one pytest each, writing its own JUnit report), so
-    starting them together lets them share the machine's cores instead of queueing; the
-    outcomes are the same as one run after another.
-    """
+def run_backends(source: Path, reports: dict[str, Path]) -> dict[str, dict[str, Outcome]]:
+    """Run vLLM's scheduler tests once per backend, one pytest session after another in one
+    process (``own_test_runs``: vLLM is imported and its tests collected once); each run's
+    outcomes, from the JUnit report it wrote."""
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
-    commands = {backend: _pytest_command(backend, report) for backend, report in reports.items()}
-    running = {
-        backend: subprocess.Popen(
-            command, cwd=source, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        for backend, command in commands.items()
-    }
-    for process in running.values():
-        process.wait()
+    runs = {backend: pytest_arguments(backend, report) for backend, report in reports.items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        arguments = Path(tmp) / "runs.json"
+        arguments.write_text(json.dumps(runs), encoding="utf-8")
+        command = [sys.executable, "-m", "hybridkv.integrations.vllm.own_test_runs", str(arguments)]
+        done = subprocess.run(
+            command, cwd=source, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            text=True, check=False,
+        )  # fmt: skip
     outcomes: dict[str, dict[str, Outcome]] = {}
     for backend, report in reports.items():
         if not report.is_file():
             raise RuntimeError(
-                f"pytest wrote no report for backend {backend!r}: {commands[backend]}"
+                f"pytest wrote no report for backend {backend!r} (exit {done.returncode}): "
+                f"{runs[backend]} {done.stderr[-500:]}"
             )
         outcomes[backend] = parse_report(report)
     return outcomes
 
 
-def _pytest_command(backend: str, report: Path) -> list[str]:
-    """One pytest run of vLLM's scheduler tests with ``backend``'s manager. ``--tb=native``:
-    pytest's own traceback format, with source context for every frame, took most of a run
-    that has a hundred refused tests to report; the outcomes and messages in the report are
-    the same."""
+def pytest_arguments(backend: str, report: Path) -> list[str]:
+    """The arguments of one pytest run of vLLM's scheduler tests with ``backend``'s manager.
+    ``--tb=native``: pytest's own traceback format, with source context for every frame, took
+    most of a run that has a hundred refused tests to report; the outcomes and messages in the
+    report are the same."""
     return [
-        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+        "-q", "-p", "no:cacheprovider",
         "-p", "hybridkv.integrations.vllm.pytest_plugin", "--hybridkv-backend", backend,
         "--hybridkv-offline-models", "--confcutdir", "tests/v1/core", "--tb=native",
         f"--junitxml={report}", *TEST_FILES,
@@ -256,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         backends = args.backend or list(RUNS[1:])
-        runs = run_concurrently(
+        runs = run_backends(
             source, {name: Path(tmp) / f"{name}.xml" for name in ["vllm", *backends]}
         )
         baseline = runs["vllm"]
