@@ -373,6 +373,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 32
     max_model_len: int = 16384
+    full_prompt_admission: bool = False
+    """Admit a request only if its whole sequence fits (``full_sequence_must_fit``), as a vLLM
+    0.33 engine does; off: only the first chunk must fit, as vLLM's unit tests admit."""
 
 
 @dataclass
@@ -386,6 +389,10 @@ class SimulationResult:
     preemptions: int = 0
     prompt_tokens: int = 0
     hit_tokens: int = 0
+    first_prompt_tokens: int = 0
+    """Prompt tokens of each request at its first admission only (a preempted request admitted
+    again counts in ``prompt_tokens`` once more, not here)."""
+    first_hit_tokens: int = 0
     computed_tokens: int = 0
     usage_per_step: list[float] = field(default_factory=list)
     hit_rate_per_step: list[float] = field(default_factory=list)
@@ -395,6 +402,14 @@ class SimulationResult:
     def hit_rate(self) -> float:
         """Prompt tokens found in the prefix cache at admission / prompt tokens admitted."""
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def first_admission_hit_rate(self) -> float:
+        """Prompt tokens found in the prefix cache at each request's first admission / those
+        requests' prompt tokens (re-admissions after a preemption left out)."""
+        if not self.first_prompt_tokens:
+            return 0.0
+        return self.first_hit_tokens / self.first_prompt_tokens
 
     @property
     def peak_usage(self) -> float:
@@ -455,6 +470,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished_at: dict[str, int] = {}
+        self.admitted_once: set[str] = set()
         self.result = SimulationResult(num_requests=len(requests))
         self.step = 0
         self._clock = 0.0
@@ -539,7 +555,12 @@ class Scheduler:
             request.shared_prefix_boundary = boundary
             num_new = self._chunk(request, num_hits, min(request.num_tokens - num_hits, budget))
             new_blocks = self._timed(
-                self.manager.allocate_slots, request, num_new, num_hits, blocks
+                self.manager.allocate_slots,
+                request,
+                num_new,
+                num_hits,
+                blocks,
+                full_sequence_must_fit=self.config.full_prompt_admission,
             )
             if new_blocks is None:
                 if self.running or admitted:
@@ -553,6 +574,10 @@ class Scheduler:
             request.num_computed_tokens = num_hits
             self.result.prompt_tokens += request.num_tokens
             self.result.hit_tokens += num_hits
+            if request.request_id not in self.admitted_once:
+                self.admitted_once.add(request.request_id)
+                self.result.first_prompt_tokens += request.num_tokens
+                self.result.first_hit_tokens += num_hits
             admitted.append((request, num_new))
             budget -= num_new
         return admitted

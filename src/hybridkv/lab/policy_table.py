@@ -1,0 +1,223 @@
+"""The policy table: prompt tokens hit at first admission under each eviction policy.
+
+``python -m hybridkv.lab.policy_table`` runs ``simulate``'s scheduler loop (FCFS admission,
+chunked prefill, preemption) over the synthetic ``agent`` and ``mixed`` workloads, for four
+models at three KV cache memories each, under every shipped policy, for several seeds, and
+prints each cell's mean and spread beside the bound.
+
+What a cell runs is what a vLLM 0.33 engine runs, LRU included: sparse prefix-cache retention
+(``prefix_cache_retention_interval=0``, which drops most out-of-window tails) and full-prompt
+admission (``full_sequence_must_fit``), on the optimized backend (which reuses exactly the
+reference's blocks under every policy: ``tests/test_optimized_eviction_seam.py``). The hit
+rate counts each request once, at its first admission (a preempted request admitted again is
+left out). The bound is the same requests on a pool so large that nothing is evicted, with
+dense retention (every block kept): no policy can hit more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+MEMORIES: dict[str, tuple[int, ...]] = {
+    "gpt-oss-120b": (512 * MIB, 1 * GIB, 2 * GIB),
+    "gemma-3-27b-it": (4 * GIB, 8 * GIB, 16 * GIB),
+    "Llama-4-Scout-17B-16E": (1 * GIB, 2 * GIB, 4 * GIB),
+    "Jamba-v0.1": (512 * MIB, 1 * GIB, 2 * GIB),
+}
+"""Per model, three memories, each twice the one before. The first is the smallest of the
+powers of two at which no request of ``agent`` (seed 0) is refused for want of room for its
+whole sequence (below it, refusals leave the rest more room and inflate the rate), or, where LRU
+still hits more than half the bound there, the one where it hits about half (Jamba-v0.1: 1 GiB).
+With sparse retention LRU hits 61-62 % at the first memory of the three attention models, not
+half their bound: smaller pools refuse requests first (``docs/eviction.md``, the policy table)."""
+
+WORKLOADS = ("agent", "mixed")
+POLICIES = ("lru", "hybrid", "cost", "arc")
+BOUND_MEMORY = 64 * GIB
+"""The bound's pool: far more than the 120 requests of a workload ever hold at once."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run: a model, a workload, a memory, a policy and a seed."""
+
+    model: str
+    workload: str
+    memory_bytes: int
+    policy: str
+    seed: int
+    requests: int = 120
+    engine: bool = True
+
+
+@dataclass(frozen=True)
+class CellResult:
+    """What one run measured (a function of the cell alone: no clock)."""
+
+    cell: Cell
+    num_blocks: int
+    hit_rate: float
+    preemptions: int
+    rejected: int
+
+
+def run_cell(cell: Cell) -> CellResult:
+    """Plan the model at the cell's memory and run its workload under its policy."""
+    from hybridkv.cli.options import resolve_model
+    from hybridkv.cli.plan_data import PlanSettings, make_plan
+    from hybridkv.optimized import TorchKVCacheManager
+    from hybridkv.reference.planner import with_mamba_cache_mode
+    from hybridkv.simulate import Scheduler, SchedulerConfig, make_workload
+    from hybridkv.spec import MambaSpec
+
+    settings = PlanSettings(cell.memory_bytes, 16384, 2048, 16, "bf16", "auto")
+    plan = make_plan(resolve_model(cell.model), settings)
+    config = with_mamba_cache_mode(plan.report.config, True)
+    if cell.engine:
+        config = dataclasses.replace(config, prefix_cache_retention_interval=0)
+    manager = TorchKVCacheManager(config, 16384, enable_caching=True, eviction_policy=cell.policy)
+    mamba = [g.spec.block_size for g in config.groups if isinstance(g.spec, MambaSpec)]
+    requests = make_workload(cell.workload, cell.requests, seed=cell.seed, max_model_len=16384)
+    limits = SchedulerConfig(full_prompt_admission=cell.engine)
+    scheduler = Scheduler(
+        manager,
+        requests,
+        block_size=plan.report.block_size,
+        config=limits,
+        mamba_block_size=mamba[0] if mamba else None,
+    )
+    result = scheduler.run()
+    return CellResult(
+        cell,
+        plan.report.num_blocks,
+        result.first_admission_hit_rate,
+        result.preemptions,
+        result.num_rejected,
+    )
+
+
+def bound_cell(model: str, workload: str, seed: int, requests: int = 120) -> Cell:
+    """The bound's run: LRU, dense retention, a pool nothing is evicted from."""
+    return Cell(model, workload, BOUND_MEMORY, "lru", seed, requests, engine=False)
+
+
+def table_cells(
+    models: Iterable[str], seeds: Sequence[int], requests: int, policies: Sequence[str]
+) -> list[Cell]:
+    """Every cell of the table and every bound run, the bounds first."""
+    cells: list[Cell] = []
+    for model in models:
+        for workload in WORKLOADS:
+            cells += [bound_cell(model, workload, seed, requests) for seed in seeds]
+            for memory in MEMORIES[model]:
+                for policy in policies:
+                    cells += [
+                        Cell(model, workload, memory, policy, seed, requests) for seed in seeds
+                    ]
+    return cells
+
+
+def run_all(cells: Sequence[Cell], jobs: int) -> list[CellResult]:
+    """Each cell's result, in order; ``jobs`` processes at once."""
+    if jobs <= 1:
+        return [run_cell(cell) for cell in cells]
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(run_cell, cells, chunksize=1))
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The seeds of one (model, workload, memory, policy): mean and spread, in percent."""
+
+    mean: float
+    stdev: float
+    low: float
+    high: float
+    preemptions: float
+
+    @classmethod
+    def of(cls, results: Sequence[CellResult]) -> Summary:
+        rates = [100 * r.hit_rate for r in results]
+        stdev = statistics.stdev(rates) if len(rates) > 1 else 0.0
+        preempted = statistics.fmean(r.preemptions for r in results)
+        return cls(statistics.fmean(rates), stdev, min(rates), max(rates), preempted)
+
+
+def summarise(results: Sequence[CellResult]) -> dict[tuple[str, str, int, str], Summary]:
+    """(model, workload, memory, policy) → its seeds' summary; memory 0 is the bound."""
+    grouped: dict[tuple[str, str, int, str], list[CellResult]] = {}
+    for result in results:
+        cell = result.cell
+        memory = 0 if not cell.engine else cell.memory_bytes
+        grouped.setdefault((cell.model, cell.workload, memory, cell.policy), []).append(result)
+    return {key: Summary.of(group) for key, group in grouped.items()}
+
+
+def memory_text(memory_bytes: int) -> str:
+    if memory_bytes % GIB == 0:
+        return f"{memory_bytes // GIB} GiB"
+    return f"{memory_bytes // MIB} MiB"
+
+
+def markdown(summaries: dict[tuple[str, str, int, str], Summary], policies: Sequence[str]) -> str:
+    """The table: one row per model, workload and memory; each policy's mean ± stdev."""
+    head = "| model | workload | memory | bound | " + " | ".join(policies) + " | best − lru |"
+    lines = [head, "|" + " --- |" * (len(policies) + 5)]
+    keys = sorted({k[:3] for k in summaries if k[2]}, key=lambda k: (k[0], k[1], k[2]))
+    for model, workload, memory in keys:
+        bound = summaries[(model, workload, 0, "lru")]
+        row = [summaries[(model, workload, memory, p)] for p in policies]
+        lru = row[policies.index("lru")].mean
+        best = max(s.mean for s in row)
+        cells = [f"{s.mean:.1f} ± {s.stdev:.1f}" for s in row]
+        lines.append(
+            f"| {model} | {workload} | {memory_text(memory)} | {bound.mean:.1f} | "
+            + " | ".join(cells)
+            + f" | {best - lru:+.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hybridkv.lab.policy_table")
+    parser.add_argument("--models", default=",".join(MEMORIES), help="comma list")
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--requests", type=int, default=120)
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--json", help="also write every cell's result here")
+    args = parser.parse_args(argv)
+    from hybridkv.extras import exit_if_missing
+
+    exit_if_missing(parser.prog, ["torch", "numpy"])
+    models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in models if m not in MEMORIES]
+    if unknown:
+        parser.error(f"--models: {', '.join(unknown)} not in the table ({', '.join(MEMORIES)})")
+    policies = [p for p in args.policies.split(",") if p]
+    if "lru" not in policies:
+        parser.error(f"--policies must include lru (the baseline), got {args.policies!r}")
+    cells = table_cells(models, range(args.seeds), args.requests, policies)
+    results = run_all(cells, args.jobs)
+    if args.json:
+        rows = [{**dataclasses.asdict(r.cell), **dataclasses.asdict(r)} for r in results]
+        for row in rows:
+            row.pop("cell")
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump(rows, out, indent=1)
+    print(markdown(summarise(results), policies))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The policy table: its cells (engine defaults, first admissions), its bound, its output."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from hybridkv.lab import policy_table
+from hybridkv.lab.policy_table import GIB, MIB, Cell, CellResult, bound_cell, run_cell
+from hybridkv.reference import KVCacheManager
+from hybridkv.reference.planner import plan_kv_cache
+from hybridkv.simulate import RequestSpec, Scheduler, SchedulerConfig
+from hybridkv.spec import FullAttentionSpec
+
+pytest.importorskip("torch")
+
+TINY = {"layers.0": FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype_bytes=1)}
+
+
+class Spy(KVCacheManager):
+    """The reference manager, writing down each admission's ``full_sequence_must_fit``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.must_fit: list[bool] = []
+
+    def allocate_slots(self, *args: Any, **kwargs: Any) -> Any:
+        if len(args) > 2:  # an admission passes its computed tokens and blocks
+            self.must_fit.append(kwargs.get("full_sequence_must_fit", False))
+        return super().allocate_slots(*args, **kwargs)
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_the_scheduler_asks_for_the_whole_sequence_only_under_full_prompt_admission(
+    full: bool,
+) -> None:
+    manager = Spy(plan_kv_cache(TINY, 12 * 8), max_model_len=64)
+    requests = [RequestSpec("A", tuple(range(1, 9)), (90, 91))]
+    limits = SchedulerConfig(16, 4, 64, full_prompt_admission=full)
+    Scheduler(manager, requests, block_size=4, config=limits).run()
+    assert manager.must_fit == [full]
+
+
+def test_a_readmission_after_preemption_is_left_out_of_the_first_admission_rate() -> None:
+    """Two 8-token prompts with 6 outputs each in a pool of 4 usable blocks: B is preempted
+    and admitted again; the first-admission counts hold each prompt once."""
+    requests = [
+        RequestSpec("A", tuple(range(1, 9)), tuple(range(100, 106))),
+        RequestSpec("B", tuple(range(11, 19)), tuple(range(200, 206))),
+    ]
+    manager = KVCacheManager(plan_kv_cache(TINY, 5 * 8), max_model_len=64)
+    limits = SchedulerConfig(16, 4, 64)
+    result = Scheduler(manager, requests, block_size=4, config=limits).run()
+    assert result.preemptions >= 1
+    assert result.first_prompt_tokens == 16
+    assert result.prompt_tokens > result.first_prompt_tokens
+
+
+def test_a_cell_is_a_function_of_its_settings_and_under_its_bound() -> None:
+    cell = Cell("gpt-oss-120b", "agent", 512 * MIB, "lru", seed=1, requests=24)
+    first, again = run_cell(cell), run_cell(cell)
+    assert first == again
+    assert (first.num_blocks, first.rejected) == (910, 0)
+    bound = run_cell(bound_cell("gpt-oss-120b", "agent", 1, 24))
+    assert bound.preemptions == 0
+    for policy in policy_table.POLICIES:
+        result = run_cell(Cell("gpt-oss-120b", "agent", 512 * MIB, policy, 1, 24))
+        assert 0 < result.hit_rate <= bound.hit_rate
+
+
+def test_the_table_shows_each_policys_mean_and_spread_beside_the_bound() -> None:
+    def result(policy: str, seed: int, rate: float, engine: bool = True) -> CellResult:
+        memory = GIB if engine else policy_table.BOUND_MEMORY
+        return CellResult(Cell("m", "agent", memory, policy, seed, engine=engine), 10, rate, 0, 0)
+
+    results = [
+        result("lru", 0, 0.9, engine=False),
+        result("lru", 1, 0.9, engine=False),
+        result("lru", 0, 0.5),
+        result("lru", 1, 0.6),
+        result("hybrid", 0, 0.6),
+        result("hybrid", 1, 0.6),
+    ]
+    table = policy_table.markdown(policy_table.summarise(results), ["lru", "hybrid"])
+    assert table.splitlines() == [
+        "| model | workload | memory | bound | lru | hybrid | best − lru |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| m | agent | 1 GiB | 90.0 | 55.0 ± 7.1 | 60.0 ± 0.0 | +5.0 |",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--models", "gpt-oss-20b"], "--models: gpt-oss-20b not in the table"),
+        (["--policies", "hybrid,arc"], "--policies must include lru"),
+    ],
+)
+def test_the_command_names_a_bad_option(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        policy_table.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
