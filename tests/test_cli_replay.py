@@ -214,3 +214,19 @@ def test_simulate_replays_a_block_hash_trace_on_the_clock(tmp_path: Path) -> Non
     # marks the shared boundary, and request 3 hits it.
     assert summary["bound_hit_rate"] == round(1024 / 2648, 6)
     assert summary["hit_tokens"] == 512
+
+
+@pytest.mark.parametrize("policy", ["hybrid", "cost", "arc"])
+def test_every_policy_replays_on_the_optimized_backend_as_on_the_reference(
+    tmp_path: Path, policy: str
+) -> None:
+    pytest.importorskip("torch")
+    trace = _trace(tmp_path, *GOOD, _line(300, 96, [1, 2, 4]), _line(400, 64, [5, 2]))
+    runs = {
+        backend: replay_json("--trace", trace, "--eviction", policy, "--backend", backend)
+        for backend in ("reference", "optimized")
+    }
+    for run in runs.values():
+        del run["wall_seconds"], run["manager_seconds"], run["backend"]
+    assert runs["optimized"] == runs["reference"]
+    assert runs["reference"]["eviction"] == policy

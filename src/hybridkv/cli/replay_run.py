@@ -222,11 +222,6 @@ def build_manager(setup: ReplaySetup, plan: Plan) -> Manager:
             )
         except ValueError as error:
             raise UserError(f"--eviction {setup.eviction}: {error}") from None
-    if setup.eviction != "lru":
-        raise UserError(
-            f"--eviction {setup.eviction} needs --backend reference: the optimized backend "
-            "evicts in vLLM's LRU order only"
-        )
     return _optimized(setup, config, in_flight)
 
 
@@ -252,6 +247,7 @@ def _optimized(setup: ReplaySetup, config: Any, in_flight: int | None) -> Manage
             enable_kv_cache_events=True,
             device=setup.device,
             max_in_flight_tokens=in_flight,
+            eviction_policy=setup.eviction,
         )
     except (RuntimeError, ValueError) as error:
         raise UserError(f"cannot start the optimized backend: {error}") from None
