@@ -34,7 +34,7 @@ import numpy.typing as npt
 from hybridkv.optimized._buffers import IntBuffer
 from hybridkv.optimized.sources import GROUP_MIX
 from hybridkv.optimized.thresholds import MIN_BUCKETS, SETTLE_SCALAR_MAX, TAIL_MAX
-from hybridkv.spec.errors import require
+from hybridkv.spec.errors import InvariantError, require
 
 
 class CacheChains:
@@ -187,18 +187,82 @@ class CacheChains:
         require(all((hk[b] == -1) == (src[b] < 0) for b in range(n)), "src and hk disagree")
         return out
 
-    def check_duplicates(self, chains: list[list[int]]) -> None:
+    def check_chains(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """``chains``' checks in numpy calls: the cached blocks (ascending) and each one's depth
+        (the entries after it on its chain). Every bucket's head and every cached block's link
+        leads to a cached block of that bucket or ends the chain, each cached block is led to
+        exactly once, and no chain loops (a link-doubling walk of all chains at once reaches
+        every end): then the chains hold each cached block once, as ``chains`` requires. When
+        one of these fails, ``chains`` walks them to name the first offender."""
+        n = end = self.end
+        hk, hnext = self.hk.n, self.hnext.n
+        require(hnext[end] == end and hk[end] == -1, "the chain end was written")
+        held = self.src.n[:n] >= 0
+        cached = held.nonzero()[0]
+        depth = self._chain_depths(held, cached)
+        if depth is None:
+            self.chains()  # raises, naming the first offender
+            raise InvariantError("the prefix-cache chains are broken")
+        require(bool(((hk[:n] != -1) == held).all()), "src and hk disagree")
+        return cached, depth
+
+    def _chain_depths(
+        self, held: npt.NDArray[np.bool_], cached: npt.NDArray[np.int64]
+    ) -> npt.NDArray[np.int64] | None:
+        """Each cached block's depth on its chain, or ``None`` if the chains are not sound.
+
+        ``held``: whether each block holds a hash; ``cached``: those that do."""
+        n = end = self.end
+        heads, hnext = self.heads.n, self.hnext.n
+        used = (heads != end).nonzero()[0]
+        firsts, links = heads[used], hnext[cached]
+        linked = links != end
+        targets = np.concatenate((firsts, links[linked]))
+        try:
+            arrows = np.bincount(targets, minlength=n)
+        except ValueError:
+            return None  # a link to a negative id
+        # One arrow into each cached block, none into another (nor past the blocks).
+        if arrows.shape[0] != n or (arrows != held).any():
+            return None
+        keys = self.hk.n[cached]
+        bucket = np.empty(n + 1, dtype=np.int64)
+        bucket[cached] = ((keys >> 32) + (keys & 0xFFFFFFFF) % self.num_groups * GROUP_MIX) & (
+            self.mask
+        )
+        if (bucket[targets] != np.concatenate((used, bucket[cached[linked]]))).any():
+            return None
+        # Link doubling: after k rounds ``ahead`` leads 2**k links on, ``depth`` counts them.
+        ahead = hnext.astype(np.int64)
+        depth = np.zeros(n + 1, dtype=np.int64)
+        depth[cached] = linked
+        step = links
+        for _ in range(int(cached.shape[0]).bit_length() + 1):
+            if not (step != end).any():
+                return depth[cached]
+            depth[cached] += depth[step]
+            ahead[cached] = ahead[step]
+            step = ahead[cached]
+        return None
+
+    def check_duplicates(self, cached: npt.NDArray[np.int64], depth: npt.NDArray[np.int64]) -> None:
         """Raise ``InvariantError`` unless every entry with an older entry of its key, position
-        and group further down its chain is marked a duplicate (once the blocks cached since the
-        last lookup are settled), and every mark is of a cached block."""
-        hk, src = self.hk.a, self.src.a
+        and group further down its chain (``depth``: a key's entries share a chain, so its
+        least deep one is its first inserted) is marked a duplicate (once the blocks cached
+        since the last lookup are settled), and every mark is of a cached block."""
+        hk, src = self.hk.n, self.src.a
+        keys = hk[cached]
+        ranked = np.sort(keys)
         later: set[int] = set()
-        for chain in chains:
-            older: set[int] = set()
-            for block in reversed(chain):  # first inserted first
-                if hk[block] in older:
-                    later.add(block)
-                older.add(hk[block])
+        if (ranked[1:] == ranked[:-1]).any():
+            order = np.lexsort(
+                (depth, keys)
+            )  # by key, the first inserted (last on its chain) first
+            ranked = keys[order]
+            twin = np.zeros(ranked.shape[0], dtype=bool)
+            twin[1:] = ranked[1:] == ranked[:-1]
+            later = set(cached[order[twin]].tolist())
         self.settle_duplicates()
-        require(later <= self.dups, f"duplicate entries {sorted(later - self.dups)} unmarked")
+        if not later <= self.dups:
+            raise InvariantError(f"duplicate entries {sorted(later - self.dups)} unmarked")
         require(all(src[b] >= 0 for b in self.dups), "an uncached block is marked duplicate")
