@@ -112,6 +112,7 @@ def check_invariants(s: ManagerState) -> None:
     s.pool.check_invariants()
     s.rows.check_invariants()
     scan = table_scan.scan_tables(s)
+    table_scan.check_lengths(s, scan)
     table_scan.check_nulls(s, scan)
     table_scan.check_holders(s, scan)
     table_scan.check_device(s, scan)

@@ -82,6 +82,15 @@ def scan_tables(s: ManagerState) -> TableScan:
     return TableScan(request_ids, rows, lengths, nulls, blocks, pair, pos, flat)
 
 
+def check_lengths(s: ManagerState, scan: TableScan) -> None:
+    """A row's tables equally long where every allocation extends them all."""
+    if s.layout.uniform_columns and scan.lengths.size:
+        uneven = (scan.lengths != scan.lengths[:, :1]).any(axis=1).nonzero()[0]
+        if uneven.shape[0]:
+            request_id = scan.request_ids[int(uneven[0])]
+            raise InvariantError(f"request {request_id!r}'s tables differ in length")
+
+
 def check_nulls(s: ManagerState, scan: TableScan) -> None:
     """Nulls where each group's rule allows them: a window or chunk's leading ones only, none
     in a full-attention table; an ``"align"`` Mamba table's anywhere, but few real blocks."""
@@ -170,13 +179,8 @@ def check_device(s: ManagerState, scan: TableScan) -> None:
 
 
 def check_rows(s: ManagerState, scan: TableScan) -> None:
-    """A row's tables equally long where every allocation extends them all, its thresholds
-    as its counters give them, and each source's count of the rows naming it."""
-    if s.layout.uniform_columns and scan.lengths.size:
-        uneven = (scan.lengths != scan.lengths[:, :1]).any(axis=1).nonzero()[0]
-        if uneven.shape[0]:
-            request_id = scan.request_ids[int(uneven[0])]
-            raise InvariantError(f"request {request_id!r}'s tables differ in length")
+    """A row's thresholds as its counters give them, and each source's count of the rows
+    naming it."""
     thresholds = s.rows.thresholds
     stored = thresholds[:, scan.rows].copy()
     for row in scan.rows.tolist():
