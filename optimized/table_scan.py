@@ -14,9 +14,9 @@ Read only: the state's flat host tables (position p of row r of group g at ``(g 
 rows in use (in ``RowTables.items`` order) and their ``n × G`` *pairs* (pair ``i × G + g``:
 row i of the scan, group g)::
 
-    request_ids[n], rows[n]   the requests and their rows
+    request_ids[n], rows[n]   the requests and their rows (``row_list``: the rows as a list)
     lengths[n, G], nulls[n, G] each pair's table length and leading nulls
-    blocks[E]                 int64: every table entry, pair after pair, position order
+    blocks[E]                 int32: every table entry, pair after pair, position order
     pair[E], pos[E]           each entry's pair and table position
     flat[E]                   each entry's index into the flat tables
 """
@@ -25,17 +25,19 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from hybridkv.optimized.group_rules import MAMBA
+from hybridkv.optimized.group_rules import MAMBA, GroupRule
 from hybridkv.optimized.state import ManagerState
 from hybridkv.spec import rules
 from hybridkv.spec.errors import InvariantError, require
 
 Ints = npt.NDArray[np.int64]
+Bools = npt.NDArray[np.bool_]
 
 
 @dataclass(frozen=True)
@@ -43,10 +45,11 @@ class TableScan:
     """The entries of every table in use (see the module docstring)."""
 
     request_ids: list[str]
+    row_list: list[int]
     rows: Ints
     lengths: Ints
     nulls: Ints
-    blocks: Ints
+    blocks: npt.NDArray[np.int32]
     pair: Ints
     pos: Ints
     flat: Ints
@@ -58,13 +61,14 @@ class TableScan:
 def scan_tables(s: ManagerState) -> TableScan:
     """Gather every position of every table in use (a table longer than its row is an
     error: the positions past ``W`` are another table's)."""
-    items = list(s.rows.items())
     g_count, r_count, width = s.layout.num_groups, s.layout.max_num_reqs, s.tables.width
-    rows = np.fromiter((row for _, row in items), dtype=np.int64, count=len(items))
+    items = s.rows.items()
+    request_ids = [request_id for request_id, _ in items]
+    row_list = [row for _, row in items]
+    rows = np.array(row_list, dtype=np.int64)
     garange = np.arange(g_count, dtype=np.int64)
     index = rows[:, None] * g_count + garange
-    lengths, nulls = s.rows.columns[0, index], s.rows.columns[1, index]
-    request_ids = [request_id for request_id, _ in items]
+    lengths, nulls = s.rows.columns[:2, index]
     if lengths.size and (lengths.max() > width or lengths.min() < 0):
         at = int(((lengths > width) | (lengths < 0)).ravel().nonzero()[0][0])
         raise InvariantError(
@@ -72,14 +76,15 @@ def scan_tables(s: ManagerState) -> TableScan:
             f"{int(lengths.ravel()[at])} positions, beyond its row's {width}"
         )
     counts = lengths.ravel()
-    starts = counts.cumsum() - counts
-    total = int(counts.sum())
+    ends = counts.cumsum()
+    starts = ends - counts
+    total = int(ends[-1]) if ends.shape[0] else 0
     pair = np.arange(counts.shape[0], dtype=np.int64).repeat(counts)
     pos = np.arange(total, dtype=np.int64) - starts[pair]
     bases = ((garange * r_count)[None, :] + rows[:, None]) * width
     flat = bases.ravel()[pair] + pos
-    blocks = s.tab.n[flat].astype(np.int64)
-    return TableScan(request_ids, rows, lengths, nulls, blocks, pair, pos, flat)
+    blocks = s.tab.n[flat]
+    return TableScan(request_ids, row_list, rows, lengths, nulls, blocks, pair, pos, flat)
 
 
 def check_lengths(s: ManagerState, scan: TableScan) -> None:
@@ -91,23 +96,31 @@ def check_lengths(s: ManagerState, scan: TableScan) -> None:
             raise InvariantError(f"request {request_id!r}'s tables differ in length")
 
 
+@cache
+def _group_masks(group_rules: tuple[GroupRule, ...]) -> tuple[Bools, Bools]:
+    """Per group: whether it is an attention group (its nulls are leading ones), and whether
+    it may hold no null at all (full attention)."""
+    attention = np.array([rule.kind != MAMBA for rule in group_rules], dtype=bool)
+    releases = np.array([rule.releases for rule in group_rules], dtype=bool)
+    return attention, attention & ~releases
+
+
 def check_nulls(s: ManagerState, scan: TableScan) -> None:
     """Nulls where each group's rule allows them: a window or chunk's leading ones only, none
     in a full-attention table; an ``"align"`` Mamba table's anywhere, but few real blocks."""
     g_count = s.layout.num_groups
-    kinds = [rule.kind for rule in s.layout.rules]
-    attention = np.array([kind != MAMBA for kind in kinds], dtype=bool)
-    group = scan.pair % g_count
+    attention, fixed = _group_masks(s.layout.rules)
     nulls = scan.nulls.ravel()
-    wrong = ((scan.blocks == 0) != (scan.pos < nulls[scan.pair])) & attention[group]
+    wrong = (scan.blocks == 0) != (scan.pos < nulls[scan.pair])
+    if s.layout.has_align:
+        wrong &= attention[scan.pair % g_count]
     if wrong.any():
         at = int(scan.pair[wrong.nonzero()[0][0]])
         raise InvariantError(
             f"request {scan.request_of(at, g_count)!r} group {at % g_count} has nulls outside "
             f"positions 0 … {int(nulls[at]) - 1}"
         )
-    releases = np.array([rule.releases for rule in s.layout.rules], dtype=bool)
-    full = (scan.nulls > 0) & ~releases & attention
+    full = (scan.nulls > 0) & fixed
     if full.any():
         at = int(full.ravel().nonzero()[0][0])
         raise InvariantError(
@@ -182,13 +195,14 @@ def check_rows(s: ManagerState, scan: TableScan) -> None:
     """A row's thresholds as its counters give them, and each source's count of the rows
     naming it."""
     thresholds = s.rows.thresholds
-    stored = thresholds[:, scan.rows].copy()
-    for row in scan.rows.tolist():
+    stored = thresholds[:, scan.rows]  # a copy
+    for row in scan.row_list:
         s.thresholds.refresh(row)
-    stale = (stored != thresholds[:, scan.rows]).any(axis=0).nonzero()[0]
-    if stale.shape[0]:
-        raise InvariantError(f"thresholds of {scan.request_ids[int(stale[0])]!r} are stale")
-    named = Counter(src for src in map(s.row_src.__getitem__, scan.rows.tolist()) if src >= 0)
+    changed = stored != thresholds[:, scan.rows]
+    if changed.any():
+        stale = int(changed.any(axis=0).nonzero()[0][0])
+        raise InvariantError(f"thresholds of {scan.request_ids[stale]!r} are stale")
+    named = Counter(src for src in map(s.row_src.__getitem__, scan.row_list) if src >= 0)
     wrong = [
         index
         for index, source in enumerate(s.pool.sources)
