@@ -285,7 +285,7 @@ class PrefixCache(CacheChains):
         except (AttributeError, IndexError):  # no source, or not that hash: named below
             hashes = []
         keys = keys_of(hashes) if len(hashes) == len(named) else None
-        if keys is None or not np.array_equal(keys, tags >> 32):
+        if keys is None or bool((keys != tags >> 32).any()):
             self._name_wrong_key(cached.tolist(), named, indices)
         return dict(Counter(named))
 

@@ -228,7 +228,7 @@ def test_a_cached_block_on_no_chain_is_counted(live: Live) -> None:
 
 def test_a_loop_of_cached_blocks_cut_off_from_its_bucket_is_found(live: Live) -> None:
     """Every cached block is still led to exactly once, each link stays in its bucket: only
-    the walk of every chain to its end (link doubling) finds the two blocks unreachable."""
+    following the chains from their heads finds the two blocks unreachable."""
     bucket, head, following = _chain_of_two(live)
     pool = live.pool
     pool.heads.a[bucket] = pool.hnext.a[following]  # the rest of the chain, if any
