@@ -168,7 +168,8 @@ class CacheChains:
 
     def chains(self) -> list[list[int]]:
         """Each bucket's chain, head first; ``InvariantError`` if one is not sound (a block on
-        two chains or on another bucket's, an uncached block on one, a loop)."""
+        two chains or on another bucket's, an uncached block on one, a loop). A walk block by
+        block: ``check_chains`` decides in numpy calls, and calls this to name the offender."""
         n, src, hk, hnext, end = self.end, self.src.a, self.hk.a, self.hnext.a, self.end
         require(hnext[end] == end and hk[end] == -1, "the chain end was written")
         seen: set[int] = set()

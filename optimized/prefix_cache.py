@@ -306,7 +306,7 @@ class PrefixCache(CacheChains):
     def check_sources(self, refs: dict[int, int]) -> None:
         """Raise ``InvariantError`` unless each source is kept for a block or a row, counts the
         entries naming it (``refs``), and records only blocks cached from it under their tags
-        (every source's record read as one array)."""
+        (each condition gathered over all the sources, its message made only when it fails)."""
         free = set(self._free_sources)
         lost = [i for i, source in enumerate(self.sources) if source is None and i not in free]
         if lost:

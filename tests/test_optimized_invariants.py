@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from hybridkv.optimized import TorchKVCacheManager
+from hybridkv.optimized import TorchKVCacheManager, table_scan
 from hybridkv.optimized.block_pool import TorchBlockPool
+from hybridkv.optimized.invariants import estimate_by_scan
 from hybridkv.optimized.state import ManagerState
 from hybridkv.reference import Request
 from hybridkv.spec import (
@@ -119,6 +120,13 @@ def _empty_bucket(live: Live) -> int:
 def test_the_live_state_passes_every_check(live: Live) -> None:
     live.manager.check_invariants()
     assert live.pool.dups == set()
+
+
+def test_the_scan_of_all_tables_at_once_gives_each_requests_scan(live: Live) -> None:
+    scan = table_scan.scan_tables(live.state)
+    by_request = [estimate_by_scan(live.state, request_id) for request_id in scan.request_ids]
+    assert table_scan.estimates_by_scan(live.state, scan) == by_request
+    assert dict(zip(scan.request_ids, by_request, strict=True)) == {"b": 20, "c": 24}
 
 
 # --- The free queue ---------------------------------------------------------------------------
