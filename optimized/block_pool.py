@@ -343,9 +343,9 @@ class TorchBlockPool(BulkInserts, FreeQueue):
         """Raise ``InvariantError`` if the pool's own bookkeeping is inconsistent."""
         self.check_free_queue()
         # Every cached block sits on exactly the chain of its bucket, with its source's key.
-        chains = self.chains()
-        refs = self.check_keys(chains)
+        cached = self.check_chains()
+        refs = self.check_keys(cached)
         self.check_extras(refs)
-        self.check_duplicates(chains)
+        self.check_duplicates(cached)
         self.check_sources(refs)
         self.check_memo()

@@ -28,13 +28,20 @@ and ``unsettled_many``, numpy arrays) in one vectorised walk when a lookup first
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
 from hybridkv.optimized._buffers import IntBuffer
 from hybridkv.optimized.sources import GROUP_MIX
-from hybridkv.optimized.thresholds import MIN_BUCKETS, SETTLE_SCALAR_MAX, TAIL_MAX
-from hybridkv.spec.errors import require
+from hybridkv.optimized.thresholds import (
+    MIN_BUCKETS,
+    REACH_SCALAR_MAX,
+    SETTLE_SCALAR_MAX,
+    TAIL_MAX,
+)
+from hybridkv.spec.errors import InvariantError, require
 
 
 class CacheChains:
@@ -161,7 +168,8 @@ class CacheChains:
 
     def chains(self) -> list[list[int]]:
         """Each bucket's chain, head first; ``InvariantError`` if one is not sound (a block on
-        two chains or on another bucket's, an uncached block on one, a loop)."""
+        two chains or on another bucket's, an uncached block on one, a loop). A walk block by
+        block: ``check_chains`` decides in numpy calls, and calls this to name the offender."""
         n, src, hk, hnext, end = self.end, self.src.a, self.hk.a, self.hnext.a, self.end
         require(hnext[end] == end and hk[end] == -1, "the chain end was written")
         seen: set[int] = set()
@@ -187,18 +195,99 @@ class CacheChains:
         require(all((hk[b] == -1) == (src[b] < 0) for b in range(n)), "src and hk disagree")
         return out
 
-    def check_duplicates(self, chains: list[list[int]]) -> None:
+    def check_chains(self) -> npt.NDArray[np.int64]:
+        """``chains``' checks in a few numpy calls; the cached blocks (ascending). Every bucket's
+        head and every cached block's link leads to a cached block of that bucket or ends the
+        chain, each cached block is led to exactly once, and the chains from the heads reach
+        them all (so none loops): then the chains hold each cached block once, as ``chains``
+        requires. When one of these fails, ``chains`` walks them to name the first offender."""
+        n = end = self.end
+        hk, hnext = self.hk.n, self.hnext.n
+        require(hnext[end] == end and hk[end] == -1, "the chain end was written")
+        held = self.src.n[:n] >= 0
+        cached = held.nonzero()[0]
+        if not self._chains_sound(held, cached):
+            self.chains()  # raises, naming the first offender
+            raise InvariantError("the prefix-cache chains are broken")
+        require(bool(((hk[:n] != -1) == held).all()), "src and hk disagree")
+        return cached
+
+    def _chains_sound(self, held: npt.NDArray[np.bool_], cached: npt.NDArray[np.int64]) -> bool:
+        """Whether the chains hold exactly the ``cached`` blocks (``held``: whether each block
+        holds a hash), each once, each on its bucket's chain."""
+        n = end = self.end
+        heads, hnext = self.heads.n, self.hnext.n
+        used = (heads != end).nonzero()[0]
+        firsts, links = heads[used], hnext[cached]
+        linked = links != end
+        targets = np.concatenate((firsts, links[linked]))
+        try:
+            arrows = np.bincount(targets, minlength=n)
+        except ValueError:
+            return False  # a link to a negative id
+        # One arrow into each cached block, none into another (nor past the blocks).
+        if arrows.shape[0] != n or (arrows != held).any():
+            return False
+        keys = self.hk.n[cached]
+        bucket = np.empty(n + 1, dtype=np.int64)
+        mixed = (keys >> 32) + (keys & 0xFFFFFFFF) % self.num_groups * GROUP_MIX
+        bucket[cached] = mixed & self.mask
+        if (bucket[targets] != np.concatenate((used, bucket[cached[linked]]))).any():
+            return False
+        count = int(cached.shape[0])
+        return self._reach(firsts, count) == count
+
+    def _reach(self, firsts: npt.NDArray[Any], limit: int) -> int:
+        """How many blocks the chains from ``firsts`` reach (more than ``limit``: stopped). With
+        one arrow into each block, no two chains meet: a loop cut off from every head is the
+        only way to reach fewer. One chain step for all chains at once while many are left,
+        then one block at a time along the few long ones."""
+        end, hnext = self.end, self.hnext.n
+        frontier = firsts
+        reached = int(frontier.shape[0])
+        while frontier.shape[0] > REACH_SCALAR_MAX and reached <= limit:
+            following = hnext[frontier]
+            frontier = following[following != end]
+            reached += int(frontier.shape[0])
+        step = self.hnext.a
+        for block in frontier.tolist():
+            block = step[block]
+            while block != end and reached <= limit:
+                reached += 1
+                block = step[block]
+        return reached
+
+    def check_duplicates(self, cached: npt.NDArray[np.int64]) -> None:
         """Raise ``InvariantError`` unless every entry with an older entry of its key, position
-        and group further down its chain is marked a duplicate (once the blocks cached since the
-        last lookup are settled), and every mark is of a cached block."""
-        hk, src = self.hk.a, self.src.a
+        and group further down its chain is marked a duplicate (once the blocks cached since
+        the last lookup are settled), and every mark is of a cached block. Only the chains of
+        keys held by more than one entry are walked (a key's entries share a chain)."""
+        hk, src = self.hk.n, self.src.a
+        keys = np.sort(hk[cached])
+        twins = keys[1:][keys[1:] == keys[:-1]]
         later: set[int] = set()
-        for chain in chains:
+        if twins.shape[0]:
+            tags = twins & 0xFFFFFFFF
+            buckets = ((twins >> 32) + tags % self.num_groups * GROUP_MIX) & self.mask
+            later = self._later_entries(set(buckets.tolist()))
+        self.settle_duplicates()
+        if not later <= self.dups:
+            raise InvariantError(f"duplicate entries {sorted(later - self.dups)} unmarked")
+        require(all(src[b] >= 0 for b in self.dups), "an uncached block is marked duplicate")
+
+    def _later_entries(self, buckets: set[int]) -> set[int]:
+        """The entries of these buckets' (sound) chains with an older entry of their key."""
+        hk, hnext, heads, end = self.hk.a, self.hnext.a, self.heads.a, self.end
+        later: set[int] = set()
+        for bucket in buckets:
+            chain: list[int] = []
+            block = heads[bucket]
+            while block != end:
+                chain.append(block)
+                block = hnext[block]
             older: set[int] = set()
             for block in reversed(chain):  # first inserted first
                 if hk[block] in older:
                     later.add(block)
                 older.add(hk[block])
-        self.settle_duplicates()
-        require(later <= self.dups, f"duplicate entries {sorted(later - self.dups)} unmarked")
-        require(all(src[b] >= 0 for b in self.dups), "an uncached block is marked duplicate")
+        return later

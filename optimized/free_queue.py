@@ -32,7 +32,7 @@ import torch
 from hybridkv.optimized._buffers import IntBuffer
 from hybridkv.optimized.policy_seam import HeardPolicy
 from hybridkv.optimized.thresholds import INSERT_MIN
-from hybridkv.spec.errors import require
+from hybridkv.spec.errors import InvariantError, require
 
 
 class FreeQueue:
@@ -185,22 +185,51 @@ class FreeQueue:
         return out
 
     def check_free_queue(self) -> None:
-        """Raise ``InvariantError`` if the queue and the reference counts disagree."""
+        """Raise ``InvariantError`` if the queue and the reference counts disagree: one walk of
+        the queue (at most ``N`` steps: a loop lists a block twice), set and list comparisons
+        of what it found, numpy calls over the whole arrays; a message lists its offenders
+        only when its check fails."""
         n = self.num_blocks
-        ref, prv, nxt = self.ref.a, self.prev.a, self.next.a
-        free = self.free_queue()
+        ref, prv, nxt = self.ref.n, self.prev.n, self.next.n
+        free = self.walk_free(n)
         require(len(free) == self.num_free_blocks, "free queue length != num_free_blocks")
-        require(len(free) == len(set(free)), f"free queue holds a block twice: {free}")
-        require(0 not in free, "the null block is in the free queue")
-        previous = self.head
-        for block in free:
-            require(prv[block] == previous, f"free queue back link of block {block} is broken")
-            previous = block
-        require(prv[self.tail] == previous, "free queue tail link is broken")
-        zero = {b for b in range(1, n) if ref[b] == 0}
-        require(set(free) == zero, f"free queue {sorted(free)} != count-0 blocks {sorted(zero)}")
-        require(bool((self.ref.t >= 0).all()), "a negative reference count")
+        queued = set(free)
+        if len(queued) != len(free):
+            raise InvariantError(f"free queue holds a block twice: {free}")
+        require(0 not in queued, "the null block is in the free queue")
+        # Before the links are read: the queue holds exactly the blocks held by none.
+        zero = set(((ref[1:] == 0).nonzero()[0] + 1).tolist())
+        if queued != zero:
+            raise InvariantError(f"free queue {sorted(free)} != count-0 blocks {sorted(zero)}")
+        back = self.prev.a
+        behind = [self.head, *free]
+        if [back[block] for block in free] != behind[:-1]:
+            block = next(b for b, ahead in zip(free, behind[:-1], strict=True) if back[b] != ahead)
+            raise InvariantError(f"free queue back link of block {block} is broken")
+        require(back[self.tail] == behind[-1], "free queue tail link is broken")
+        require(int(ref.min()) >= 0, "a negative reference count")
         require(ref[0] == 0 and prv[0] == -1 and nxt[0] == -1, "the null block was used")
-        for block in range(1, n):
-            if ref[block] > 0:
-                require(prv[block] == -1 and nxt[block] == -1, f"held block {block} is linked")
+        # The queued blocks are linked (above), and are the blocks held by none: no other
+        # block may be.
+        if int(np.count_nonzero(prv[1:n] != -1)) != len(free) or int(
+            np.count_nonzero(nxt[1:n] != -1)
+        ) != len(free):
+            linked = ((ref[1:] > 0) & ((prv[1:n] != -1) | (nxt[1:n] != -1))).nonzero()[0]
+            raise InvariantError(f"held block {int(linked[0]) + 1} is linked")
+
+    def walk_free(self, limit: int) -> list[int]:
+        """The first ``limit`` queued blocks (``free_queue`` of a queue that may be broken: a
+        loop lists its blocks again until the limit, a link to no block ends the walk)."""
+        nxt, tail = self.next.a, self.tail
+        out: list[int] = []
+        append = out.append
+        block = nxt[self.head]
+        try:
+            for _ in range(limit):
+                if block == tail:
+                    break
+                append(block)
+                block = nxt[block]
+        except IndexError:
+            pass  # listed: the check names it
+        return out

@@ -18,11 +18,11 @@ from collections.abc import Sequence
 
 import torch
 
+from hybridkv.optimized import table_scan
 from hybridkv.optimized.group_rules import MAMBA
 from hybridkv.optimized.state import ManagerState
 from hybridkv.reference.snapshot import PoolSnapshot
-from hybridkv.spec import rules
-from hybridkv.spec.errors import require
+from hybridkv.spec.errors import InvariantError
 
 
 def estimate_cached_tokens(s: ManagerState, request_id: str) -> int:
@@ -106,92 +106,29 @@ def estimate_by_scan(s: ManagerState, request_id: str) -> int:
 
 def check_invariants(s: ManagerState) -> None:
     """Raise ``InvariantError`` if the pool, the rows and the tables disagree, or a request's
-    estimate of its cached tokens differs from the scan of its tables."""
+    estimate of its cached tokens differs from the scan of its tables. The tables are read
+    in one pass and checked in numpy calls (``hybridkv.optimized.table_scan``)."""
     s.settle()
-    pool = s.pool
-    pool.check_invariants()
-    rows = s.rows
-    rows.check_invariants()
-    holders = [0] * s.layout.config.num_blocks
-    owner: dict[int, int] = {}
-    row_sources: dict[int, int] = {}
-    for request_id, row in rows.items():
-        for g in range(s.layout.num_groups):
-            _check_table(s, request_id, row, g, holders, owner)
-        if s.layout.uniform_columns:
-            at = row * s.layout.num_groups
-            lengths = set(rows.length[at : at + s.layout.num_groups])
-            require(len(lengths) == 1, f"request {request_id!r}'s tables differ in length")
-        src = s.row_src[row]
-        if src >= 0:
-            row_sources[src] = row_sources.get(src, 0) + 1
-        stored = rows.thresholds[:, row].tolist()
-        s.thresholds.refresh(row)
-        require(
-            stored == rows.thresholds[:, row].tolist(),
-            f"thresholds of {request_id!r} are stale",
-        )
-    for block in range(1, s.layout.config.num_blocks):
-        require(
-            pool.ref.a[block] == holders[block],
-            f"block {block} has ref_cnt {pool.ref.a[block]} but {holders[block]} holders",
-        )
-    for index, source in enumerate(pool.sources):
-        if source is not None:
-            require(
-                source.row_refs == row_sources.get(index, 0),
-                f"source {index} has a wrong row count",
-            )
-    check_estimates(s)
+    s.pool.check_invariants()
+    s.rows.check_invariants()
+    scan = table_scan.scan_tables(s)
+    table_scan.check_lengths(s, scan)
+    table_scan.check_nulls(s, scan)
+    table_scan.check_holders(s, scan)
+    table_scan.check_device(s, scan)
+    table_scan.check_rows(s, scan)
+    check_estimates(s, scan)
 
 
-def _check_table(
-    s: ManagerState,
-    request_id: str,
-    row: int,
-    g: int,
-    holders: list[int],
-    owner: dict[int, int],
-) -> None:
-    """Group ``g``'s table of the row: its nulls where its rule allows them, each real block
-    in one group only (counted in ``holders``), its device copy current."""
-    rows, rule = s.rows, s.layout.rules[g]
-    table = s.table(g, row)
-    nulls = rows.nulls[rows.index(row, g)]
-    if rule.kind == MAMBA:
-        # Nulls anywhere, but few real blocks (``_check_null_positions``).
-        real = sum(1 for b in table if b)
-        in_flight = s.mamba.in_flight.get(request_id, 0)
-        limit = 3 + rule.spec_blocks + rules.cdiv(in_flight, rule.block_size)
-        require(real <= limit, f"request {request_id!r} holds {real} Mamba blocks")
-    else:
-        require(
-            all(b == 0 for b in table[:nulls]) and all(b != 0 for b in table[nulls:]),
-            f"request {request_id!r} group {g} has nulls outside positions 0 … {nulls - 1}",
-        )
-        require(
-            nulls == 0 or rule.releases,
-            f"request {request_id!r} of a full-attention group holds null blocks",
-        )
-    for block in table:
-        if block == 0:
-            continue
-        holders[block] += 1
-        group = owner.setdefault(block, g)
-        require(group == g, f"block {block} is in groups {group} and {g}")
-    if s.tables.mirrored:
-        on_device = s.tables.on_device[g, row, : len(table)].cpu().tolist()
-        require(on_device == table, f"device table of {request_id!r} is stale")
-
-
-def check_estimates(s: ManagerState) -> None:
+def check_estimates(s: ManagerState, scan: table_scan.TableScan | None = None) -> None:
     """Each request's ``estimate_cached_tokens`` equals vLLM's scan of its tables (checked
     last: it reads the tables the other checks vouch for)."""
-    for request_id, _ in s.rows.items():
+    scan = table_scan.scan_tables(s) if scan is None else scan
+    scans = table_scan.estimates_by_scan(s, scan)
+    for request_id, by_scan in zip(scan.request_ids, scans, strict=True):
         estimate = estimate_cached_tokens(s, request_id)
-        scan = estimate_by_scan(s, request_id)
-        require(
-            estimate == scan,
-            f"request {request_id!r}: estimate_cached_tokens {estimate} but its tables hold "
-            f"a prefix of {scan} cached tokens",
-        )
+        if estimate != by_scan:
+            raise InvariantError(
+                f"request {request_id!r}: estimate_cached_tokens {estimate} but its tables "
+                f"hold a prefix of {by_scan} cached tokens"
+            )

@@ -24,18 +24,21 @@ cached block names it (so the memo holds no more sources than there are cached b
 from __future__ import annotations
 
 from array import array
+from collections import Counter
 from collections.abc import Sequence
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from hybridkv.optimized.cache_chains import CacheChains
 from hybridkv.optimized.hash_memo import HashMemo
 from hybridkv.optimized.policy_seam import HeardPolicy
-from hybridkv.optimized.sources import GROUP_MIX, Source, hash_key
+from hybridkv.optimized.sources import GROUP_MIX, Source, hash_key, keys_of
 from hybridkv.optimized.thresholds import SETTLE_MAX
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.events import EventBuilder, KVCacheEvent
-from hybridkv.spec.errors import require
+from hybridkv.spec.errors import InvariantError, require
 
 
 class PrefixCache(CacheChains):
@@ -267,40 +270,74 @@ class PrefixCache(CacheChains):
 
     # --- Invariants -------------------------------------------------------------------------
 
-    def check_keys(self, chains: list[list[int]]) -> dict[int, int]:
-        """Raise ``InvariantError`` unless every entry on the (sound) ``chains`` has a source
-        that gives its key; the number of entries naming each source."""
-        src, hk = self.src.a, self.hk.a
-        refs: dict[int, int] = {}
-        for chain in chains:
-            for block in chain:
-                tag = hk[block] & 0xFFFFFFFF
-                source = self.sources[src[block]]
-                require(source is not None, f"cached block {block} has no source")
-                assert source is not None
-                require(
-                    hash_key(source.hashes[tag // self.num_groups]) == hk[block] >> 32,
-                    f"cached block {block} has a key its source does not give",
-                )
-                refs[src[block]] = refs.get(src[block], 0) + 1
-        return refs
+    def check_keys(self, cached: npt.NDArray[np.int64]) -> dict[int, int]:
+        """Raise ``InvariantError`` unless every ``cached`` block (on sound chains) has a source
+        that gives its key; the number of entries naming each source. The hashes are gathered
+        in one pass and their keys compared in one numpy call; the blocks are walked one by
+        one only to name the first that fails."""
+        named = self.src.n[cached].tolist()
+        tags = self.hk.n[cached]
+        indices = ((tags & 0xFFFFFFFF) // self.num_groups).tolist()
+        sources = self.sources
+        try:
+            pairs = zip(named, indices, strict=True)
+            hashes = [sources[s].hashes[i] for s, i in pairs]
+        except (AttributeError, IndexError):  # no source, or not that hash: named below
+            hashes = []
+        keys = keys_of(hashes) if len(hashes) == len(named) else None
+        if keys is None or bool((keys != tags >> 32).any()):
+            self._name_wrong_key(cached.tolist(), named, indices)
+        return dict(Counter(named))
+
+    def _name_wrong_key(self, blocks: list[int], named: list[int], indices: list[int]) -> None:
+        """Raise for the first of ``blocks`` (sources ``named``, hash ``indices``) without a
+        source or whose source gives another key."""
+        hk, sources = self.hk.a, self.sources
+        for block, index, at in zip(blocks, named, indices, strict=True):
+            source = sources[index] if index < len(sources) else None
+            require(source is not None, f"cached block {block} has no source")
+            assert source is not None
+            require(
+                at < len(source.hashes) and hash_key(source.hashes[at]) == hk[block] >> 32,
+                f"cached block {block} has a key its source does not give",
+            )
+        raise InvariantError("a cached block has a key its source does not give")
 
     def check_sources(self, refs: dict[int, int]) -> None:
         """Raise ``InvariantError`` unless each source is kept for a block or a row, counts the
-        entries naming it (``refs``), and records only blocks cached from it under their tags."""
+        entries naming it (``refs``), and records only blocks cached from it under their tags
+        (each condition gathered over all the sources, its message made only when it fails)."""
+        free = set(self._free_sources)
+        lost = [i for i, source in enumerate(self.sources) if source is None and i not in free]
+        if lost:
+            raise InvariantError(f"source {lost[0]} is lost")
+        live = [(i, source) for i, source in enumerate(self.sources) if source is not None]
+        self._check_records(live)
+        wrong = [i for i, source in live if source.refs != refs.get(i, 0)]
+        if wrong:
+            raise InvariantError(f"source {wrong[0]} has a wrong count")
+        idle = [i for i, source in live if source.refs + source.row_refs <= 0]
+        if idle:
+            raise InvariantError(f"source {idle[0]} is kept for nothing")
+
+    def _check_records(self, live: list[tuple[int, Source]]) -> None:
+        """Each recorded block (a source's ``blocks``: by tag) is cached from that source
+        under that tag (one pass over the records without a call per entry: the message is
+        made only for the first that fails)."""
         src, hk, end = self.src.a, self.hk.a, self.end
-        for index, source in enumerate(self.sources):
-            if source is None:
-                require(index in self._free_sources, f"source {index} is lost")
-                continue
-            for tag, block in enumerate(source.blocks):
-                require(
-                    block == end or (src[block] == index and hk[block] & 0xFFFFFFFF == tag),
-                    f"source {index} records block {block} under tag {tag}, which it does "
-                    "not hold there",
+        for index, source in live:
+            wrong = [
+                (tag, block)
+                for tag, block in enumerate(source.blocks)
+                if block != end
+                and not (0 <= block < end and src[block] == index and hk[block] & 0xFFFFFFFF == tag)
+            ]
+            if wrong:
+                tag, block = wrong[0]
+                raise InvariantError(
+                    f"source {index} records block {block} under tag {tag}, which it does not "
+                    "hold there"
                 )
-            require(source.refs == refs.get(index, 0), f"source {index} has a wrong count")
-            require(source.refs + source.row_refs > 0, f"source {index} is kept for nothing")
 
     def check_memo(self) -> None:
         """Raise ``InvariantError`` unless the memo registers only memo sources with a cached

@@ -94,6 +94,11 @@ SETTLE_SCALAR_MAX = 256
 """At most this many blocks waiting to be checked for duplicate entries (an admission's) are
 walked one by one on the array views; more in numpy calls, a chain step for all at once."""
 
+REACH_SCALAR_MAX = 8
+"""The invariant check follows all the prefix-cache chains one step at a time in numpy calls
+while more than this many are left, then walks the rest one block at a time on the array
+views (a few long chains: one numpy call per step would cost more)."""
+
 MIN_BUCKETS = 16
 """The hash table has at least this many buckets (the smallest power of two at least half the
 number of blocks, otherwise), so that a tiny pool still spreads its keys over a few chains."""
