@@ -104,3 +104,24 @@ def test_the_command_names_a_bad_option(
         policy_table.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_profile_counts_each_groups_first_admission_hits_and_evictions() -> None:
+    """A and B share 8 prompt tokens (two blocks); B's first admission finds them. C, with
+    nothing shared, needs the pool's cached blocks: its allocation evicts keys of the group."""
+    from hybridkv.lab.hit_profile import ProfiledManager
+
+    config = plan_kv_cache(TINY, 7 * 8)
+    manager = KVCacheManager(config, max_model_len=64, enable_kv_cache_events=True)
+    profiled = ProfiledManager(manager, [4])
+    shared = tuple(range(1, 9))
+    requests = [
+        RequestSpec("A", (*shared, 50, 51), (90,)),
+        RequestSpec("B", (*shared, 60, 61), (91,), arrival_step=3),
+        RequestSpec("C", tuple(range(200, 220)), (92,), arrival_step=6),
+    ]
+    limits = SchedulerConfig(32, 4, 64)
+    result = Scheduler(profiled, requests, block_size=4, config=limits).run()
+    assert result.first_hit_tokens == 8
+    assert profiled.profile.hit_tokens == [8]
+    assert profiled.profile.evicted_keys[0] > 0

@@ -62,13 +62,17 @@ class Cell:
 
 @dataclass(frozen=True)
 class CellResult:
-    """What one run measured (a function of the cell alone: no clock)."""
+    """What one run measured (a function of the cell alone: no clock). ``group_hit_rates`` and
+    ``group_evictions``: per KV cache group, prompt tokens whose blocks first admissions found
+    cached / prompt tokens, and cached keys evicted (``hit_profile``)."""
 
     cell: Cell
     num_blocks: int
     hit_rate: float
     preemptions: int
     rejected: int
+    group_hit_rates: tuple[float, ...] = ()
+    group_evictions: tuple[int, ...] = ()
 
 
 def run_cell(cell: Cell) -> CellResult:
@@ -85,7 +89,16 @@ def run_cell(cell: Cell) -> CellResult:
     config = with_mamba_cache_mode(plan.report.config, True)
     if cell.engine:
         config = dataclasses.replace(config, prefix_cache_retention_interval=0)
-    manager = TorchKVCacheManager(config, 16384, enable_caching=True, eviction_policy=cell.policy)
+    from hybridkv.lab.hit_profile import ProfiledManager
+
+    torch_manager = TorchKVCacheManager(
+        config,
+        16384,
+        enable_caching=True,
+        enable_kv_cache_events=True,
+        eviction_policy=cell.policy,
+    )
+    manager = ProfiledManager(torch_manager, [g.spec.block_size for g in config.groups])
     mamba = [g.spec.block_size for g in config.groups if isinstance(g.spec, MambaSpec)]
     requests = make_workload(cell.workload, cell.requests, seed=cell.seed, max_model_len=16384)
     limits = SchedulerConfig(full_prompt_admission=cell.engine)
@@ -97,12 +110,15 @@ def run_cell(cell: Cell) -> CellResult:
         mamba_block_size=mamba[0] if mamba else None,
     )
     result = scheduler.run()
+    prompt = result.first_prompt_tokens or 1
     return CellResult(
         cell,
         plan.report.num_blocks,
         result.first_admission_hit_rate,
         result.preemptions,
         result.num_rejected,
+        tuple(tokens / prompt for tokens in manager.profile.hit_tokens),
+        tuple(manager.profile.evicted_keys),
     )
 
 
@@ -188,6 +204,37 @@ def markdown(summaries: dict[tuple[str, str, int, str], Summary], policies: Sequ
     return "\n".join(lines)
 
 
+def profile_markdown(results: Sequence[CellResult], policies: Sequence[str]) -> str:
+    """Per cell of the table and policy, each group's first-admission hit rate (percent) and
+    cached keys evicted, means over the seeds: where a policy's hits are lost."""
+    lines = [
+        "| model | workload | memory | policy | hit rate | per group: hit % / keys evicted |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    grouped: dict[tuple[str, str, int, str], list[CellResult]] = {}
+    for result in results:
+        cell = result.cell
+        if cell.engine:
+            key = (cell.model, cell.workload, cell.memory_bytes, cell.policy)
+            grouped.setdefault(key, []).append(result)
+    order = {policy: n for n, policy in enumerate(policies)}
+    for key in sorted(grouped, key=lambda k: (k[0], k[1], k[2], order[k[3]])):
+        group = grouped[key]
+        rate = statistics.fmean(100 * r.hit_rate for r in group)
+        per_group = [
+            f"g{g} {statistics.fmean(100 * r.group_hit_rates[g] for r in group):.1f} / "
+            f"{statistics.fmean(r.group_evictions[g] for r in group):,.0f}"
+            for g in range(len(group[0].group_hit_rates))
+        ]
+        model, workload, memory, policy = key
+        lines.append(
+            f"| {model} | {workload} | {memory_text(memory)} | {policy} | {rate:.1f} | "
+            + "; ".join(per_group)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hybridkv.lab.policy_table")
     parser.add_argument("--models", default=",".join(MEMORIES), help="comma list")
@@ -196,6 +243,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--json", help="also write every cell's result here")
+    parser.add_argument(
+        "--memories", help="comma list of byte counts: only these of each model's memories"
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print each group's hit rate and evictions per cell (where hits are lost)",
+    )
     args = parser.parse_args(argv)
     from hybridkv.extras import exit_if_missing
 
@@ -208,6 +263,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "lru" not in policies:
         parser.error(f"--policies must include lru (the baseline), got {args.policies!r}")
     cells = table_cells(models, range(args.seeds), args.requests, policies)
+    if args.memories:
+        keep = {int(m) for m in args.memories.split(",") if m}
+        cells = [c for c in cells if not c.engine or c.memory_bytes in keep]
     results = run_all(cells, args.jobs)
     if args.json:
         rows = [{**dataclasses.asdict(r.cell), **dataclasses.asdict(r)} for r in results]
@@ -216,6 +274,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.json, "w", encoding="utf-8") as out:
             json.dump(rows, out, indent=1)
     print(markdown(summarise(results), policies))
+    if args.profile:
+        print()
+        print(profile_markdown(results, policies))
     return 0
 
 
