@@ -1,9 +1,10 @@
-"""Run the CrossHair manifest: one ``crosshair check`` per target, by name, with hard budgets.
+"""Check CrossHair manifest targets: ``crosshair check`` by name, with hard budgets.
 
-Every target runs as ``crosshair check --analysis_kind PEP316 --report_all
---per_condition_timeout T --max_uninteresting_iterations N module.function`` in its own process,
-under a wall-clock timeout, a few at a time. ``--report_all`` makes CrossHair print one line per
-condition, so the runner can tell a real result from a vacuous one:
+A target runs as ``crosshair check --analysis_kind PEP316 --report_all --per_condition_timeout
+T --max_uninteresting_iterations N module.function`` under a wall-clock timeout (``run_target``:
+one target, one process; ``crosshair_batches`` names a few targets of one budget in one
+process and runs the manifest a few processes at a time). ``--report_all`` makes CrossHair
+print one line per condition, so the runner can tell a real result from a vacuous one:
 
 * ``Confirmed over all paths.``: every path within the bounds of the preconditions was explored;
 * ``Not confirmed.``: the budget ran out before every path was explored, with no counterexample
