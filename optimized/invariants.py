@@ -120,10 +120,9 @@ def check_invariants(s: ManagerState) -> None:
     check_estimates(s, scan)
 
 
-def check_estimates(s: ManagerState, scan: table_scan.TableScan | None = None) -> None:
+def check_estimates(s: ManagerState, scan: table_scan.TableScan) -> None:
     """Each request's ``estimate_cached_tokens`` equals vLLM's scan of its tables (checked
     last: it reads the tables the other checks vouch for)."""
-    scan = table_scan.scan_tables(s) if scan is None else scan
     scans = table_scan.estimates_by_scan(s, scan)
     for request_id, by_scan in zip(scan.request_ids, scans, strict=True):
         estimate = estimate_cached_tokens(s, request_id)

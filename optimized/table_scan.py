@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from functools import cache
 
 import numpy as np
 import numpy.typing as npt
@@ -96,7 +95,6 @@ def check_lengths(s: ManagerState, scan: TableScan) -> None:
             raise InvariantError(f"request {request_id!r}'s tables differ in length")
 
 
-@cache
 def _group_masks(group_rules: tuple[GroupRule, ...]) -> tuple[Bools, Bools]:
     """Per group: whether it is an attention group (its nulls are leading ones), and whether
     it may hold no null at all (full attention)."""

@@ -95,6 +95,9 @@ def test_the_table_shows_each_policys_mean_and_spread_beside_the_bound() -> None
     [
         (["--models", "gpt-oss-20b"], "--models: gpt-oss-20b not in the table"),
         (["--policies", "hybrid,arc"], "--policies must include lru"),
+        (["--policies", "lru,nosuch"], "--policies: eviction_policy 'nosuch' is not a policy"),
+        (["--memories", "5"], "--memories: 5 not among the byte counts of"),
+        (["--seeds", "0"], "argument --seeds: must be an int of at least 1, got '0'"),
     ],
 )
 def test_the_command_names_a_bad_option(

@@ -86,12 +86,19 @@ class ProfiledManager:
         return self.manager.usage
 
     def _count_hits(self, blocks: KVCacheBlocks) -> None:
-        for g, (ids, size) in enumerate(
-            zip(blocks.block_ids, self.group_block_sizes, strict=False)
-        ):
-            self.profile.hit_tokens[g] += size * sum(1 for block_id in ids if block_id)
+        add_group_hit_tokens(self.profile.hit_tokens, blocks, self.group_block_sizes)
 
     def _count_evictions(self) -> None:
         for event in self.manager.take_events():
             if isinstance(event, BlockRemoved) and event.group_idx is not None:
                 self.profile.evicted_keys[event.group_idx] += len(event.block_hashes)
+
+
+def add_group_hit_tokens(
+    totals: list[int], blocks: KVCacheBlocks, group_block_sizes: Sequence[int]
+) -> None:
+    """Add to each group's total the prompt tokens whose blocks a hit found cached: its
+    non-null block ids × the group's block size (a sliding window counts its in-window
+    blocks, a Mamba group its one state block)."""
+    for g, (ids, size) in enumerate(zip(blocks.block_ids, group_block_sizes, strict=False)):
+        totals[g] += size * sum(1 for block_id in ids if block_id)

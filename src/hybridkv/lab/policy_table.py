@@ -79,6 +79,7 @@ def run_cell(cell: Cell) -> CellResult:
     """Plan the model at the cell's memory and run its workload under its policy."""
     from hybridkv.cli.options import resolve_model
     from hybridkv.cli.plan_data import PlanSettings, make_plan
+    from hybridkv.lab.hit_profile import ProfiledManager
     from hybridkv.optimized import TorchKVCacheManager
     from hybridkv.reference.planner import with_mamba_cache_mode
     from hybridkv.simulate import Scheduler, SchedulerConfig, make_workload
@@ -89,8 +90,6 @@ def run_cell(cell: Cell) -> CellResult:
     config = with_mamba_cache_mode(plan.report.config, True)
     if cell.engine:
         config = dataclasses.replace(config, prefix_cache_retention_interval=0)
-    from hybridkv.lab.hit_profile import ProfiledManager
-
     torch_manager = TorchKVCacheManager(
         config,
         16384,
@@ -151,32 +150,37 @@ def run_all(cells: Sequence[Cell], jobs: int) -> list[CellResult]:
         return list(pool.map(run_cell, cells, chunksize=1))
 
 
+Key = tuple[str, str, int, str]
+"""(model, workload, memory, policy); memory 0 stands for the bound's run."""
+
+
 @dataclass(frozen=True)
 class Summary:
     """The seeds of one (model, workload, memory, policy): mean and spread, in percent."""
 
     mean: float
     stdev: float
-    low: float
-    high: float
-    preemptions: float
 
     @classmethod
     def of(cls, results: Sequence[CellResult]) -> Summary:
         rates = [100 * r.hit_rate for r in results]
         stdev = statistics.stdev(rates) if len(rates) > 1 else 0.0
-        preempted = statistics.fmean(r.preemptions for r in results)
-        return cls(statistics.fmean(rates), stdev, min(rates), max(rates), preempted)
+        return cls(statistics.fmean(rates), stdev)
 
 
-def summarise(results: Sequence[CellResult]) -> dict[tuple[str, str, int, str], Summary]:
-    """(model, workload, memory, policy) → its seeds' summary; memory 0 is the bound."""
-    grouped: dict[tuple[str, str, int, str], list[CellResult]] = {}
+def by_key(results: Sequence[CellResult]) -> dict[Key, list[CellResult]]:
+    """The results grouped by their ``Key`` (the seeds of one cell together)."""
+    grouped: dict[Key, list[CellResult]] = {}
     for result in results:
         cell = result.cell
-        memory = 0 if not cell.engine else cell.memory_bytes
+        memory = cell.memory_bytes if cell.engine else 0
         grouped.setdefault((cell.model, cell.workload, memory, cell.policy), []).append(result)
-    return {key: Summary.of(group) for key, group in grouped.items()}
+    return grouped
+
+
+def summarise(results: Sequence[CellResult]) -> dict[Key, Summary]:
+    """Each ``Key``'s seeds summarised."""
+    return {key: Summary.of(group) for key, group in by_key(results).items()}
 
 
 def memory_text(memory_bytes: int) -> str:
@@ -185,7 +189,7 @@ def memory_text(memory_bytes: int) -> str:
     return f"{memory_bytes // MIB} MiB"
 
 
-def markdown(summaries: dict[tuple[str, str, int, str], Summary], policies: Sequence[str]) -> str:
+def markdown(summaries: dict[Key, Summary], policies: Sequence[str]) -> str:
     """The table: one row per model, workload and memory; each policy's mean ± stdev."""
     head = "| model | workload | memory | bound | " + " | ".join(policies) + " | best − lru |"
     lines = [head, "|" + " --- |" * (len(policies) + 5)]
@@ -211,12 +215,7 @@ def profile_markdown(results: Sequence[CellResult], policies: Sequence[str]) -> 
         "| model | workload | memory | policy | hit rate | per group: hit % / keys evicted |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    grouped: dict[tuple[str, str, int, str], list[CellResult]] = {}
-    for result in results:
-        cell = result.cell
-        if cell.engine:
-            key = (cell.model, cell.workload, cell.memory_bytes, cell.policy)
-            grouped.setdefault(key, []).append(result)
+    grouped = {key: group for key, group in by_key(results).items() if key[2]}
     order = {policy: n for n, policy in enumerate(policies)}
     for key in sorted(grouped, key=lambda k: (k[0], k[1], k[2], order[k[3]])):
         group = grouped[key]
@@ -235,13 +234,38 @@ def profile_markdown(results: Sequence[CellResult], policies: Sequence[str]) -> 
     return "\n".join(lines)
 
 
+def positive(text: str) -> int:
+    """An argparse type: an int of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int of at least 1, got {text!r}")
+    return value
+
+
+def policies_problem(policies: Sequence[str]) -> str | None:
+    """Why ``--policies`` cannot run (lru missing, a policy that does not resolve), or None."""
+    from hybridkv.policies import resolve_policy
+
+    if "lru" not in policies:
+        return f"--policies must include lru (the baseline), got {','.join(policies)!r}"
+    for policy in policies:
+        try:
+            resolve_policy(policy)
+        except ValueError as error:
+            return f"--policies: {error}"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hybridkv.lab.policy_table")
     parser.add_argument("--models", default=",".join(MEMORIES), help="comma list")
-    parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--requests", type=int, default=120)
+    parser.add_argument("--seeds", type=positive, default=5, help="seeds 0 … N-1")
+    parser.add_argument("--requests", type=positive, default=120)
     parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--jobs", type=positive, default=1)
     parser.add_argument("--json", help="also write every cell's result here")
     parser.add_argument(
         "--memories", help="comma list of byte counts: only these of each model's memories"
@@ -260,12 +284,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         parser.error(f"--models: {', '.join(unknown)} not in the table ({', '.join(MEMORIES)})")
     policies = [p for p in args.policies.split(",") if p]
-    if "lru" not in policies:
-        parser.error(f"--policies must include lru (the baseline), got {args.policies!r}")
+    if problem := policies_problem(policies):
+        parser.error(problem)
     cells = table_cells(models, range(args.seeds), args.requests, policies)
     if args.memories:
-        keep = {int(m) for m in args.memories.split(",") if m}
-        cells = [c for c in cells if not c.engine or c.memory_bytes in keep]
+        keep = set(args.memories.split(","))
+        tabled = {str(m) for model in models for m in MEMORIES[model]}
+        if not keep <= tabled:
+            parser.error(
+                f"--memories: {', '.join(sorted(keep - tabled))} not among the byte counts of "
+                f"{', '.join(models)} ({', '.join(sorted(tabled, key=int))})"
+            )
+        cells = [c for c in cells if not c.engine or str(c.memory_bytes) in keep]
     results = run_all(cells, args.jobs)
     if args.json:
         rows = [{**dataclasses.asdict(r.cell), **dataclasses.asdict(r)} for r in results]

@@ -33,6 +33,7 @@ from typing import ParamSpec, TypeVar
 
 from hybridkv.block_trace import BlockTraceRequest, prefix_hit_tokens
 from hybridkv.lab.cost_model import CostModel
+from hybridkv.lab.hit_profile import add_group_hit_tokens
 from hybridkv.lab.host_tier import HostTier
 from hybridkv.lab.result import ReplayResult
 from hybridkv.reference import KVCacheBlocks, Request
@@ -294,14 +295,7 @@ class Replay:
             self._count_group_hits(blocks)
 
     def _count_group_hits(self, blocks: KVCacheBlocks) -> None:
-        """Per group, the prompt tokens whose blocks the hit found cached: its non-null block
-        ids × the group's block size (a sliding window counts its in-window blocks, a Mamba
-        group its one state block)."""
-        totals = self.result.group_hit_tokens
-        for g, (ids, size) in enumerate(
-            zip(blocks.block_ids, self.group_block_sizes, strict=False)
-        ):
-            totals[g] += size * sum(1 for block_id in ids if block_id)
+        add_group_hit_tokens(self.result.group_hit_tokens, blocks, self.group_block_sizes)
 
     def _work(self, scheduled: list[tuple[_Live, int]]) -> tuple[int, int, int, int]:
         """Prefill tokens, decoding requests, attended context tokens and tokens loaded from
