@@ -182,3 +182,17 @@ def test_the_bound_counts_every_arrived_request_refused_ones_too() -> None:
     assert (result.refused, result.prompt_tokens, result.arrived_prompt_tokens) == (1, 6, 22)
     assert (result.hit_tokens, result.bound_hit_tokens) == (0, 4)
     assert result.bound_hit_rate == pytest.approx(4 / 22)
+
+
+def test_bound_tokens_still_in_flight_at_admission_are_counted_apart() -> None:
+    """A Mamba-aligned prefill stops at the last Mamba boundary before the prompt's end (8 of
+    16 tokens here), so the identical request admitted in the same step can reach only those
+    8 tokens of the 12 the bound gives it: 4 bound tokens were in flight, and a pool that
+    evicts nothing hits the bound less exactly those."""
+    trace = _trace((0, 16, 2, [1, 2]), (0, 16, 2, [1, 2]))
+    result = Replay(
+        _manager(64), trace, _request, block_size=4, config=FLAT, mamba_block_size=8
+    ).run()
+    assert (result.bound_hit_tokens, result.in_flight_bound_tokens, result.hit_tokens) == (12, 4, 8)
+    assert result.evictions == 0
+    assert result.reachable_bound_hit_rate == pytest.approx(8 / 32)

@@ -237,13 +237,16 @@ def prefix_hit_tokens(request: BlockTraceRequest, covered: dict[int, int], block
     """The infinite-cache hit of ``request`` after the prompts ``covered`` records, which then
     records this one too (one step of ``infinite_cache_bound``, for a replay that computes the
     bound as it reads the trace)."""
-    hit = _prefix_hit(request, covered, block_size)
-    _cover(request, covered, block_size)
+    hit = covered_prefix_tokens(request, covered, block_size)
+    cover_prefix(request, covered, block_size, request.input_length)
     return hit
 
 
-def _prefix_hit(request: BlockTraceRequest, covered: dict[int, int], block_size: int) -> int:
-    """Leading tokens of ``request`` that earlier prompts held, in whole manager blocks."""
+def covered_prefix_tokens(
+    request: BlockTraceRequest, covered: dict[int, int], block_size: int
+) -> int:
+    """Leading tokens of ``request`` that the prompts ``covered`` records held, in whole manager
+    blocks of ``block_size`` and at most ``((L − 1) // block_size) × block_size``."""
     hit = 0
     for h in request.hash_ids:
         seen = covered.get(h, 0)
@@ -255,12 +258,25 @@ def _prefix_hit(request: BlockTraceRequest, covered: dict[int, int], block_size:
     return hit // block_size * block_size
 
 
-def _cover(request: BlockTraceRequest, covered: dict[int, int], block_size: int) -> None:
-    """Record how far this prompt's full manager blocks reach into each of its trace blocks."""
-    cached = request.input_length // block_size * block_size
-    for i, h in enumerate(request.hash_ids):
-        reach = min(request.block_tokens, cached - request.block_tokens * i)
+def cover_prefix(
+    request: BlockTraceRequest,
+    covered: dict[int, int],
+    block_size: int,
+    end: int,
+    start: int = 0,
+) -> None:
+    """Record in ``covered`` how far the full manager blocks of the prompt's first ``end``
+    tokens reach into each of its trace blocks (``end`` capped at the prompt's length).
+
+    ``start`` skips the trace blocks wholly below it, for a caller that covers a prompt chunk
+    by chunk as a scheduler computes it (each chunk costs its own trace blocks, not the
+    prompt's)."""
+    cached = min(end, request.input_length) // block_size * block_size
+    size = request.block_tokens
+    for i in range(start // size, len(request.hash_ids)):
+        reach = min(size, cached - size * i)
         if reach <= 0:
             break
+        h = request.hash_ids[i]
         if covered.get(h, 0) < reach:
             covered[h] = reach

@@ -54,6 +54,12 @@ def print_table(cells: Sequence[CellResult]) -> None:
     skipped = sum(cell.summary["skipped"] for cell in cells)
     if skipped:
         console.print(f"skipped (longer than --max-model-len): {skipped:,} requests over the grid")
+    in_flight = max(cell.summary["in_flight_bound_tokens"] for cell in cells)
+    if in_flight:
+        console.print(
+            f"bound tokens in flight at admission (no cache could hit them): up to {in_flight:,}"
+            " per cell (in_flight_bound_tokens)"
+        )
 
 
 def _count(value: int) -> str:

@@ -31,7 +31,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import ParamSpec, TypeVar
 
-from hybridkv.block_trace import BlockTraceRequest, prefix_hit_tokens
+from hybridkv.block_trace import (
+    BlockTraceRequest,
+    cover_prefix,
+    covered_prefix_tokens,
+    prefix_hit_tokens,
+)
 from hybridkv.lab.cost_model import CostModel
 from hybridkv.lab.hit_profile import add_group_hit_tokens
 from hybridkv.lab.host_tier import HostTier
@@ -98,6 +103,8 @@ class _Live:
     emitted: int = 0
     loaded_until: int = 0
     """Prompt tokens below this (past the GPU hit) come from the host tier, not prefill."""
+    bound_tokens: int = 0
+    """This request's share of the infinite-cache bound (earlier arrivals' prompts)."""
 
 
 RequestMaker = Callable[[str, Sequence[int]], Request]
@@ -134,6 +141,9 @@ class Replay:
         self.running: list[_Live] = []
         self._next: BlockTraceRequest | None = None
         self._covered: dict[int, int] = {}
+        self._scheduled: dict[int, int] = {}
+        """How far the prompts' scheduled tokens reach into each trace block: what any cache
+        could hold at an admission (a manager caches a step's blocks when it allocates them)."""
         self._manager_seconds = 0.0
 
     def run(self, on_step: Callable[[ReplayResult], None] | None = None) -> ReplayResult:
@@ -168,9 +178,10 @@ class Replay:
             if trace.input_length + trace.output_length > self.config.max_model_len:
                 self.result.skipped += 1
                 continue
-            self.result.bound_hit_tokens += prefix_hit_tokens(trace, self._covered, self.block_size)
+            bound = prefix_hit_tokens(trace, self._covered, self.block_size)
+            self.result.bound_hit_tokens += bound
             request = self.make_request(f"r{trace.index}", trace.prompt_tokens())
-            self.waiting.append(_Live(trace, request, self._arrival_ms(trace)))
+            self.waiting.append(_Live(trace, request, self._arrival_ms(trace), bound_tokens=bound))
             self.result.requests += 1
             self.result.arrived_prompt_tokens += trace.input_length
 
@@ -212,6 +223,7 @@ class Replay:
             preempted = preempted or preempted_now
             if not allocated:
                 break
+            self._cover_scheduled(live, num_new)
             scheduled.append((live, num_new))
             budget -= num_new
             index += 1
@@ -245,6 +257,7 @@ class Replay:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             live = self.waiting[0]
             request = live.request
+            reachable = covered_prefix_tokens(live.trace, self._scheduled, self.block_size)
             blocks, num_hits, boundary = self._call(self.manager.get_computed_blocks, request)
             request.shared_prefix_boundary = boundary
             num_new = self._chunk(request, num_hits, min(request.num_tokens - num_hits, budget))
@@ -267,7 +280,8 @@ class Replay:
             self.running.append(live)
             request.num_computed_tokens = num_hits
             self._host_hit(live, num_hits)
-            self._count_admission(live, num_hits, blocks)
+            self._count_admission(live, num_hits, blocks, reachable)
+            self._cover_scheduled(live, num_new)
             admitted.append((live, num_new))
             budget -= num_new
         return admitted
@@ -281,7 +295,16 @@ class Replay:
         if not live.admitted:
             self.result.host_hit_tokens += loaded
 
-    def _count_admission(self, live: _Live, num_hits: int, blocks: KVCacheBlocks) -> None:
+    def _cover_scheduled(self, live: _Live, num_new: int) -> None:
+        """The prompt tokens this step schedules for ``live`` become hittable by later
+        admissions (full manager blocks only)."""
+        start = live.request.num_computed_tokens
+        if start < live.trace.input_length:
+            cover_prefix(live.trace, self._scheduled, self.block_size, start + num_new, start)
+
+    def _count_admission(
+        self, live: _Live, num_hits: int, blocks: KVCacheBlocks, reachable: int
+    ) -> None:
         if live.admitted:
             self.result.readmissions += 1
             self.result.readmission_hit_tokens += num_hits
@@ -291,6 +314,7 @@ class Replay:
         live.queue_ms = self.now_ms - live.arrival_ms
         self.result.prompt_tokens += live.trace.input_length
         self.result.hit_tokens += num_hits
+        self.result.in_flight_bound_tokens += max(0, live.bound_tokens - reachable)
         if num_hits:
             self._count_group_hits(blocks)
 

@@ -35,6 +35,11 @@ class ReplayResult:
     host_hit_tokens: int = 0
     """Prompt tokens (of first admissions) past the GPU hit that the host tier supplied."""
     bound_hit_tokens: int = 0
+    in_flight_bound_tokens: int = 0
+    """Bound tokens that no cache could have hit: at the request's first admission the earlier
+    prompt holding them had not been scheduled that far yet (it arrived in the same step, or
+    its chunked prefill was still running). A replay that evicts nothing hits the bound less
+    exactly these (with dense retention; sparse retention keeps less)."""
     arrived_prompt_tokens: int = 0
     """Prompt tokens of every arrived request (admitted or refused): the bound's denominator."""
     readmissions: int = 0
@@ -78,6 +83,13 @@ class ReplayResult:
         return self.bound_hit_tokens / total if total else 0.0
 
     @property
+    def reachable_bound_hit_rate(self) -> float:
+        """The bound less its in-flight tokens, over the same denominator."""
+        total = self.arrived_prompt_tokens
+        reachable = self.bound_hit_tokens - self.in_flight_bound_tokens
+        return reachable / total if total else 0.0
+
+    @property
     def tokens_per_second(self) -> float:
         """Prompt and output tokens computed per second of simulated time."""
         seconds = self.simulated_ms / 1e3
@@ -105,6 +117,8 @@ class ReplayResult:
             "bound_hit_tokens": self.bound_hit_tokens,
             "arrived_prompt_tokens": self.arrived_prompt_tokens,
             "bound_hit_rate": round(self.bound_hit_rate, 6),
+            "in_flight_bound_tokens": self.in_flight_bound_tokens,
+            "reachable_bound_hit_rate": round(self.reachable_bound_hit_rate, 6),
             "readmissions": self.readmissions,
             "readmission_hit_tokens": self.readmission_hit_tokens,
             "readmission_prompt_tokens": self.readmission_prompt_tokens,
