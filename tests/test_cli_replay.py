@@ -230,3 +230,66 @@ def test_every_policy_replays_on_the_optimized_backend_as_on_the_reference(
         del run["wall_seconds"], run["manager_seconds"], run["backend"]
     assert runs["optimized"] == runs["reference"]
     assert runs["reference"]["eviction"] == policy
+
+
+@pytest.mark.parametrize(
+    ("args", "settings"),
+    [
+        ((), (0, True, True, True)),
+        (("--defaults", "unit"), (None, False, False, True)),
+        (("--retention-interval", "dense"), (None, True, True, True)),
+        (("--defaults", "unit", "--retention-interval", "32"), (32, False, False, True)),
+        (("--admission", "first-chunk"), (0, False, True, True)),
+        (("--defaults", "unit", "--admission", "full"), (None, True, False, True)),
+        (("--no-async-scheduling",), (0, True, False, True)),
+        (("--defaults", "unit", "--async-scheduling"), (None, False, True, True)),
+        (("--no-prefix-caching",), (0, True, True, False)),
+    ],
+)
+def test_each_engine_setting_is_a_flag_over_the_defaults(
+    tmp_path: Path, args: tuple[str, ...], settings: tuple[Any, ...]
+) -> None:
+    cell = replay_json("--trace", _trace(tmp_path, *GOOD), *args)
+    names = ("retention_interval", "full_prompt_admission", "async_scheduling", "prefix_caching")
+    assert tuple(cell["engine_settings"][name] for name in names) == settings
+
+
+def test_without_prefix_caching_nothing_hits(tmp_path: Path) -> None:
+    cell = replay_json("--trace", _trace(tmp_path, *GOOD), "--no-prefix-caching")
+    assert (cell["hit_tokens"], cell["bound_hit_tokens"]) == (0, 80)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--retention-interval", "often"), "--retention-interval must be 'default', 'dense'"),
+        (("--retention-interval", "-16"), "got '-16'"),
+        (("--retention-interval", "24"), "must be a multiple of the scheduler block size (16)"),
+    ],
+)
+def test_a_bad_engine_setting_is_one_line(
+    tmp_path: Path, args: tuple[str, ...], message: str
+) -> None:
+    assert message in _error(replay("--trace", _trace(tmp_path, *GOOD), *args))
+
+
+def test_the_progress_bar_shows_an_eta_on_a_terminal() -> None:
+    import io
+
+    from rich.console import Console
+
+    from hybridkv.cli.replay_cmd import ReplayProgress
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=100)
+    with ReplayProgress(console, True, 10, "requests") as advance:
+        advance(5)
+    assert "replaying (requests)" in out.getvalue()
+    assert "ETA" in out.getvalue()
+
+
+def test_the_progress_bar_is_quiet_when_piped(tmp_path: Path) -> None:
+    result = replay("--trace", _trace(tmp_path, *GOOD))
+    assert result.exit_code == 0, result.output
+    assert "replaying" not in result.output
+    assert "ETA" not in result.output

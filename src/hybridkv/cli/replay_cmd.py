@@ -121,7 +121,7 @@ def _run_grid(cells: list[ReplaySetup], jobs: int, *, show_progress: bool) -> li
 
         with ProcessPoolExecutor(max_workers=min(jobs, len(cells))) as pool:
             futures = [pool.submit(run_cell, cell) for cell in cells]
-            with _Progress(console, visible, len(cells), "cells") as advance:
+            with ReplayProgress(console, visible, len(cells), "cells") as advance:
                 results = []
                 for future in futures:
                     results.append(future.result())
@@ -129,7 +129,7 @@ def _run_grid(cells: list[ReplaySetup], jobs: int, *, show_progress: bool) -> li
             return results
     total = _count_requests(cells[0]) * len(cells)
     results = []
-    with _Progress(console, visible, total, "requests") as advance:
+    with ReplayProgress(console, visible, total, "requests") as advance:
         for cell in cells:
             done = sum(result.summary["requests"] for result in results)
 
@@ -148,7 +148,7 @@ def _count_requests(setup: ReplaySetup) -> int:
     return count if setup.max_requests is None else min(count, setup.max_requests)
 
 
-class _Progress:
+class ReplayProgress:
     """A rich progress bar with an ETA on a terminal; nothing when piped."""
 
     def __init__(self, console: object, visible: bool, total: int, unit: str) -> None:
@@ -234,6 +234,33 @@ class _Progress:
     show_default=True,
     help="engine: vLLM 0.33's (sparse retention, full-prompt admission, async tokens in "
     "flight); unit: vLLM's unit tests' (dense retention).",
+)
+@click.option(
+    "--retention-interval",
+    "retention",
+    default="default",
+    show_default=True,
+    help="prefix_cache_retention_interval: 'dense', or tokens (0: sparse, as the engine); "
+    "'default' takes --defaults'.",
+)
+@click.option(
+    "--admission",
+    type=click.Choice(["default", "full", "first-chunk"]),
+    default="default",
+    show_default=True,
+    help="full: a request is admitted only when its whole sequence fits (the engine's); "
+    "first-chunk: when its first chunk does (vLLM's unit tests').",
+)
+@click.option(
+    "--async-scheduling/--no-async-scheduling",
+    default=None,
+    help="Async scheduling's tokens in flight  [default: --defaults']",
+)
+@click.option(
+    "--prefix-caching/--no-prefix-caching",
+    default=True,
+    show_default=True,
+    help="Off: no prefix caching (the baseline; Mamba groups run 'none').",
 )
 @click.option(
     "--host-memory",

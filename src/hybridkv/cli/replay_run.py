@@ -7,7 +7,8 @@ Engine defaults (``defaults="engine"``) are vLLM 0.33's, as ``hybridkv plan`` as
 retention (``prefix_cache_retention_interval=0``), full-prompt admission, async scheduling's
 tokens in flight (the plan's ``max_in_flight_tokens``), Mamba ``"align"`` with caching.
 ``defaults="unit"`` is vLLM's unit tests' manager: dense retention, first-chunk admission, one
-step in flight.
+step in flight. Each of these settings can be set alone (``ReplaySetup.retention``,
+``admission``, ``async_scheduling``, ``prefix_caching``), the others keeping the defaults'.
 """
 
 from __future__ import annotations
@@ -62,6 +63,65 @@ class ReplaySetup:
     host_memory_bytes: int | None = None
     host_bandwidth_gbps: float = 25.0
     host_accounting: str = "hybrid"
+    retention: str = "default"
+    """``"default"`` (the defaults'), ``"dense"`` or an interval in tokens (``"0"``: sparse)."""
+    admission: str = "default"
+    """``"default"``, ``"full"`` (the whole sequence must fit) or ``"first-chunk"``."""
+    async_scheduling: bool | None = None
+    """Async scheduling's tokens in flight; ``None``: the defaults'."""
+    prefix_caching: bool = True
+    """Off: no prefix caching at all (Mamba groups then run ``"none"``), the baseline a
+    policy's hits are read against."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The manager's and the scheduler's settings one replay runs with, resolved from the
+    ``defaults`` and the single settings given beside them."""
+
+    retention_interval: int | None
+    """``prefix_cache_retention_interval``: ``None`` dense, ``0`` sparse."""
+    full_prompt_admission: bool
+    async_scheduling: bool
+    prefix_caching: bool
+    """On: Mamba groups cache their states in ``"align"`` mode, as an engine with prefix
+    caching selects."""
+
+    @classmethod
+    def of(cls, setup: ReplaySetup) -> EngineSettings:
+        """``UserError`` naming a setting that does not parse."""
+        engine = setup.defaults == "engine"
+        if setup.admission not in ADMISSIONS:
+            raise UserError(f"--admission must be one of {ADMISSIONS}, got {setup.admission!r}")
+        admission = setup.admission if setup.admission != "default" else None
+        is_async = setup.async_scheduling
+        return cls(
+            retention_interval=_retention(setup.retention, engine),
+            full_prompt_admission=engine if admission is None else admission == "full",
+            async_scheduling=engine if is_async is None else is_async,
+            prefix_caching=setup.prefix_caching,
+        )
+
+
+ADMISSIONS = ("default", "full", "first-chunk")
+
+
+def _retention(text: str, engine: bool) -> int | None:
+    """``--retention-interval``'s value: ``default``, ``dense`` or tokens ``>= 0``."""
+    if text == "default":
+        return 0 if engine else None
+    if text == "dense":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise UserError(
+            f"--retention-interval must be 'default', 'dense' or tokens >= 0 (0: sparse), "
+            f"got {text!r}"
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -176,7 +236,7 @@ def _host_tier(setup: ReplaySetup, plan: Plan) -> HostTier | None:
 
 
 def _plan(setup: ReplaySetup) -> Plan:
-    engine = setup.defaults == "engine"
+    engine = EngineSettings.of(setup).async_scheduling
     settings = PlanSettings(
         setup.memory_bytes,
         setup.max_model_len,
@@ -185,7 +245,7 @@ def _plan(setup: ReplaySetup) -> Plan:
         setup.kv_dtype,
         setup.mamba_ssm_dtype,
         async_scheduling=engine,
-        enable_prefix_caching=True,
+        enable_prefix_caching=setup.prefix_caching,
     )
     return make_plan(resolve_model(setup.model), settings)
 
@@ -203,11 +263,10 @@ def build_manager(setup: ReplaySetup, plan: Plan) -> Manager:
     evictions are counted; ``UserError`` for a backend or policy that cannot run here."""
     from hybridkv.reference.planner import with_mamba_cache_mode
 
-    config = with_mamba_cache_mode(plan.report.config, True)
-    engine = setup.defaults == "engine"
-    if engine:
-        config = dataclasses.replace(config, prefix_cache_retention_interval=0)
-    in_flight = plan.report.max_in_flight_tokens if engine else None
+    engine = EngineSettings.of(setup)
+    config = with_mamba_cache_mode(plan.report.config, engine.prefix_caching)
+    config = dataclasses.replace(config, prefix_cache_retention_interval=engine.retention_interval)
+    in_flight = plan.report.max_in_flight_tokens if engine.async_scheduling else None
     if setup.backend == "reference":
         from hybridkv.reference import KVCacheManager
 
@@ -215,13 +274,13 @@ def build_manager(setup: ReplaySetup, plan: Plan) -> Manager:
             return KVCacheManager(
                 config,
                 setup.max_model_len,
-                enable_caching=True,
+                enable_caching=engine.prefix_caching,
                 enable_kv_cache_events=True,
                 max_in_flight_tokens=in_flight,
                 eviction_policy=setup.eviction,
             )
         except ValueError as error:
-            raise UserError(f"--eviction {setup.eviction}: {error}") from None
+            raise UserError(f"cannot start the reference backend: {error}") from None
     return _optimized(setup, config, in_flight)
 
 
@@ -243,7 +302,7 @@ def _optimized(setup: ReplaySetup, config: Any, in_flight: int | None) -> Manage
         manager: Manager = TorchKVCacheManager(
             config,
             setup.max_model_len,
-            enable_caching=True,
+            enable_caching=setup.prefix_caching,
             enable_kv_cache_events=True,
             device=setup.device,
             max_in_flight_tokens=in_flight,
@@ -281,7 +340,7 @@ def _config(setup: ReplaySetup, plan: Plan) -> Any:
         time_scale=setup.time_scale,
         cost_model=cost,
         attention_mix=mix,
-        full_prompt_admission=setup.defaults == "engine",
+        full_prompt_admission=EngineSettings.of(setup).full_prompt_admission,
     )
 
 
@@ -318,6 +377,7 @@ def _summary(setup: ReplaySetup, plan: Plan, result: ReplayResult) -> dict[str, 
         "scheduler": "built-in",
         "backend": setup.backend,
         "defaults": setup.defaults,
+        "engine_settings": dataclasses.asdict(EngineSettings.of(setup)),
         "num_blocks": plan.report.num_blocks,
         "block_size": plan.report.block_size,
         "host_memory_bytes": setup.host_memory_bytes,
