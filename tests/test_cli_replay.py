@@ -293,3 +293,12 @@ def test_the_progress_bar_is_quiet_when_piped(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "replaying" not in result.output
     assert "ETA" not in result.output
+
+
+def test_a_missing_vllm_is_one_line_naming_the_install_script(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    line = _error(replay("--trace", _trace(tmp_path, *GOOD), "--scheduler", "vllm"))
+    assert "--scheduler vllm needs vllm, which is not installed" in line
+    assert "install-vllm-cpu.sh" in line

@@ -53,3 +53,20 @@ def test_an_unknown_policy_in_the_environment_is_refused_by_name(
     monkeypatch.setenv("HYBRIDKV_EVICTION", "fifo")
     with pytest.raises(ValueError, match="eviction_policy 'fifo' is not a policy name"):
         _manager("reference")
+
+
+@pytest.mark.parametrize("backend", ["reference", "optimized"])
+def test_an_explicit_policy_wins_over_the_environment(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HYBRIDKV_EVICTION", "lru")
+    settings: dict[str, Any] = {
+        "kv_cache_config": kv_cache_config_for("gemma3", 64, retention=None),
+        "max_model_len": 512,
+        "scheduler_block_size": 16,
+        "hash_block_size": 16,
+    }
+    if backend == "optimized":
+        pytest.importorskip("torch")
+    manager = KVCacheManager(**settings, backend=backend, eviction_policy="hybrid")  # type: ignore[arg-type]
+    assert manager.core.eviction_policy == "hybrid"

@@ -25,6 +25,7 @@ from hybridkv.cli.replay_run import (
     ReplaySetup,
     is_block_trace,
 )
+from hybridkv.cli.replay_vllm import SCHEDULERS, check_scheduler
 
 if TYPE_CHECKING:
     from hybridkv.lab import ReplayResult
@@ -95,6 +96,8 @@ def run_block_trace(
         for eviction in evictions or (setup.eviction,)
         for accounting in host_accountings or (setup.host_accounting,)
     ]
+    for cell in cells:
+        check_scheduler(cell)
     results = _run_grid(cells, jobs, show_progress=output_format == "table")
     if output_format == "json":
         summaries = [result.summary for result in results]
@@ -215,9 +218,18 @@ class ReplayProgress:
 )
 @click.option(
     "--backend",
-    type=click.Choice(["reference", "optimized"]),
+    type=click.Choice(["reference", "optimized", "vllm"]),
     default="optimized",
     show_default=True,
+    help="vllm: vLLM's own manager (LRU), with --scheduler vllm only.",
+)
+@click.option(
+    "--scheduler",
+    type=click.Choice(SCHEDULERS),
+    default="built-in",
+    show_default=True,
+    help="built-in: hybridkv's FCFS loop; vllm: vLLM 0.33's own Scheduler (its chunked "
+    "prefill, admission, preemption and async scheduling) driving the manager.",
 )
 @click.option("--device", default="cpu", show_default=True, help="Optimized backend's device.")
 @click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True)

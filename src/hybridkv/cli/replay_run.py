@@ -46,6 +46,8 @@ class ReplaySetup:
     memory_bytes: int = 8 << 30
     eviction: str = "lru"
     backend: str = "optimized"
+    scheduler: str = "built-in"
+    """``built-in`` (``hybridkv.lab.Replay``) or ``vllm`` (vLLM 0.33's own ``Scheduler``)."""
     device: str = "cpu"
     block_tokens: int = 512
     max_requests: int | None = None
@@ -176,27 +178,41 @@ def run_cell(
 ) -> CellResult:
     """Replay ``setup``'s trace once; ``UserError`` for what cannot run."""
     from hybridkv.block_trace import BlockTraceError
-    from hybridkv.lab import Replay
+    from hybridkv.cli.replay_vllm import check_scheduler
 
+    check_scheduler(setup)
     plan = _plan(setup)
-    manager = build_manager(setup, plan)
-    groups = plan.report.config.groups
     try:
-        replay = Replay(
-            manager,
-            _trace(setup),
-            _request_maker(manager),
-            block_size=plan.report.block_size,
-            config=_config(setup, plan),
-            mamba_block_size=_mamba_block_size(plan),
-            group_block_sizes=[group.spec.block_size for group in groups],
-            events=manager.take_events,  # type: ignore[attr-defined]
-            host=_host_tier(setup, plan),
-        )
-        result = replay.run(on_step)
+        result = _replay(setup, plan, on_step)
     except BlockTraceError as error:
         raise UserError(str(error)) from None
     return CellResult(_summary(setup, plan, result), tuple(result.ttft_ms))
+
+
+def _replay(
+    setup: ReplaySetup, plan: Plan, on_step: Callable[[ReplayResult], None] | None
+) -> ReplayResult:
+    """The cell's replay on the scheduler ``setup`` names."""
+    from hybridkv.lab import Replay
+
+    if setup.scheduler == "vllm":
+        from hybridkv.cli.replay_vllm import run_vllm
+
+        return run_vllm(setup, plan, _config(setup, plan), on_step)
+    manager = build_manager(setup, plan)
+    groups = plan.report.config.groups
+    replay = Replay(
+        manager,
+        trace_of(setup),
+        _request_maker(manager),
+        block_size=plan.report.block_size,
+        config=_config(setup, plan),
+        mamba_block_size=_mamba_block_size(plan),
+        group_block_sizes=[group.spec.block_size for group in groups],
+        events=manager.take_events,  # type: ignore[attr-defined]
+        host=_host_tier(setup, plan),
+    )
+    return replay.run(on_step)
 
 
 def _host_tier(setup: ReplaySetup, plan: Plan) -> HostTier | None:
@@ -250,7 +266,8 @@ def _plan(setup: ReplaySetup) -> Plan:
     return make_plan(resolve_model(setup.model), settings)
 
 
-def _trace(setup: ReplaySetup) -> Iterator[BlockTraceRequest]:
+def trace_of(setup: ReplaySetup) -> Iterator[BlockTraceRequest]:
+    """The cell's trace requests, read as the replay consumes them."""
     from hybridkv.block_trace import read_block_trace
 
     return read_block_trace(
@@ -374,7 +391,7 @@ def _summary(setup: ReplaySetup, plan: Plan, result: ReplayResult) -> dict[str, 
         "model": plan.choice.name,
         "memory_bytes": setup.memory_bytes,
         "eviction": setup.eviction,
-        "scheduler": "built-in",
+        "scheduler": setup.scheduler,
         "backend": setup.backend,
         "defaults": setup.defaults,
         "engine_settings": dataclasses.asdict(EngineSettings.of(setup)),

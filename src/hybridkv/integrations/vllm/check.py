@@ -48,6 +48,7 @@ BLOCK_SIZE = 16
 VOCAB = 50000
 EOS_TOKEN_ID = 50256
 
+_TINY_POSITIONS = 4096
 _TINY_MODEL = {
     "architectures": ["OPTForCausalLM"],
     "model_type": "opt",
@@ -56,7 +57,7 @@ _TINY_MODEL = {
     "num_attention_heads": 4,
     "num_hidden_layers": 2,
     "vocab_size": 50272,
-    "max_position_embeddings": 4096,
+    "max_position_embeddings": _TINY_POSITIONS,
     "word_embed_proj_dim": 64,
     "do_layer_norm_before": True,
     "torch_dtype": "float16",
@@ -66,14 +67,19 @@ _TINY_MODEL = {
 }
 
 
-def _tiny_model_dir() -> str:
-    """A model directory with only a ``config.json``: the scheduler needs no weights."""
-    path = os.path.join(tempfile.gettempdir(), "hybridkv-vllm-check-model")
+def _tiny_model_dir(max_model_len: int = 0) -> str:
+    """A model directory with only a ``config.json``: the scheduler needs no weights. Its
+    positions cover ``max_model_len`` (a replay's 262,144 tokens), so vLLM accepts that length."""
+    positions = max(_TINY_POSITIONS, max_model_len)
+    name = "hybridkv-vllm-check-model"
+    if positions != _TINY_POSITIONS:
+        name += f"-{positions}"
+    path = os.path.join(tempfile.gettempdir(), name)
     os.makedirs(path, exist_ok=True)
     config = os.path.join(path, "config.json")
     if not os.path.exists(config):
         with open(config, "w", encoding="utf-8") as f:
-            json.dump(_TINY_MODEL, f)
+            json.dump({**_TINY_MODEL, "max_position_embeddings": positions}, f)
     return path
 
 
@@ -162,9 +168,15 @@ def build_scheduler(
     kv_cache_config: Any | None = None,
     *,
     scheduler_cls: str | None = None,
+    eviction_policy: str | None = None,
+    device: str | None = None,
+    policy: str = "priority",
 ) -> Any:
     """vLLM's scheduler for ``cfg`` with ``manager``'s KV cache manager (or, with
-    ``scheduler_cls``, the class ``SchedulerConfig.scheduler_cls`` names, as an engine picks)."""
+    ``scheduler_cls``, the class ``SchedulerConfig.scheduler_cls`` names, as an engine picks).
+
+    ``eviction_policy`` and ``device`` go to a hybridkv manager; ``policy`` is vLLM's
+    scheduling policy (the check's workload has priorities, a replay runs ``"fcfs"``)."""
     from vllm.config import (
         CacheConfig,
         KVEventsConfig,
@@ -182,7 +194,7 @@ def build_scheduler(
     from hybridkv.integrations.vllm.scheduler import install
 
     model_config = ModelConfig(
-        model=_tiny_model_dir(),
+        model=_tiny_model_dir(cfg.max_model_len),
         skip_tokenizer_init=True,
         dtype="float16",
         seed=42,
@@ -197,7 +209,7 @@ def build_scheduler(
         async_scheduling=is_async,
         is_encoder_decoder=False,
         watermark=0.0,
-        policy="priority",
+        policy=policy,
         scheduler_reserve_full_isl=cfg.defaults == "engine",
         scheduler_cls=scheduler_cls,
     )
@@ -243,7 +255,12 @@ def build_scheduler(
     if manager == "vllm" or scheduler_cls is not None:
         scheduler = chosen(**kwargs)
     else:
-        with install(manager, max_num_reqs=max(cfg.max_num_seqs, 256)):
+        with install(
+            manager,
+            device,
+            max(cfg.max_num_seqs, 256),
+            eviction_policy=eviction_policy,
+        ):
             scheduler = chosen(**kwargs)
     scheduler.use_v2_model_runner = False
     return scheduler

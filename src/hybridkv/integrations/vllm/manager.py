@@ -2,9 +2,10 @@
 
 vLLM's ``Scheduler`` builds its manager with ``KVCacheManager(kv_cache_config=…, …)`` and then
 calls the methods and reads the attributes below; this class accepts exactly those keyword
-arguments, plus ``backend=`` and ``device=`` (and reads ``HYBRIDKV_EVICTION``, an eviction
-policy for either backend, ``hybridkv.policies``). A setting hybridkv cannot honour raises
-``UnsupportedSetting`` naming it, at construction or at the call that uses it.
+arguments, plus ``backend=``, ``device=`` and ``eviction_policy=`` (an eviction policy for
+either backend, ``hybridkv.policies``; when not given, ``HYBRIDKV_EVICTION`` names it). A
+setting hybridkv cannot honour raises ``UnsupportedSetting`` naming it, at construction or at
+the call that uses it.
 
 What the scheduler reads and where it comes from:
 
@@ -119,9 +120,10 @@ def make_core(
     device: str | None,
     max_num_reqs: int | None = None,
     log_stats: bool = True,
+    eviction_policy: str | None = None,
 ) -> Any:
-    """The core manager of ``backend`` with vLLM's settings, under the eviction policy
-    ``HYBRIDKV_EVICTION`` names (``lru``, vLLM's own order, when unset)."""
+    """The core manager of ``backend`` with vLLM's settings, under ``eviction_policy`` (when
+    ``None``, the one ``HYBRIDKV_EVICTION`` names; ``lru``, vLLM's own order, when unset)."""
     settings: dict[str, Any] = {
         "hash_block_size": hash_block_size,
         "max_in_flight_tokens": max_in_flight_tokens,
@@ -130,7 +132,7 @@ def make_core(
         "log_stats": log_stats,
         "event_builder_class": vllm_event_builder_class(),
     }
-    eviction = os.environ.get("HYBRIDKV_EVICTION", "lru")
+    eviction = eviction_policy or os.environ.get("HYBRIDKV_EVICTION", "lru")
     if eviction != "lru":
         settings["eviction_policy"] = eviction
     if backend == "reference":
@@ -188,6 +190,7 @@ class KVCacheManager:
         backend: Backend = "reference",
         device: str | None = None,
         max_num_reqs: int | None = None,
+        eviction_policy: str | None = None,
     ) -> None:
         refuse(dcp_world_size != 1, f"dcp_world_size={dcp_world_size}", "no context parallelism")
         refuse(pcp_world_size != 1, f"pcp_world_size={pcp_world_size}", "no context parallelism")
@@ -239,6 +242,7 @@ class KVCacheManager:
             log_stats=log_stats,
             device=device,
             max_num_reqs=max_num_reqs,
+            eviction_policy=eviction_policy,
         )
         core_block_size = int(getattr(self.core, "scheduler_block_size", scheduler_block_size))
         refuse(

@@ -25,17 +25,26 @@ _LOCK = threading.RLock()
 
 @contextlib.contextmanager
 def install(
-    backend: str = "reference", device: str | None = None, max_num_reqs: int | None = None
+    backend: str = "reference",
+    device: str | None = None,
+    max_num_reqs: int | None = None,
+    *,
+    eviction_policy: str | None = None,
 ) -> Iterator[None]:
     """Within the block, every vLLM ``Scheduler`` (and ``AsyncScheduler``) built gets a hybridkv
     manager of ``backend`` instead of vLLM's own. ``max_num_reqs`` sizes the optimized backend's
-    tables (requests holding blocks at once; its default is 256)."""
+    tables (requests holding blocks at once; its default is 256); ``eviction_policy`` names the
+    managers' policy (``None``: ``HYBRIDKV_EVICTION``'s, else ``lru``)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     with _LOCK:
         original = scheduler_module.KVCacheManager
         scheduler_module.KVCacheManager = functools.partial(
-            KVCacheManager, backend=backend, device=device, max_num_reqs=max_num_reqs
+            KVCacheManager,
+            backend=backend,
+            device=device,
+            max_num_reqs=max_num_reqs,
+            eviction_policy=eviction_policy,
         )
         try:
             yield
