@@ -198,7 +198,7 @@ def _replay(
     if setup.scheduler == "vllm":
         from hybridkv.cli.replay_vllm import run_vllm
 
-        return run_vllm(setup, plan, _config(setup, plan), on_step)
+        return run_vllm(setup, plan, _config(setup, plan), trace_of(setup), on_step)
     manager = build_manager(setup, plan)
     groups = plan.report.config.groups
     replay = Replay(

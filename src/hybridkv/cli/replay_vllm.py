@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING
 from hybridkv.cli.options import UserError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
 
+    from hybridkv.block_trace import BlockTraceRequest
     from hybridkv.cli.plan_data import Plan
     from hybridkv.cli.replay_run import ReplaySetup
     from hybridkv.lab import ReplayResult
@@ -62,11 +63,11 @@ def run_vllm(
     setup: ReplaySetup,
     plan: Plan,
     config: object,
+    trace: Iterable[BlockTraceRequest],
     on_step: Callable[[ReplayResult], None] | None = None,
 ) -> ReplayResult:
     """Replay ``setup``'s trace through vLLM's scheduler on the plan's pool (under vLLM's
     grouping); ``UserError`` for what vLLM or the backend refuses."""
-    from hybridkv.cli.replay_run import trace_of
     from hybridkv.lab import ReplayConfig
 
     check_scheduler(setup)
@@ -96,7 +97,7 @@ def run_vllm(
             eviction_policy=setup.eviction,
             device=None if setup.backend != "optimized" else setup.device,
         )
-        replay = VllmReplay(trace_of(setup), engine, config=config)
+        replay = VllmReplay(trace, engine, config=config)
     except (UnsupportedSetting, ValueError) as error:
         raise UserError(f"--scheduler vllm --backend {setup.backend}: {_one_line(error)}") from None
     return replay.run(on_step)

@@ -35,7 +35,6 @@ from hybridkv.block_trace import (
     BlockTraceRequest,
     cover_prefix,
     covered_prefix_tokens,
-    prefix_hit_tokens,
 )
 from hybridkv.lab.cost_model import CostModel
 from hybridkv.lab.hit_profile import add_group_hit_tokens
@@ -175,15 +174,13 @@ class Replay:
         while self._next is not None and self._arrival_ms(self._next) <= self.now_ms:
             trace = self._next
             self._next = next(self.trace, None)
-            if trace.input_length + trace.output_length > self.config.max_model_len:
-                self.result.skipped += 1
+            bound = self.result.count_arrival(
+                trace, self._covered, self.block_size, self.config.max_model_len
+            )
+            if bound is None:
                 continue
-            bound = prefix_hit_tokens(trace, self._covered, self.block_size)
-            self.result.bound_hit_tokens += bound
             request = self.make_request(f"r{trace.index}", trace.prompt_tokens())
             self.waiting.append(_Live(trace, request, self._arrival_ms(trace), bound_tokens=bound))
-            self.result.requests += 1
-            self.result.arrived_prompt_tokens += trace.input_length
 
     # --- One step ---------------------------------------------------------------------------
 

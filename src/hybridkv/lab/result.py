@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridkv.block_trace import BlockTraceRequest, prefix_hit_tokens
+
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0–100) by linear interpolation between order statistics (numpy's
@@ -56,6 +58,25 @@ class ReplayResult:
     group_hit_tokens: list[int] = field(default_factory=list)
     """Per KV cache group, prompt tokens (of first admissions) whose blocks that group found
     cached: the hit's non-null block ids of the group × its block size."""
+
+    def count_arrival(
+        self,
+        trace: BlockTraceRequest,
+        covered: dict[int, int],
+        block_size: int,
+        max_model_len: int,
+    ) -> int | None:
+        """Count an arrived request: skipped (``None``) when its prompt and output exceed
+        ``max_model_len``, else its share of the bound (returned), its prompt tokens and one
+        request. Both replay engines count arrivals so."""
+        if trace.input_length + trace.output_length > max_model_len:
+            self.skipped += 1
+            return None
+        bound = prefix_hit_tokens(trace, covered, block_size)
+        self.bound_hit_tokens += bound
+        self.requests += 1
+        self.arrived_prompt_tokens += trace.input_length
+        return bound
 
     @property
     def group_hit_rates(self) -> list[float]:

@@ -39,7 +39,6 @@ from hybridkv.block_trace import (
     BlockTraceRequest,
     cover_prefix,
     covered_prefix_tokens,
-    prefix_hit_tokens,
 )
 from hybridkv.integrations.vllm.bench import ManagerClock
 from hybridkv.integrations.vllm.check import RunConfig, build_scheduler
@@ -227,13 +226,11 @@ class VllmReplay:
         while self._next is not None and self._arrival_ms(self._next) <= self.now_ms:
             trace = self._next
             self._next = next(self.trace, None)
-            if trace.input_length + trace.output_length > self.config.max_model_len:
-                self.result.skipped += 1
+            bound = self.result.count_arrival(
+                trace, self._covered, self.block_size, self.config.max_model_len
+            )
+            if bound is None:
                 continue
-            bound = prefix_hit_tokens(trace, self._covered, self.block_size)
-            self.result.bound_hit_tokens += bound
-            self.result.requests += 1
-            self.result.arrived_prompt_tokens += trace.input_length
             params = SamplingParams(max_tokens=max(1, trace.output_length), ignore_eos=True)
             params.update_from_generation_config({}, EOS_TOKEN_ID)
             request_id = f"r{trace.index}"
