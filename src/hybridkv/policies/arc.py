@@ -13,12 +13,13 @@ when T1 holds more than ``p`` blocks (held or free), else of T2, falling back to
 when the chosen one has no free block.
 
 Only free blocks can be evicted, so T1 and T2 count every cached block but only their free
-members are candidates. Each call costs O(1) per block (ordered dicts); ``choose`` replays the
-replacement on local counters and changes nothing.
+members are candidates. Each call costs O(1) per block (``OrderedDict``: linked lists);
+``choose`` replays the replacement on local counters and changes nothing.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from hybridkv.policies.protocol import CachedBlock
@@ -38,12 +39,14 @@ class ARCPolicy:
         self._frequent: dict[int, None] = {}  # T2 membership (held or free)
         self._t1_size = 0  # cached blocks in T1, held or free
         self._t2_size = 0
-        # Free blocks, least recently released first.
-        self._free_plain: dict[int, None] = {}
-        self._free_t1: dict[int, None] = {}
-        self._free_t2: dict[int, None] = {}
-        self._b1: dict[GhostKey, None] = {}
-        self._b2: dict[GhostKey, None] = {}
+        # Free blocks, least recently released first. Ordered dicts are linked lists: O(1) to
+        # prepend, to drop the oldest and to reach it (a plain dict reached through ``iter`` after
+        # deletions from the front scans its dead slots: O(pool) per call).
+        self._free_plain: OrderedDict[int, None] = OrderedDict()
+        self._free_t1: OrderedDict[int, None] = OrderedDict()
+        self._free_t2: OrderedDict[int, None] = OrderedDict()
+        self._b1: OrderedDict[GhostKey, None] = OrderedDict()
+        self._b2: OrderedDict[GhostKey, None] = OrderedDict()
         self._free: set[int] = set()
 
     # --- what the pool tells ---------------------------------------------------------------
@@ -73,9 +76,9 @@ class ARCPolicy:
         for block_id in without_hash:
             if block_id in self._keys:
                 self._drop_keys(block_id)
-        head = dict.fromkeys(without_hash)
-        head.update(self._free_plain)
-        self._free_plain = head
+        for block_id in reversed(without_hash):
+            self._free_plain[block_id] = None
+            self._free_plain.move_to_end(block_id, last=False)
         for block_id in with_hash:
             if block_id not in self._keys:
                 self._free_plain[block_id] = None
@@ -169,7 +172,7 @@ class ARCPolicy:
         """|B1| + |B2| <= c: drop the oldest ghost of the longer list."""
         while len(self._b1) + len(self._b2) > self._c:
             longer = self._b1 if len(self._b1) >= len(self._b2) else self._b2
-            del longer[next(iter(longer))]
+            longer.popitem(last=False)
 
     # --- for tests -------------------------------------------------------------------------
 
@@ -188,7 +191,7 @@ class ARCPolicy:
         }
 
 
-def _first(queue: dict[int, None], n: int) -> list[int]:
+def _first(queue: OrderedDict[int, None], n: int) -> list[int]:
     out: list[int] = []
     for block_id in queue:
         if len(out) == n:

@@ -14,6 +14,7 @@ default (``tests/test_eviction_seam.py`` replays every golden trace so).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import islice
 
@@ -26,17 +27,16 @@ class LRUPolicy:
     name = "lru"
 
     def __init__(self) -> None:
-        # Insertion-ordered, O(1) removal: the free queue's order, head first.
-        self._free: dict[int, None] = {}
+        # A linked list (O(1) to prepend, remove, and reach the head): the free queue's order.
+        self._free: OrderedDict[int, None] = OrderedDict()
 
     def cached(self, block: CachedBlock) -> None:
         """Order does not depend on keys until a block is released."""
 
     def released(self, without_hash: Sequence[int], with_hash: Sequence[int]) -> None:
-        if without_hash:
-            head = dict.fromkeys(without_hash)
-            head.update(self._free)
-            self._free = head
+        for block_id in reversed(without_hash):
+            self._free[block_id] = None
+            self._free.move_to_end(block_id, last=False)
         self._free.update(dict.fromkeys(with_hash))
 
     def touched(self, block_ids: Sequence[int]) -> None:
