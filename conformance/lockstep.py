@@ -45,6 +45,7 @@ from hybridkv.conformance.invariants import (
     check_observable_invariants,
     require,
 )
+from hybridkv.conformance.path_tally import PathTally
 from hybridkv.conformance.strategies import Layout
 from hybridkv.spec import KVCacheSpec
 
@@ -57,6 +58,9 @@ class Counting(Protocol):
     batched_calls: Counter[str]
     """Per implementation: the batched calls it served through its own ``allocate_batch`` or
     ``free_batch``."""
+    fast_paths: dict[str, Counter[str]]
+    """Per implementation that counts them (``fast_paths``): how often each path ran, and
+    ``path_tally.QUIET_EXIT``: single ``allocate`` calls that changed no count."""
 
 
 class _Counts:
@@ -64,6 +68,7 @@ class _Counts:
         self.comparisons = 0
         self.invariant_checks = 0
         self.batched_calls: Counter[str] = Counter()
+        self.fast_paths: dict[str, Counter[str]] = {}
 
 
 def backend_by_name(name: str) -> Backend:
@@ -90,6 +95,7 @@ class Lockstep:
         self.layout = layout
         self.impls = list(impls)
         self.counts: Counting = _Counts() if counts is None else counts
+        self.paths = PathTally(self.impls, self.counts.fast_paths)
         self.handles: dict[str, list[Any]] = {}
         """Request id → each implementation's own request object."""
         self.computed: dict[str, int] = {}
@@ -161,7 +167,9 @@ class Lockstep:
     def lookup(self, rid: str) -> list[Lookup]:
         """``get_computed_blocks``: the hit (block ids, tokens, shared-prefix boundary)."""
         self._record(f"hit_{rid} = m.lookup({rid!r})")
+        paths = self.paths.read()
         found = [impl.lookup(handle) for impl, handle in self._each(rid)]
+        self.paths.add(paths)
         self.agree(
             f"get_computed_blocks({rid})",
             [(f.block_ids, f.num_hit_tokens, f.shared_prefix_boundary) for f in found],
@@ -182,6 +190,7 @@ class Lockstep:
         hit_arg = "None" if hits is None else f"hit_{rid}"
         self._record(f"m.allocate({rid!r}, {n}, {hit_arg}, {lookahead}, {delay}, {full})")
         before = [(impl.snapshot(), self.tables(impl)) for impl in self.impls]
+        paths = self.paths.read()
         results = [
             impl.allocate(
                 handle,
@@ -194,6 +203,7 @@ class Lockstep:
             )
             for i, (impl, handle) in enumerate(self._each(rid))
         ]
+        self.paths.add(paths, single_allocate=True)
         self.agree(f"allocate_slots({rid}, {n}, lookahead={lookahead}, full={full})", results)
         if results[0] is None:
             for impl, (snap, tables) in zip(self.impls, before, strict=True):
@@ -211,6 +221,7 @@ class Lockstep:
         """One scheduler step of running requests: ``allocate_batch`` where an implementation
         offers it, else ``allocate`` per request in order; the model's results per request."""
         self._record(f"m.allocate_batch({list(rids)!r}, {list(counts)!r}, {lookahead}, {delay})")
+        paths = self.paths.read()
         results = []
         for index, impl in enumerate(self.impls):
             handles = [self.handles[rid][index] for rid in rids]
@@ -224,6 +235,7 @@ class Lockstep:
                 out = list(batched.allocate_batch(handles, counts, lookahead, delay))
                 self.counts.batched_calls[impl.name] += 1
             results.append(tuple(out))
+        self.paths.add(paths)
         self.agree(
             f"allocate_batch({list(rids)}, {list(counts)}, lookahead={lookahead}, delay={delay})",
             results,
@@ -238,6 +250,7 @@ class Lockstep:
     def free_batch(self, rids: Sequence[str]) -> None:
         """``free_batch`` where offered, else ``free`` one by one (a request may repeat)."""
         self._record(f"m.free_batch({list(rids)!r})")
+        paths = self.paths.read()
         for index, impl in enumerate(self.impls):
             handles = [self.handles[rid][index] for rid in rids]
             batched = batch_freer(impl)
@@ -247,6 +260,7 @@ class Lockstep:
             else:
                 batched.free_batch(handles)
                 self.counts.batched_calls[impl.name] += 1
+        self.paths.add(paths)
 
     def forget(self, rid: str) -> None:
         """The request left the scheduler (finished or aborted after its ``free``)."""
@@ -256,8 +270,10 @@ class Lockstep:
 
     def cache_blocks(self, rid: str, upto: int) -> None:
         self._record(f"m.cache_blocks({rid!r}, {upto})")
+        paths = self.paths.read()
         for impl, handle in self._each(rid):
             impl.cache_blocks(handle, upto)
+        self.paths.add(paths)
 
     def new_step(self) -> None:
         self._record("m.new_step()")

@@ -52,6 +52,9 @@ class RunStats:
     batched_calls: Counter[str] = field(default_factory=Counter)
     """Per backend: the batched calls it served through its own ``allocate_batch`` or
     ``free_batch`` (a backend without them is driven one request at a time)."""
+    fast_paths: dict[str, Counter[str]] = field(default_factory=dict)
+    """Per backend that counts its paths (``fast_paths``): how often each ran, the quiet exit
+    of single ``allocate`` calls included (``hybridkv.conformance.path_tally``)."""
 
     WORK_RULES: ClassVar[tuple[str, ...]] = (
         "warm_up",
@@ -119,4 +122,13 @@ class RunStats:
             f"({self.accepted_drafts} accepted drafts)",
             f"  skipped examples (layout not implemented): {skipped}"
             + (f"; reference-again stood in {self.stand_ins}×" if self.stand_ins else ""),
+            *self.path_lines(),
+        ]
+
+    def path_lines(self) -> list[str]:
+        """One line per backend that counts its fast paths: each path and its count, in the
+        backend's order (a path at 0 is one this run never reached)."""
+        return [
+            f"  fast paths ({name}): " + ", ".join(f"{path} {n}" for path, n in counts.items())
+            for name, counts in self.fast_paths.items()
         ]

@@ -26,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from hybridkv.optimized import general_caching, step
+from hybridkv.optimized import path_counts as paths
 from hybridkv.optimized.lookup import GroupHit
 from hybridkv.optimized.state import ManagerState
 from hybridkv.policies.protocol import PolicyError
@@ -128,8 +129,10 @@ def adopt(
     real blocks are ``adopted``; a policy hears them group by group, as the reference adopts
     them)."""
     if s.pool.policy is None:
-        s.pool.touch_array(adopted)
+        if s.pool.touch_array(adopted):
+            s.pool.paths.ran(paths.TOUCH_VECTORISED)
     else:
+        s.pool.paths.ran(paths.TOUCH_HEARD)
         for hit, skip in zip(hits, skipped, strict=True):
             s.pool.touch(hit.ids[max(skip - hit.nulls, 0) :].tolist())
     rows, tab = s.rows, s.tab.n

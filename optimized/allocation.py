@@ -18,11 +18,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hybridkv.optimized import admission, mamba
+from hybridkv.optimized import path_counts as paths
 from hybridkv.optimized.layout import BlockIds
 from hybridkv.optimized.lookup import GroupHit, HitBlocks
 from hybridkv.optimized.state import ManagerState
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
-from hybridkv.reference.request import RequestLike
+from hybridkv.reference.request import Request, RequestLike
 from hybridkv.reference.validation import check_allocation, check_issued_allocation
 from hybridkv.spec.errors import check_non_negative
 
@@ -44,6 +45,9 @@ def allocate(
 ) -> KVCacheBlocks | None:
     """``allocate_slots`` of a call its quiet exit did not answer (``checked``: no hit and
     plain counts, already checked; ``issued``: the hit is the manager's last lookup result)."""
+    s.pool.paths.ran(paths.ALLOCATE)
+    if type(request) is Request:
+        request.offer_block_hasher(s.block_hasher)  # a request met here first
     found, group_hits = checked_hits(
         s,
         request,

@@ -51,6 +51,7 @@ from operator import attrgetter, countOf
 import numpy as np
 import numpy.typing as npt
 
+from hybridkv.optimized import path_counts as paths
 from hybridkv.optimized.caching import cache_busy
 from hybridkv.optimized.state import ManagerState
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
@@ -191,6 +192,7 @@ def _allocate_vectorised(
     busy = comp + new_tokens + lookahead >= s.rows.thresholds[3, rows]
     chosen = np.flatnonzero(busy)
     out: list[KVCacheBlocks | None] = [KVCacheBlocks(((),) * s.layout.num_groups)] * n
+    s.pool.paths.ran(paths.BATCH_QUIET, n - chosen.shape[0])
     if chosen.shape[0] == 0:
         return out, []
     picked = chosen.tolist()
@@ -202,6 +204,7 @@ def _allocate_vectorised(
     if len(picked) < s.tuning.busy_batch_min:
         if kept_free:
             return None
+        s.pool.paths.ran(paths.BATCH_ONE_BY_ONE)
         return out, list(zip(picked, each, strict=True))
     busy_requests = [requests[i] for i in picked]
     caching = s.layout.caching and not delay
@@ -289,6 +292,7 @@ def _step_busy(
         if not bool((pool.src.n[blocks] >= 0).all()):
             return None  # a block without a hash would go to the head: one by one
     # Nothing has changed so far; from here on the step cannot fail.
+    pool.paths.ran(paths.BATCH_RELEASES if num_released else paths.BATCH_VECTORISED)
     if num_released:
         _release(s, release_flat, blocks)
         s.rows.columns[1][pair_index] = np.maximum(nulls, skipped)

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from hybridkv.optimized import path_counts as paths
 from hybridkv.optimized.batch import expand
 from hybridkv.optimized.state import ManagerState
-from hybridkv.optimized.thresholds import INSERT_MIN
 from hybridkv.reference.request import RequestLike
 
 
@@ -41,6 +41,7 @@ def free_batch(s: ManagerState, requests: Sequence[RequestLike]) -> bool:
             order.append((rid, row))
     if len(order) < s.tuning.batch_min or s.layout.columns.mamba_align or s.pool.policy:
         return False
+    pool.paths.ran(paths.FREE_BATCH)
     w = s.layout.max_blocks_per_req
     rows = np.array([row for _, row in order], dtype=np.int64)
     length, nulls, _ = s.rows.gather(s.rows.pair_index(rows))
@@ -69,7 +70,7 @@ def free_batch(s: ManagerState, requests: Sequence[RequestLike]) -> bool:
                 if part.shape[0] == 0:
                     continue
                 node = pool.head if at_head else pool.prev.a[pool.tail]
-                if part.shape[0] >= INSERT_MIN:
+                if part.shape[0] >= pool.insert_min:
                     pool.link_after_array(node, part)
                 else:
                     pool.link_after(node, part.tolist())

@@ -115,9 +115,9 @@ import numpy as np
 
 from hybridkv.optimized.bulk_inserts import BulkInserts
 from hybridkv.optimized.free_queue import FreeQueue
+from hybridkv.optimized.path_counts import PathCounts
 from hybridkv.optimized.policy_seam import HeardPolicy
 from hybridkv.optimized.sources import GROUP_MIX, Source, hash_key, keys_of
-from hybridkv.optimized.thresholds import INSERT_MIN
 from hybridkv.policies.protocol import EvictionPolicy, PolicyError
 from hybridkv.reference.events import EventBuilder, KVCacheEvent
 from hybridkv.spec import KVCacheSpec
@@ -142,6 +142,8 @@ class TorchBlockPool(BulkInserts, FreeQueue):
         FreeQueue.__init__(self, num_blocks)
         BulkInserts.__init__(self, num_blocks, num_groups, enable_kv_cache_events, event_builder)
         self.enable_caching = enable_caching
+        self.paths = PathCounts()
+        """How often each fast path ran (``hybridkv.optimized.path_counts``)."""
 
     # --- Memory -----------------------------------------------------------------------------
 
@@ -170,7 +172,7 @@ class TorchBlockPool(BulkInserts, FreeQueue):
         if count <= 0:
             return []
         nxt, prv, ref, src = self.next.a, self.prev.a, self.ref.a, self.src.a
-        if count >= INSERT_MIN and sink is None:
+        if count >= self.insert_min and sink is None:
             # Walk the queue for the ids, then unlink and hold them all in numpy calls, then
             # evict the cached ones in the order taken (eviction reads none of what changed).
             walked = [0] * count

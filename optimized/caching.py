@@ -27,7 +27,6 @@ import numpy as np
 import numpy.typing as npt
 
 from hybridkv.optimized.state import ManagerState
-from hybridkv.optimized.thresholds import INSERT_MIN
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.request import Request, RequestLike
 from hybridkv.reference.single_type_managers import prompt_tokens
@@ -115,7 +114,7 @@ def cache_uniform(
     if (
         plain
         and not defer
-        and num_full - start >= INSERT_MIN // g_count
+        and num_full - start >= max(1, pool.insert_min // g_count)
         and min(cached[at : at + g_count]) == start == max(cached[at : at + g_count])
     ):
         cache_columns(s, request, row, start, num_full)
@@ -306,7 +305,7 @@ def _insert(
     if defer:
         pool.defer_entries(entries, hashes, src)
         return
-    if len(entries) < INSERT_MIN:
+    if len(entries) < pool.insert_min:
         pool.insert_entries(entries, hashes, src)
         return
     blocks, groups, positions = (

@@ -41,6 +41,8 @@ class FreeQueue:
     def __init__(self, num_blocks: int) -> None:
         n = num_blocks
         self.num_blocks = n
+        self.insert_min = INSERT_MIN
+        """From this many blocks, the numpy paths (``Tuning.insert_min``; a test lowers it)."""
         self.head = n
         self.tail = n + 1
         self.ref = IntBuffer(n)
@@ -98,17 +100,18 @@ class FreeQueue:
             touched.append(block)
         self.policy.touched(touched)
 
-    def touch_array(self, blocks: npt.NDArray[Any]) -> None:
+    def touch_array(self, blocks: npt.NDArray[Any]) -> bool:
         """``touch`` for a numpy array of distinct non-null blocks (order does not matter: a
         block leaves the queue wherever it is; under a policy, which hears the order, it is
-        the array's)."""
-        if blocks.shape[0] < INSERT_MIN or self.policy is not None:
+        the array's); whether the references were counted as one array."""
+        if blocks.shape[0] < self.insert_min or self.policy is not None:
             self.touch(blocks.tolist())
-            return
+            return False
         ref = self.ref.n
         for block in blocks[ref[blocks] == 0].tolist():
             self.remove(block)
         ref[blocks] += 1
+        return True
 
     def link_after(self, node: int, blocks: Sequence[int]) -> None:
         """Insert ``blocks``, in order, right after ``node`` (a sentinel or a queued block)."""
@@ -128,7 +131,7 @@ class FreeQueue:
         holder, and those left with none go before the tail in the order of their last release
         (the deferred releases of ``PendingWork``)."""
         count = blocks.shape[0]
-        if count < INSERT_MIN:
+        if count < self.insert_min:
             counts = self.ref.a
             keep: list[int] = []
             for block in blocks.tolist():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hybridkv.optimized import path_counts as paths
 from hybridkv.optimized.lookup import NO_HIT, GroupHit, HitBlocks, Lookup, TypeProbe, lead_run
 from hybridkv.optimized.state import ManagerState
 from hybridkv.optimized.type_hits import TYPE_HITS, HitProbe, TypeHit
@@ -53,6 +54,8 @@ def longest_hit(
         hits = type_hit(s, spec, memos[0], max_length, s.layout.type_eagle[0], spec.block_size)
         hit_length = len(hits[0]) * spec.block_size
     else:
+        if s.layout.mixes_full_with_more_types:
+            s.pool.paths.ran(paths.HYBRID_WITH_FULL)
         hits, hit_length, longest = hybrid_hit(s, memos, max_length)
         boundary = longest if longest > hit_length else 0
     return HitBlocks(hits), hit_length, boundary

@@ -85,6 +85,8 @@ class GroupLayout:
     no_blocks: KVCacheBlocks = field(init=False)
     no_hits: BlockIds = field(init=False)
     no_group_hits: tuple[GroupHit, ...] = field(init=False)
+    mixes_full_with_more_types: bool = field(init=False)
+    """Full attention and at least two other attention types (a hybrid of 3–4 types)."""
 
     @classmethod
     def build(
@@ -154,6 +156,7 @@ class GroupLayout:
         bases = tuple(g * size for g in range(g_count))
         empty: BlockIds = tuple(() for _ in range(g_count))
         settings = self.settings
+        kinds = {group.spec.kind for group in self.config.groups}
         releasing = tuple((g, rule) for g, rule in enumerate(self.rules) if rule.releases)
         release_rules = tuple(dict.fromkeys(rule for _, rule in releasing))
         derived = {
@@ -173,6 +176,7 @@ class GroupLayout:
             "no_blocks": KVCacheBlocks(empty),
             "no_hits": empty,
             "no_group_hits": tuple(GroupHit.of(()) for _ in range(g_count)),
+            "mixes_full_with_more_types": "full" in kinds and len(kinds) >= 3,
         }
         for name, value in derived.items():
             object.__setattr__(self, name, value)

@@ -37,7 +37,7 @@ from hybridkv.optimized import (
     step,
 )
 from hybridkv.optimized.layout import BlockIds, GroupLayout
-from hybridkv.optimized.state import ManagerState, Tuning, tuning_knob
+from hybridkv.optimized.state import ManagerState, Tuning, TuningKnobs
 from hybridkv.policies import EvictionPolicy, resolve_policy
 from hybridkv.reference.events import EventBuilder, KVCacheEvent
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
@@ -55,7 +55,7 @@ from hybridkv.spec.errors import check_non_negative
 __all__ = ["BlockIds", "TorchKVCacheManager", "Tuning"]
 
 
-class TorchKVCacheManager(PrefixCacheStatsCalls):
+class TorchKVCacheManager(TuningKnobs, PrefixCacheStatsCalls):
     """Allocation and prefix caching for every KV cache group, on flat buffers (see the module
     doc)."""
 
@@ -111,7 +111,8 @@ class TorchKVCacheManager(PrefixCacheStatsCalls):
         self.eviction_policy = "lru" if policy is None else policy.name
         self.block_hasher = s.block_hasher
         """``hash_full_blocks_torch``'s hashes, adopting those of a prefix this manager has
-        cached (``hybridkv.optimized.hash_memo``): ``make_request`` builds requests with it."""
+        cached (``hash_memo``): offered to a ``Request`` built without a hasher when this manager
+        first meets it (``Request.offer_block_hasher``); ``make_request`` names it."""
         # What the quiet exit of ``allocate_slots`` reads, one attribute away.
         self._rows, self._row_of = s.rows, s.rows.row_of
         self._has_align, self._no_blocks = layout.has_align, layout.no_blocks
@@ -135,23 +136,14 @@ class TorchKVCacheManager(PrefixCacheStatsCalls):
         )
 
     @property
+    def fast_paths(self) -> dict[str, int]:
+        """How often each fast path ran since the manager was built (``path_counts``)."""
+        return self._s.pool.paths.listed()
+
+    @property
     def state(self) -> ManagerState:
         """Everything the manager holds (``hybridkv.optimized.state``), for tests and tools."""
         return self._s
-
-    @property
-    def tuning(self) -> Tuning:
-        """The size thresholds at which paths switch to vectorised calls (no result changes)."""
-        return self._s.tuning
-
-    @tuning.setter
-    def tuning(self, tuning: Tuning) -> None:
-        self._s.tuning = tuning
-
-    # The thresholds one at a time, as the conformance adapter and tests set them.
-    vector_min, batch_min, busy_batch_min = map(
-        tuning_knob, ("vector_min", "batch_min", "busy_batch_min")
-    )
 
     def block_table(self, group_id: int) -> torch.Tensor:
         """Group ``group_id``'s int32 ``[max_num_reqs, max_blocks_per_req]`` table on ``device``,
@@ -170,6 +162,8 @@ class TorchKVCacheManager(PrefixCacheStatsCalls):
         shared-prefix boundary (``KVCacheManager.get_computed_blocks``); at most
         ``max_cache_hit_length`` tokens when given. A request with fewer block hashes than full
         blocks is looked up over its hashed blocks only."""
+        if type(request) is Request:
+            request.offer_block_hasher(self.block_hasher)
         if not self.prefix_cache_lookup_enabled(request):
             return self._no_blocks, 0, 0
         self._s.settle()

@@ -41,7 +41,7 @@ from hybridkv.optimized.hash_memo import HashMemo
 from hybridkv.optimized.layout import GroupLayout
 from hybridkv.optimized.row_thresholds import RowThresholds
 from hybridkv.optimized.rows import RowTables
-from hybridkv.optimized.thresholds import BATCH_MIN, BUSY_BATCH_MIN, VECTOR_MIN
+from hybridkv.optimized.thresholds import BATCH_MIN, BUSY_BATCH_MIN, INSERT_MIN, VECTOR_MIN
 from hybridkv.policies.protocol import EvictionPolicy
 from hybridkv.reference.events import EventBuilder
 
@@ -57,6 +57,7 @@ class Tuning:
     vector_min: int = VECTOR_MIN
     batch_min: int = BATCH_MIN
     busy_batch_min: int = BUSY_BATCH_MIN
+    insert_min: int = INSERT_MIN
 
 
 class _HasTuning(Protocol):
@@ -74,6 +75,28 @@ def tuning_knob(name: str) -> Any:
         owner.tuning = replace(owner.tuning, **{name: value})
 
     return property(get, set_)
+
+
+class TuningKnobs:
+    """A manager's size thresholds: whole (``tuning``, the state's) or one at a time (the
+    knobs, as the conformance adapter and tests set them); no result changes with them."""
+
+    @property
+    def state(self) -> ManagerState:
+        raise NotImplementedError
+
+    @property
+    def tuning(self) -> Tuning:
+        """The size thresholds at which paths switch to vectorised calls."""
+        return self.state.tuning
+
+    @tuning.setter
+    def tuning(self, tuning: Tuning) -> None:
+        self.state.tuning = tuning
+
+    vector_min, batch_min, busy_batch_min, insert_min = map(
+        tuning_knob, ("vector_min", "batch_min", "busy_batch_min", "insert_min")
+    )
 
 
 @dataclass
@@ -106,6 +129,7 @@ class ManagerState:
     """The state of one ``TorchKVCacheManager`` (see the module docstring)."""
 
     __slots__ = (
+        "_tuning",
         "block_hasher",
         "layout",
         "mamba",
@@ -115,7 +139,6 @@ class ManagerState:
         "tab",
         "tables",
         "thresholds",
-        "tuning",
     )
 
     def __init__(
@@ -143,7 +166,18 @@ class ManagerState:
         self.row_src = [-1] * layout.max_num_reqs
         self.mamba = MambaState()
         self.block_hasher = block_hasher
+        self._tuning = tuning
         self.tuning = tuning
+
+    @property
+    def tuning(self) -> Tuning:
+        """The size thresholds; ``insert_min`` is the pool's own (its free queue reads it)."""
+        return self._tuning
+
+    @tuning.setter
+    def tuning(self, tuning: Tuning) -> None:
+        self._tuning = tuning
+        self.pool.insert_min = tuning.insert_min
 
     @classmethod
     def build(

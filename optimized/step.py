@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from array import array
 
+from hybridkv.optimized import path_counts as paths
 from hybridkv.optimized.caching import cache_uniform
 from hybridkv.optimized.general_caching import cache_general
 from hybridkv.optimized.layout import BlockIds
@@ -42,6 +43,7 @@ def run(
     crosses a threshold: ``step`` with its token counts capped at ``max_model_len``, then one
     flush of the table changes."""
     layout = s.layout
+    s.pool.paths.ran(paths.RUNNING_STEP)
     computed = request.num_computed_tokens
     if computed > layout.max_model_len:
         computed = layout.max_model_len
@@ -80,6 +82,7 @@ def step(
     processed = max(0, computed - request.num_in_flight_tokens)
     released = cached = False
     if processed >= rows.release_at[row]:
+        pool.paths.ran(paths.STEP_RELEASE)
         release_skipped(s, row, processed)
         released = True
     new_blocks: tuple[tuple[int, ...], ...] | None = None
@@ -93,6 +96,8 @@ def step(
             s.thresholds.after_step(row, True, False, False)
         return None
     if took:
+        if layout.uniform_columns:
+            pool.paths.ran(paths.STEP_UNIFORM_TAKE)
         try:
             new_blocks = (
                 extend_uniform(s, row, have, count)
@@ -104,8 +109,10 @@ def step(
             raise
     if cache_up_to >= rows.cache_at[row]:
         if layout.general:
+            pool.paths.ran(paths.CACHE_GENERAL)
             cache_general(s, request, row, cache_up_to)
         else:
+            pool.paths.ran(paths.CACHE_UNIFORM)
             cache_uniform(s, request, row, cache_up_to, layout.columns.defers)
         cached = True
     if released or took or cached:

@@ -8,11 +8,12 @@ tests run both sides of every switch).
 
 Layout
 ------
-Plain module constants, never reassigned. The three that tests and the conformance adapter set
+Plain module constants, never reassigned. The four that tests and the conformance adapter set
 smaller, to drive the vectorised paths with a few requests, are copied onto each
-``TorchKVCacheManager`` when it is built and changed there: ``vector_min``, ``batch_min`` and
-``busy_batch_min``. ``VECTOR_MIN_TOKENS`` is read by a free function (the hasher), so a test
-patches it where that function reads it, on ``hybridkv.optimized.hashing``.
+``TorchKVCacheManager`` when it is built and changed there: ``vector_min``, ``batch_min``,
+``busy_batch_min`` and ``insert_min`` (the pool's copy of ``INSERT_MIN``). ``VECTOR_MIN_TOKENS``
+is read by a free function (the hasher), so a test patches it where that function reads it, on
+``hybridkv.optimized.hashing``.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from hybridkv.optimized import path_counts as paths
 from hybridkv.optimized.lookup import GroupHit, TypeProbe, WindowedFlags
 from hybridkv.spec import (
     ChunkedLocalAttentionSpec,
@@ -43,6 +44,7 @@ def _full_attention_hit(spec: FullAttentionSpec, p: HitProbe) -> TypeHit:
     """The leading run of cached blocks, less the EAGLE drop, cut to the alignment."""
     b = spec.block_size
     if p.length >= p.vector_min:
+        p.memo.lookup.pool.paths.ran(paths.LOOKUP_LEADING)
         num = p.memo.leading_hits(p.length)
     else:
         flags = WindowedFlags(p.memo, p.length, leftwards=False, span=p.length)

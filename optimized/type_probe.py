@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from hybridkv.optimized import path_counts as paths
 from hybridkv.optimized.hit_blocks import NO_IDS, GroupHit, Ints
 from hybridkv.optimized.source_runs import Lookup
 from hybridkv.optimized.thresholds import (
@@ -66,6 +67,7 @@ class TypeProbe:
         hi = flags.rfind(UNKNOWN, lo, hi) + 1
         lookup = self.lookup
         if (hi - lo) * len(self.group_ids) >= lookup.vector_min:
+            lookup.pool.paths.ran(paths.LOOKUP_WINDOW)
             best = lookup.probe_window(lo, hi, self.group_ids)
             self.found[:, lo:hi] = best
             # A bool's byte is HIT (1) or MISSED (0).
@@ -101,6 +103,7 @@ class TypeProbe:
             if run is None:
                 break
             count = run.shape[1]
+            lookup.pool.paths.ran(paths.LOOKUP_SOURCE_RUN)
             self.found[:, lo : lo + count] = run
             self.flags[lo : lo + count] = _HITS * count
             lo += count

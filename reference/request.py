@@ -165,11 +165,16 @@ class Request:
     ``hash_block_size`` is the manager's hash block size (the block size of the KV cache
     groups, their gcd when they differ); ``cache_salt`` isolates the request's prefix cache
     entries from requests with another salt. ``block_hasher`` computes the hashes of new full
-    blocks: ``hash_full_blocks`` by default; any function with its signature that returns the
-    same hashes may replace it (e.g. the optimized backend's
-    ``hybridkv.optimized.hashing.hash_full_blocks_torch``); one that also has ``hash_packed``
-    (a ``PackedBlockHasher``, as ``TorchKVCacheManager.block_hasher``) is called through it,
-    with ``packed_token_ids``, while the request keeps that packed copy.
+    blocks; any function with ``hash_full_blocks``' signature that returns the same hashes may
+    be named (e.g. the optimized backend's ``hybridkv.optimized.hashing.hash_full_blocks_torch``);
+    one that also has ``hash_packed`` (a ``PackedBlockHasher``, as
+    ``TorchKVCacheManager.block_hasher``) is called through it, with ``packed_token_ids``, while
+    the request keeps that packed copy. Named, it hashes the prompt at once. Not named, the
+    request's hasher is still open: the first manager to meet the request may offer its own
+    (``offer_block_hasher``: the optimized backend's memo, which adopts the hashes of cached
+    prefixes), and ``hash_full_blocks`` hashes otherwise, when ``block_hashes`` is first read.
+    Either way the hashes are the same; only the time spent on them differs, so the obvious
+    ``Request(rid, tokens, hash_block_size=16)`` takes a backend's fast path with no keyword.
 
     Engine settings: ``skip_reading_prefix_cache`` makes every lookup report no hit (the request
     still writes the cache: a request that needs prompt logprobs, say);
@@ -191,7 +196,7 @@ class Request:
         cache_salt: str | None = None,
         skip_reading_prefix_cache: bool = False,
         num_hash_lookahead_tokens: int = 0,
-        block_hasher: BlockHasher = hash_full_blocks,
+        block_hasher: BlockHasher | None = None,
         session_id: str | None = None,
     ) -> None:
         if not isinstance(request_id, str):
@@ -216,7 +221,10 @@ class Request:
         self.cache_salt = cache_salt or None
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
         self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
-        self.block_hasher = block_hasher
+        self.block_hasher: BlockHasher = hash_full_blocks if block_hasher is None else block_hasher
+        # True until the hashes are first needed, while no hasher was named: a manager may
+        # still offer one (``offer_block_hasher``).
+        self._hasher_open = block_hasher is None
         self.num_computed_tokens = 0
         self.shared_prefix_boundary = 0
         self.num_preemptions = 0
@@ -224,7 +232,8 @@ class Request:
         self._all_token_ids: list[int] = prompt
         self._packed_token_ids: array[int] | None = packed
         self._block_hashes: list[BlockHash] = []
-        self._hash_new_full_blocks()
+        if not self._hasher_open:
+            self._hash_new_full_blocks()
 
     @property
     def prompt_token_ids(self) -> tuple[int, ...]:
@@ -259,7 +268,21 @@ class Request:
     @property
     def block_hashes(self) -> Sequence[BlockHash]:
         """One hash per full block of ``all_token_ids``; grows as tokens are appended."""
+        if self._hasher_open:
+            self._close_hasher()
         return self._block_hashes
+
+    def offer_block_hasher(self, hasher: BlockHasher) -> None:
+        """A manager meeting the request offers ``hasher`` (one returning
+        ``hash_full_blocks``' hashes): taken if the request was built without a hasher and has
+        not hashed yet; either way the hashes of every full block are up to date afterwards."""
+        if self._hasher_open:
+            self.block_hasher = hasher
+            self._close_hasher()
+
+    def _close_hasher(self) -> None:
+        self._hasher_open = False
+        self._hash_new_full_blocks()
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """Append output tokens; every block they fill gets its hash at once."""
@@ -280,6 +303,8 @@ class Request:
         self._hash_new_full_blocks()
 
     def _hash_new_full_blocks(self) -> None:
+        if self._hasher_open:
+            return  # hashed when first needed, by the hasher then chosen
         hashable = (len(self._all_token_ids) - self.num_hash_lookahead_tokens) // (
             self.hash_block_size
         )

@@ -13,6 +13,7 @@ import pytest
 from hybridkv.optimized import TorchKVCacheManager
 from hybridkv.optimized.invariants import estimate_by_scan
 from hybridkv.reference import KVCacheBlocks, KVCacheManager, PrefixCacheStats, Request
+from hybridkv.reference.block_hash import hash_full_blocks
 from hybridkv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, SlidingWindowSpec
 
 FULL = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype_bytes=4)
@@ -214,7 +215,7 @@ def test_requests_with_fewer_block_hashes_use_their_hashed_blocks(backend: str) 
     first = Request("a", list(range(16)), hash_block_size=4)
     manager.allocate_slots(first, 16)
     manager.free(first)
-    lagging = Request("b", list(range(16)), hash_block_size=4)
+    lagging = Request("b", list(range(16)), hash_block_size=4, block_hasher=hash_full_blocks)
     del lagging._block_hashes[2:]  # two of its four full blocks are hashed
     blocks, hit, boundary = manager.get_computed_blocks(lagging)
     assert (blocks, hit, boundary) == (KVCacheBlocks(((1, 2), (5, 6))), 8, 0)

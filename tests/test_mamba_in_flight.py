@@ -34,6 +34,7 @@ def test_a_prompt_boundary_whose_hash_lags_behind_caches_nothing(
     mamba = MambaSpec(block_size=2, state_bytes=16, mamba_cache_mode="align")
     m = make_manager(_config(3, mamba), 48, True)
     r = Request("r", [0, 0, 0], hash_block_size=2)
+    assert len(r.block_hashes) == 1  # hashed when read
     del r._block_hashes[:]
     assert m.get_computed_blocks(r)[1] == 0
     out = m.allocate_slots(r, 2)

@@ -116,7 +116,7 @@ def test_the_equality_check_names_the_backend_that_differs() -> None:
 
 
 def test_decode_stops_when_a_backend_hands_out_other_block_ids() -> None:
-    _, reference, _ = hybridkv_backends("cpu")
+    _, reference, _, _ = hybridkv_backends("cpu")
 
     def shifted(config: KVCacheConfig, max_model_len: int, max_num_reqs: int) -> bench.Manager:
         manager = KVCacheManager(config, max_model_len)

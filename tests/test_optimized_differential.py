@@ -267,7 +267,8 @@ def run_traffic(
             # the next appended token hashes the missing blocks.
             lag = data.draw(st.sampled_from([0, 0, 0, 1, 2]))
             for r in (twins[rid].ref, twins[rid].opt):
-                del r._block_hashes[max(0, len(r._block_hashes) - lag) :]
+                hashed = len(r.block_hashes)  # a request not yet met hashes when read
+                del r._block_hashes[max(0, hashed - lag) :]
         elif op == "lookup" and waiting:
             t = twins[data.draw(st.sampled_from(waiting))]
             cap = data.draw(st.sampled_from([None, None, 0, 3, 8, 100]))

@@ -177,9 +177,38 @@ def test_a_reset_prefix_cache_empties_the_memo() -> None:
     assert list(again.block_hashes) == plain_hashes(list(range(20)))
 
 
-def test_requests_hashed_by_another_function_never_fill_the_memo() -> None:
+def test_requests_hashed_by_another_named_function_never_fill_the_memo() -> None:
     manager = TorchKVCacheManager(config(), 64)
-    admit(manager, Request("a", list(range(20)), hash_block_size=B))
+    named = Request("a", list(range(20)), hash_block_size=B, block_hasher=hash_full_blocks)
+    admit(manager, named)
+    assert named.block_hasher is hash_full_blocks
+    assert len(manager.block_hasher) == 0
+
+
+def test_a_request_built_without_a_hasher_takes_the_memo_of_the_manager_it_meets() -> None:
+    """The obvious ``Request(rid, tokens, hash_block_size=B)`` is on the fast path: the
+    manager offers its memo at the lookup, the first request fills it, the next adopts."""
+    manager = TorchKVCacheManager(config(), 64)
+    first = Request("a", list(range(20)), hash_block_size=B)
+    assert first.block_hasher is hash_full_blocks  # until a manager offers its own
+    admit(manager, first)
+    assert first.block_hasher is manager.block_hasher
+    assert len(manager.block_hasher) == 1
+    second = Request("b", [*range(16), 99, 98, 97, 96], hash_block_size=B)
+    _, hit, _ = manager.get_computed_blocks(second)
+    assert second.block_hasher is manager.block_hasher
+    assert hit == 16
+    assert list(second.block_hashes) == plain_hashes([*range(16), 99, 98, 97, 96])
+
+
+def test_a_request_whose_hashes_were_read_keeps_the_default_hasher() -> None:
+    """Hashes already computed are not recomputed by a later offer: the request keeps
+    ``hash_full_blocks`` (same hashes) and the memo does not learn its prompt."""
+    manager = TorchKVCacheManager(config(), 64)
+    read = Request("a", list(range(20)), hash_block_size=B)
+    assert list(read.block_hashes) == plain_hashes(list(range(20)))
+    admit(manager, read)
+    assert read.block_hasher is hash_full_blocks
     assert len(manager.block_hasher) == 0
 
 

@@ -5,7 +5,7 @@ A running request's ``allocate_slots`` leaves its window releases and its newly 
 inserts pending; every other call must see them made. Each test drives the optimized backend
 and the reference with the same calls, checks that work is indeed pending at the point that
 matters, then compares what the next call returns and the pool's state. Both sizes of the
-pool's passes run: the array loop and the numpy calls (``INSERT_MIN`` lowered to 1).
+pool's passes run: the array loop and the numpy calls (``Tuning.insert_min`` lowered to 1).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 import pytest
 
-from hybridkv.optimized import TorchKVCacheManager, bulk_inserts, free_queue
-from hybridkv.optimized import block_pool as optimized_pool
+from hybridkv.optimized import TorchKVCacheManager, bulk_inserts
 from hybridkv.optimized import step as optimized_step
 from hybridkv.optimized.hashing import hash_full_blocks_torch
+from hybridkv.optimized.state import Tuning
 from hybridkv.reference import KVCacheManager, Request
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
@@ -29,12 +29,15 @@ SIZES = {"num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
 @pytest.fixture(params=["arrays", "numpy"], autouse=True)
 def pool_pass(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     if request.param == "numpy":
-        for module in (optimized_pool, free_queue, bulk_inserts):
-            monkeypatch.setattr(module, "INSERT_MIN", 1)
+        # Every pair's manager takes the numpy calls from one block on; the settle bound too.
+        monkeypatch.setattr(Pair, "tuning", Tuning(insert_min=1))
+        monkeypatch.setattr(bulk_inserts, "INSERT_MIN", 1)
 
 
 class Pair:
     """The reference and the optimized backend, driven with the same calls."""
+
+    tuning = Tuning()
 
     def __init__(self, num_blocks: int, block_size: int = 2, window: int = 4) -> None:
         full = FullAttentionSpec(block_size=block_size, **SIZES)
@@ -42,7 +45,7 @@ class Pair:
         groups = (KVCacheGroup(("full",), full), KVCacheGroup(("sw",), sliding))
         config = KVCacheConfig(num_blocks, groups)
         self.ref = KVCacheManager(config, 64)
-        self.opt = TorchKVCacheManager(config, 64, max_num_reqs=8)
+        self.opt = TorchKVCacheManager(config, 64, max_num_reqs=8, tuning=self.tuning)
         self.requests: dict[str, tuple[Request, Request]] = {}
 
     def add(self, request_id: str, prompt: list[int], memo: bool = False) -> None:

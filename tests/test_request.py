@@ -85,3 +85,35 @@ def test_the_prompt_is_a_tuple_of_the_first_tokens_whatever_was_appended() -> No
     assert request.prompt_token_ids is request.prompt_token_ids  # made once
     assert request.num_prompt_tokens == 5
     assert list(request.all_token_ids) == [3, 1, 4, 1, 5, 2, 6]
+
+
+def test_a_named_hasher_hashes_the_prompt_at_once() -> None:
+    hasher = RecordingHasher()
+    Request("r", [5, 6, 7, 8], hash_block_size=2, block_hasher=hasher)
+    assert hasher.calls == [("packed", 0, [5, 6, 7, 8])]
+
+
+def test_without_a_named_hasher_the_first_offer_before_any_read_is_taken() -> None:
+    """The hasher stays open until the hashes are needed: output tokens appended before that
+    are hashed with the prompt, in one call of the offered hasher."""
+    hasher = RecordingHasher()
+    request = Request("r", [5, 6, 7], hash_block_size=2)
+    request.append_output_token_ids([8, 9])
+    assert request.block_hasher is hash_full_blocks
+    request.offer_block_hasher(hasher)
+    assert request.block_hasher is hasher
+    assert hasher.calls == [("packed", 0, [5, 6, 7, 8, 9])]
+    request.offer_block_hasher(RecordingHasher())  # a second offer is not taken
+    assert request.block_hasher is hasher
+    request.append_output_token_ids(10)
+    assert hasher.calls[-1] == ("packed", 2, [5, 6, 7, 8, 9, 10])
+    assert list(request.block_hashes) == definition([5, 6, 7, 8, 9, 10])
+
+
+def test_once_the_hashes_are_read_an_offer_changes_nothing() -> None:
+    request = Request("r", [5, 6, 7, 8, 9], hash_block_size=2, cache_salt="s")
+    assert list(request.block_hashes) == definition([5, 6, 7, 8], salt="s")
+    hasher = RecordingHasher()
+    request.offer_block_hasher(hasher)
+    assert request.block_hasher is hash_full_blocks
+    assert hasher.calls == []

@@ -167,6 +167,16 @@ class BatchFreeing(Protocol):
         ...
 
 
+class PathCounting(Protocol):
+    """The optional path counts of an adapter: which of its implementation's fast paths ran."""
+
+    def fast_paths(self) -> Mapping[str, int] | None:
+        """Times each path ran since the manager was built (names are the implementation's;
+        an ``allocate`` that changes no count was answered by its quiet exit); ``None`` when
+        this implementation keeps none."""
+        ...
+
+
 @dataclass(frozen=True)
 class PlanFacts:
     """What a planner decided for a model, as plain values every planner can state.
@@ -211,6 +221,11 @@ def batch_allocator(adapter: object) -> BatchAllocating | None:
 def batch_freer(adapter: object) -> BatchFreeing | None:
     """The adapter itself if it offers ``free_batch``, else ``None``."""
     return adapter if callable(getattr(adapter, "free_batch", None)) else None  # type: ignore[return-value]
+
+
+def path_counter(adapter: object) -> PathCounting | None:
+    """The adapter itself if it offers ``fast_paths``, else ``None``."""
+    return adapter if callable(getattr(adapter, "fast_paths", None)) else None  # type: ignore[return-value]
 
 
 def planner(adapter: object) -> Planning | None:

@@ -172,6 +172,12 @@ class ProtocolAdapter:
         for request in requests:
             self.manager.free(request)
 
+    def fast_paths(self) -> Mapping[str, int] | None:
+        """The manager's own path counts (``TorchKVCacheManager.fast_paths``), ``None`` for a
+        manager that keeps none."""
+        counts: Mapping[str, int] | None = getattr(self.manager, "fast_paths", None)
+        return counts
+
     def block_table(self, request_id: str) -> BlockIds:
         return tuple(tuple(ids) for ids in self.manager.get_block_ids(request_id))
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from hybridkv.optimized import TorchKVCacheManager
+from hybridkv.optimized.hash_memo import HashMemo
 from hybridkv.optimized.hashing import hash_full_blocks_torch
 from hybridkv.reference import KVCacheManager, Request
 from hybridkv.reference.block_hash import hash_full_blocks, hash_full_blocks_cbor2
@@ -77,7 +78,10 @@ class Backend:
     """A prompt → a call that hashes all of its full blocks (the timed part)."""
     request_for: Callable[[Manager, str, list[int]], BenchRequest] | None = None
     """How a scheduler builds a request for a given manager, when that differs from
-    ``request`` (the optimized backend: with the manager's ``block_hasher``)."""
+    ``request`` (the optimized backend's explicit way: with the manager's ``block_hasher``)."""
+    request_job: Callable[[list[int]], Callable[[], Sequence[bytes]]] | None = None
+    """A prompt → a call that builds a request of it and returns its block hashes, as a manager
+    meeting the request with nothing cached gets them (the default request path)."""
 
     def request_of(self, manager: Manager, request_id: str, prompt: list[int]) -> BenchRequest:
         """A request for ``manager``, built as a scheduler would."""
@@ -167,17 +171,30 @@ def vllm_backend() -> Backend:
         unhashed = VllmRequest("hash", prompt, params, None)
         return functools.partial(hasher, unhashed)
 
-    return Backend("vLLM", "vllm", make, request, hash_job)
+    def request_job(prompt: list[int]) -> Callable[[], Sequence[bytes]]:
+        return lambda: request("hash", prompt).block_hashes
+
+    return Backend("vLLM", "vllm", make, request, hash_job, request_job=request_job)
 
 
 def _hybridkv_backend(
-    name: str, kind: str, make: Callable[[KVCacheConfig, int, int], Manager], hasher: BlockHasher
+    name: str,
+    kind: str,
+    make: Callable[[KVCacheConfig, int, int], Manager],
+    hasher: BlockHasher,
+    explicit: bool = False,
 ) -> Backend:
+    """Requests built without a hasher (the default path: the optimized manager offers its
+    memo) or, with ``explicit`` or a reference ``hasher`` to time, naming one."""
+    named = explicit or kind == "reference"
+
     def request(request_id: str, prompt: list[int]) -> BenchRequest:
-        return Request(request_id, prompt, hash_block_size=BLOCK, block_hasher=hasher)
+        if named:
+            return Request(request_id, prompt, hash_block_size=BLOCK, block_hasher=hasher)
+        return Request(request_id, prompt, hash_block_size=BLOCK)
 
     def request_for(manager: Manager, request_id: str, prompt: list[int]) -> BenchRequest:
-        if isinstance(manager, TorchKVCacheManager):
+        if explicit and isinstance(manager, TorchKVCacheManager):
             return Request(
                 request_id, prompt, hash_block_size=BLOCK, block_hasher=manager.block_hasher
             )
@@ -188,12 +205,28 @@ def _hybridkv_backend(
             hasher, prompt, BLOCK, start_block=0, parent_hash=None, cache_salt=None
         )
 
-    return Backend(name, kind, make, request, hash_job, request_for)
+    def request_job(prompt: list[int]) -> Callable[[], Sequence[bytes]]:
+        memo = HashMemo(BLOCK)  # an optimized manager's, with nothing cached
+
+        def build() -> Sequence[bytes]:
+            if named:
+                return Request(
+                    "hash", prompt, hash_block_size=BLOCK, block_hasher=hasher
+                ).block_hashes
+            made = Request("hash", prompt, hash_block_size=BLOCK)
+            made.offer_block_hasher(memo)
+            return made.block_hashes
+
+        return build
+
+    return Backend(name, kind, make, request, hash_job, request_for, request_job)
 
 
-def hybridkv_backends(device: str) -> tuple[Backend, Backend, Backend]:
-    """The stand-in for vLLM (the reference, hashing by the definition), the reference and the
-    optimized backend."""
+def hybridkv_backends(device: str) -> tuple[Backend, Backend, Backend, Backend]:
+    """The stand-in for vLLM (the reference, hashing by the definition), the reference, the
+    optimized backend with requests built the obvious way (``Request(rid, ids,
+    hash_block_size=16)``) and the optimized backend with the explicit
+    ``block_hasher=manager.block_hasher``."""
 
     def reference(config: KVCacheConfig, max_model_len: int, max_num_reqs: int) -> Manager:
         return KVCacheManager(config, max_model_len)
@@ -205,6 +238,9 @@ def hybridkv_backends(device: str) -> tuple[Backend, Backend, Backend]:
         _hybridkv_backend("stand-in", "reference", reference, hash_full_blocks_cbor2),
         _hybridkv_backend("reference", "reference", reference, hash_full_blocks),
         _hybridkv_backend("optimized", "optimized", optimized, hash_full_blocks_torch),
+        _hybridkv_backend(
+            "optimized, explicit", "optimized", optimized, hash_full_blocks_torch, explicit=True
+        ),
     )
 
 

@@ -125,9 +125,11 @@ def decode(
 
 def lookup(
     backends: Sequence[Backend], length: int, repeat: int
-) -> tuple[dict[str, tuple[float, float]], int]:
-    """Median µs to hash a ``length``-token prompt and to look it up once fully cached, per
-    backend; and the hit length (checked equal, with the hashes and the hit's block ids)."""
+) -> tuple[dict[str, tuple[float, float, float | None]], int]:
+    """Median µs to hash a ``length``-token prompt (the hash function alone, then building a
+    request of it that hashes as its manager would, when the backend says how), and to look it
+    up once fully cached, per backend; and the hit length (checked equal, with the hashes and
+    the hit's block ids)."""
     rng = random.Random(7)
     prompt = array("q", tokens(rng, length))
     config = gemma_like(GROUPS * (length // BLOCK + 1) + 64)
@@ -145,7 +147,9 @@ def lookup(
         hits.append((backend.name, (hit, block_ids(blocks))))
     check_same(f"lookup: the block hashes of a {length:,}-token prompt", hashes)
     check_same(f"lookup: the hit (tokens, block ids) of a {length:,}-token prompt", hits)
-    times: dict[str, tuple[list[float], list[float]]] = {b.name: ([], []) for b in backends}
+    times: dict[str, tuple[list[float], list[float], list[float]]] = {
+        b.name: ([], [], []) for b in backends
+    }
     for i in range(repeat):
         hashed = []
         for backend, manager in zip(backends, managers, strict=True):
@@ -156,6 +160,13 @@ def lookup(
                 out = job()
                 times[backend.name][0].append(time.perf_counter() - start)
             hashed.append((backend.name, [bytes(h) for h in out]))
+            if backend.request_job is not None:
+                job = backend.request_job(prompt.tolist())
+                with no_gc():
+                    start = time.perf_counter()
+                    out = job()
+                    times[backend.name][2].append(time.perf_counter() - start)
+                hashed.append((f"{backend.name}, request", [bytes(h) for h in out]))
             r = backend.request_of(manager, f"b{i}", copy)
             with no_gc():
                 start = time.perf_counter()
@@ -164,8 +175,12 @@ def lookup(
         if i == 0:
             check_same("hash: the hash function's results", [hashes[0], *hashed])
     medians = {
-        name: (statistics.median(h) * 1e6, statistics.median(g) * 1e6)
-        for name, (h, g) in times.items()
+        name: (
+            statistics.median(h) * 1e6,
+            statistics.median(g) * 1e6,
+            statistics.median(r) * 1e6 if r else None,
+        )
+        for name, (h, g, r) in times.items()
     }
     hit = hits[0][1][0]
     return medians, hit

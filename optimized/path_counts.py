@@ -1,0 +1,75 @@
+"""How often each vectorised or specialised path of the optimized backend ran.
+
+A path the differential machine seldom reaches is a path whose bugs only unit tests can catch,
+so the conformance report prints these counts per run (``hybridkv.conformance.run_stats``) and
+``tests/test_conformance_fast_paths.py`` pins that the fast profile reaches each path.
+
+A path is counted where it is chosen, in the phase that serves it, never on ``allocate_slots``'
+quiet exit: that exit stays one comparison and a return. Every other way through
+``allocate_slots`` counts one of ``ALLOCATE_PATHS``, so a caller that sees no count change
+across a call knows the quiet exit answered it (the conformance lockstep counts it so).
+
+Data layout: one ``Counter`` of path name → times, owned by the pool (``TorchBlockPool.paths``,
+the object every phase reaches), read through ``TorchKVCacheManager.fast_paths``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+RUNNING_STEP = "running step"
+"""``allocate_slots`` of a running request past the quiet exit (``step.run``)."""
+ALLOCATE = "allocate past the quiet exit"
+"""``allocate_slots`` served by ``allocation.allocate`` (admissions, hits, odd counts)."""
+ALLOCATE_PATHS = (RUNNING_STEP, ALLOCATE)
+
+STEP_RELEASE = "step: window or chunk release"
+STEP_UNIFORM_TAKE = "step: uniform-columns take"
+CACHE_UNIFORM = "caching: uniform columns"
+CACHE_GENERAL = "caching: general"
+TOUCH_VECTORISED = "touch: vectorised (one array)"
+TOUCH_HEARD = "touch: group by group (a policy hears it)"
+BATCH_QUIET = "batch: quiet requests skipped"
+BATCH_ONE_BY_ONE = "batch: busy requests one by one"
+BATCH_VECTORISED = "batch: vectorised step"
+BATCH_RELEASES = "batch: vectorised step with window releases"
+FREE_BATCH = "free_batch: vectorised"
+LOOKUP_WINDOW = "lookup: vectorised window probe"
+LOOKUP_SOURCE_RUN = "lookup: source run"
+LOOKUP_LEADING = "lookup: vectorised leading run"
+HYBRID_WITH_FULL = "lookup: 3-4 attention types with full attention"
+
+PATHS = (
+    RUNNING_STEP,
+    ALLOCATE,
+    STEP_RELEASE,
+    STEP_UNIFORM_TAKE,
+    CACHE_UNIFORM,
+    CACHE_GENERAL,
+    TOUCH_VECTORISED,
+    TOUCH_HEARD,
+    BATCH_QUIET,
+    BATCH_ONE_BY_ONE,
+    BATCH_VECTORISED,
+    BATCH_RELEASES,
+    FREE_BATCH,
+    LOOKUP_WINDOW,
+    LOOKUP_SOURCE_RUN,
+    LOOKUP_LEADING,
+    HYBRID_WITH_FULL,
+)
+"""Every path counted, in the report's order (the quiet exit, counted by callers, apart)."""
+
+
+class PathCounts:
+    """Times each path ran since the pool was built."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+
+    def ran(self, path: str, times: int = 1) -> None:
+        self.counts[path] += times
+
+    def listed(self) -> dict[str, int]:
+        """Every path's count, in ``PATHS`` order (0 for one that has not run)."""
+        return {path: self.counts[path] for path in PATHS}
