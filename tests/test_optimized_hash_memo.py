@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from hybridkv.optimized import TorchKVCacheManager
 from hybridkv.optimized.hash_memo import HashMemo, agreeing_blocks
 from hybridkv.optimized.hashing import hash_full_blocks_torch
+from hybridkv.optimized.memo_tree import NUMPY_COMPARE_MIN
 from hybridkv.reference import KVCacheManager
 from hybridkv.reference.block_hash import BlockHash, hash_full_blocks
 from hybridkv.reference.request import Request
@@ -484,3 +485,17 @@ def test_the_memo_equals_the_definition_and_keeps_its_tree(
                 assert adopted == longest
         memo.check_invariants()
         assert set(memo.registered) == set(sources)
+
+
+@pytest.mark.parametrize("first", [0, 1, 1023, 1024, 2047, 4095, 4096])
+def test_the_first_difference_is_found_in_long_prompts_compared_by_numpy(first: int) -> None:
+    """From ``NUMPY_COMPARE_MIN`` ids the comparison takes numpy views; the answer is the same."""
+    blocks = 4097  # 65,552 ids at 16 per block: ranges on both sides of the threshold
+    ours = array("Q", range(blocks * 16))
+    theirs = array("Q", ours)
+    theirs[first * 16 + 15] = 2**64 - 1
+    assert blocks * 16 >= NUMPY_COMPARE_MIN
+    for hint in (-1, 300, first, first + 1, blocks - 1):
+        found = agreeing_blocks(memoryview(ours), memoryview(theirs), 16, 0, blocks, hint)
+        assert found == first
+    assert agreeing_blocks(memoryview(ours), memoryview(theirs), 16, first + 1, blocks) == blocks
