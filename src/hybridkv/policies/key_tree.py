@@ -145,7 +145,7 @@ class KeyTree:
             for reached in self._reaching(key, node):
                 self._refresh(reached, dirty)
             if node.parent is not None and parent is not None:
-                self._refresh(node.parent, dirty)
+                self._retail(parent, dirty)
 
     def _reaching(self, key: Key, node: Node) -> list[Key]:
         """``key`` and its descendants whose span may reach back over it."""
@@ -163,21 +163,44 @@ class KeyTree:
         node = self.nodes[key]
         path = self.end_path(key)
         end = path is not None
-        tail = end and node.cached_children != 1
-        if (end, tail) == (node.end, node.tail):
+        if end == node.end:
+            self._retail(node, dirty)  # the path is the one counted: only the tail moves
             return
-        for k in node.contrib:
-            counted = self.nodes[k]
-            counted.serves -= node.end
-            counted.tails -= node.tail
-            dirty.add(k)
-        node.end, node.tail = end, tail
+        self._count(node, -1, dirty)
+        node.end = end
+        node.tail = end and node.cached_children != 1
         node.contrib = path or ()
+        self._count(node, +1, dirty)
+
+    def _retail(self, node: Node, dirty: set[Key]) -> None:
+        """``node``'s children changed: it may become a tail end or stop being one.
+
+        A child is on no path ``node`` reads, so ``node.end`` and the path it counts in
+        (``contrib``) stand; only ``tails`` moves, in one pass over that path.
+        """
+        tail = node.end and node.cached_children != 1
+        if tail == node.tail:
+            return
+        node.tail = tail
+        delta = 1 if tail else -1
         for k in node.contrib:
             counted = self.nodes[k]
-            counted.serves += end
+            counted.tails += delta
+            if counted.tails == (delta > 0):  # 0 -> 1 or 1 -> 0: the node's class may move
+                dirty.add(k)
+
+    def _count(self, node: Node, sign: int, dirty: set[Key]) -> None:
+        """Add (+1) or take back (−1) ``node``'s end and tail on every node its path reads."""
+        if not node.end:
+            return
+        tail = sign if node.tail else 0
+        first = sign > 0  # a count that reaches 1 going up, or 0 going down, crossed zero
+        for k in node.contrib:
+            counted = self.nodes[k]
+            counted.serves += sign
             counted.tails += tail
-            dirty.add(k)
+            if counted.serves == first or (tail and counted.tails == first):
+                dirty.add(k)  # only a count crossing zero can move the node's class
 
     def end_path(self, key: Key) -> tuple[Key, ...] | None:
         """The nodes a hit ending at ``key`` reads, when all are cached (else ``None``)."""
@@ -185,6 +208,11 @@ class KeyTree:
         lo, hi = node.span
         if node.kind not in WINDOW_KINDS or lo >= hi:
             return None
+        parent = self.nodes.get(node.parent) if node.parent is not None else None
+        if node.blocks and parent is not None and parent.end and node.index > lo:
+            # The parent's counted path runs one block per step back to its own span start,
+            # which is at or before ours: ours is that path cut at our start, with us in front.
+            return (key, *parent.contrib[: parent.index - lo + 1])
         path: list[Key] = []
         current_key, current = key, node
         while True:
