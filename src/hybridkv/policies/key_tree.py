@@ -18,9 +18,14 @@ A change at a node can move ``end`` only for the nodes whose span reaches back o
 descendants within one span (the span's start never falls along a path), its parent (a branch
 end no more, or again) and itself. Each of those re-walks its own span and moves the counts on
 its span, so one change costs O(span² × branches within a span): bounded by the window or
-chunk, never by the pool or the tree. Full-attention chains are checked one link at a time: a
-full-attention node whose parent key is gone is an orphan (its chain is broken); reusing it
-makes its children orphans in turn, so a broken chain is found without walking the subtree.
+chunk, never by the pool or the tree. The common change, a block cached below an end,
+takes its parent's counted path as a slice instead of re-walking it, and only nodes whose
+``serves`` or ``tails`` crosses zero are handed back (only those can change tier): the counting
+pass along the new end's path is what remains per block.
+
+Full-attention chains are checked one link at a time: a full-attention node whose parent key
+is gone is an orphan (its chain is broken); reusing it makes its children orphans in turn, so
+a broken chain is found without walking the subtree.
 """
 
 from __future__ import annotations
