@@ -178,10 +178,9 @@ class KeyTree:
         self._count(node, +1, dirty)
 
     def _retail(self, node: Node, dirty: set[Key]) -> None:
-        """``node``'s children changed: it may become a tail end or stop being one.
-
-        A child is on no path ``node`` reads, so ``node.end`` and the path it counts in
-        (``contrib``) stand; only ``tails`` moves, in one pass over that path.
+        """``node``'s end stands (a child changed, or a change above left it): it may become
+        a tail end or stop being one. The path it counts in (``contrib``) stands with its end,
+        so only ``tails`` moves, in one pass over that path.
         """
         tail = node.end and node.cached_children != 1
         if tail == node.tail:
@@ -214,9 +213,9 @@ class KeyTree:
         if node.kind not in WINDOW_KINDS or lo >= hi:
             return None
         parent = self.nodes.get(node.parent) if node.parent is not None else None
-        if node.blocks and parent is not None and parent.end and node.index > lo:
+        if node.blocks and parent is not None and parent.end and parent.span[0] <= lo < node.index:
             # The parent's counted path runs one block per step back to its own span start,
-            # which is at or before ours: ours is that path cut at our start, with us in front.
+            # at or before ours: ours is that path cut at our start, with us in front.
             return (key, *parent.contrib[: parent.index - lo + 1])
         path: list[Key] = []
         current_key, current = key, node
