@@ -1,5 +1,6 @@
 """``hybridkv replay --scheduler vllm`` through the real entry point: the JSON names the
-scheduler, and every combination that cannot run is refused in one line."""
+scheduler, every combination that cannot run is refused in one line, and the single engine settings
+reach vLLM's configs."""
 
 from __future__ import annotations
 
@@ -91,34 +92,31 @@ def test_a_combination_that_cannot_run_is_one_line(
     assert message in _error(_replay(tmp_path, *args))
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        ("--retention-interval", "dense"),
-        ("--admission", "full"),
-        ("--no-async-scheduling",),
-        ("--no-prefix-caching",),
-    ],
-)
-def test_a_single_engine_setting_under_vllms_scheduler_is_one_line(
-    tmp_path: Path, args: tuple[str, ...]
-) -> None:
-    result = CliRunner().invoke(
-        main,
-        [
-            "replay",
-            "gpt-oss-120b",
-            "--trace-block-tokens",
-            "32",
-            "--memory",
-            "256MiB",
-            "--trace",
-            _trace_file(tmp_path),
-            "--scheduler",
-            "vllm",
-            *args,
-        ],
+def _summary(tmp_path: Path, *args: str) -> dict[str, Any]:
+    result = _replay(tmp_path, "--scheduler", "vllm", "--format", "json", *args)
+    assert result.exit_code == 0, result.output
+    summary: dict[str, Any] = json.loads(result.stdout)
+    return summary
+
+
+def test_single_engine_settings_run_under_vllms_scheduler(tmp_path: Path) -> None:
+    """Each single setting reaches vLLM's configs: the engine defaults with dense retention,
+    first-chunk admission and no async scheduling replay exactly as ``--defaults unit``;
+    dense retention hits at least what sparse does; no prefix caching hits nothing."""
+    keys = ("finished", "steps", "prompt_tokens", "hit_tokens", "computed_tokens", "ttft_ms")
+    unit = _summary(tmp_path, "--defaults", "unit")
+    apart = _summary(
+        tmp_path,
+        "--retention-interval",
+        "dense",
+        "--admission",
+        "first-chunk",
+        "--no-async-scheduling",
     )
-    assert result.exit_code == 2, result.output
-    assert "is not supported with --scheduler vllm" in result.output
-    assert len(result.output.strip().splitlines()) == 1
+    assert {k: apart[k] for k in keys} == {k: unit[k] for k in keys}
+    sparse, dense = _summary(tmp_path), _summary(tmp_path, "--retention-interval", "dense")
+    assert dense["hit_tokens"] == dense["bound_hit_tokens"] > 0
+    assert sparse["hit_tokens"] <= dense["hit_tokens"]
+    uncached = _summary(tmp_path, "--no-prefix-caching")
+    assert uncached["hit_tokens"] == 0
+    assert uncached["prompt_tokens"] == sparse["prompt_tokens"] == 192

@@ -178,3 +178,98 @@ def test_the_three_managers_agree_on_the_shared_trace_under_pressure(defaults: s
     assert runs[0]["evictions"] > 0
     for run in runs[1:]:
         assert {k: run[k] for k in KEYS} == {k: runs[0][k] for k in KEYS}
+
+
+def _pressure() -> list[BlockTraceRequest]:
+    return _trace((0, 8, 12, [1]), (0, 8, 12, [2]), (1, 8, 2, [1]), (2, 64, 2, list(range(8))))
+
+
+@pytest.mark.parametrize("manager", MANAGERS)
+def test_the_unit_defaults_are_the_engine_defaults_with_three_single_settings(
+    manager: str,
+) -> None:
+    """``--defaults unit`` is dense retention, first-chunk admission and one step in flight:
+    the engine defaults with those three settings given apart replay it exactly."""
+    unit = _run(_pressure(), 9, manager, "unit")
+    engine = VllmEngine(
+        _layout(),
+        9,
+        manager,
+        "engine",
+        retention=None,
+        full_prompt_admission=False,
+        async_scheduling=False,
+    )
+    assert (engine.depth, engine.reserves_full_sequence) == (1, False)
+    apart = VllmReplay(_pressure(), engine, config=_flat("unit")).run()
+    assert unit.preemptions >= 1
+    assert _counts(apart) == _counts(unit)
+
+
+def test_a_replay_config_that_contradicts_the_engines_admission_is_refused() -> None:
+    engine = VllmEngine(_layout(), 9, "vllm", "engine", full_prompt_admission=False)
+    with pytest.raises(ValueError, match="full_prompt_admission must be the engine's"):
+        VllmReplay(_pressure(), engine, config=_flat("engine"))
+
+
+def test_a_retention_that_is_not_tokens_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="retention must be 'defaults', None"):
+        VllmEngine(_layout(), 9, "vllm", retention=-16)
+
+
+def test_without_prefix_caching_every_manager_counts_admissions_and_hits_nothing() -> None:
+    """vLLM keeps no prefix-cache statistics without caching: first admissions' prompts and
+    re-admissions after preemption are counted from the scheduler's output, alike for every
+    manager, and equal to the first admissions of the same run with caching."""
+    cached = _run(_pressure(), 9, "vllm", "unit")
+    runs = [
+        VllmReplay(
+            _pressure(),
+            VllmEngine(_layout(), 9, manager, "unit", prefix_caching=False),
+            config=_flat("unit"),
+        ).run()
+        for manager in MANAGERS
+    ]
+    assert runs[0].hit_tokens == runs[0].readmission_hit_tokens == 0
+    assert runs[0].prompt_tokens == cached.prompt_tokens == 24  # 3 admitted prompts of 8
+    assert runs[0].readmissions == runs[0].preemptions >= 1
+    assert runs[0].readmission_prompt_tokens > 0
+    assert all(_counts(run) == _counts(runs[0]) for run in runs[1:])
+
+
+def test_a_single_retention_setting_under_the_engine_defaults_reaches_vllm() -> None:
+    """gpt-oss-120b, 400 GiB (nothing evicted), engine defaults: sparse retention keeps no
+    sliding-window block the first 60 requests can hit; ``--retention-interval dense`` or the
+    trace's 512-token blocks hit exactly their bound (31,744 tokens)."""
+    roomy = {"memory_bytes": 400 << 30, "backend": "vllm"}
+    assert _shared(**roomy)["hit_tokens"] == 0
+    for retention in ("dense", "512"):
+        summary = _shared(**roomy, retention=retention)
+        assert summary["hit_tokens"] == summary["bound_hit_tokens"] == 31744
+
+
+def test_the_built_in_loop_and_vllms_scheduler_count_alike_in_sync_first_chunk_runs() -> None:
+    """gpt-oss-120b in 1 GiB, first 60 requests, one step in flight and first-chunk admission:
+    the built-in loop and vLLM's scheduler preempt, evict, hit and compute alike (they part
+    under async scheduling and full-sequence admission: docs/replay.md)."""
+    counts = (
+        *("preemptions", "evictions", "prompt_tokens", "hit_tokens", "computed_tokens"),
+        *("readmission_hit_tokens", "refused", "finished", "group_hit_rates"),
+    )
+    if not SHARED_TRACE.exists():
+        pytest.skip(f"{SHARED_TRACE} is not here")
+    runs = []
+    for scheduler in ("built-in", "vllm"):
+        setup = ReplaySetup(
+            trace=str(SHARED_TRACE),
+            model="gpt-oss-120b",
+            max_requests=60,
+            max_model_len=262144,
+            memory_bytes=1 << 30,
+            scheduler=scheduler,
+            async_scheduling=False,
+            admission="first-chunk",
+        )
+        runs.append(run_cell(setup).summary)
+    assert runs[0]["preemptions"] > 0
+    assert {k: runs[1][k] for k in counts} == {k: runs[0][k] for k in counts}

@@ -5,7 +5,9 @@ group order, the cell's memory as ``num_blocks``); the manager is vLLM's own (``
 vllm``, LRU only) or a hybridkv backend behind vLLM's manager API. What cannot run this way is
 refused in one line before anything runs: ``--host-memory`` (no host tier in vLLM's loop),
 ``--backend vllm`` under the built-in scheduler, a policy other than LRU on vLLM's manager, and
-vLLM itself missing.
+vLLM itself missing. The single engine settings (``--retention-interval``, ``--admission``,
+``--async-scheduling``, ``--no-prefix-caching``) reach vLLM's configs as they reach the built-in
+loop (``hybridkv.lab.vllm_engine``).
 """
 
 from __future__ import annotations
@@ -38,18 +40,6 @@ def check_scheduler(setup: ReplaySetup) -> None:
         return
     if setup.host_memory_bytes is not None:
         raise UserError("--host-memory is not supported with --scheduler vllm")
-    single = {
-        "--retention-interval": setup.retention != "default",
-        "--admission": setup.admission != "default",
-        "--async-scheduling/--no-async-scheduling": setup.async_scheduling is not None,
-        "--no-prefix-caching": not setup.prefix_caching,
-    }
-    for flag, given in single.items():
-        if given:
-            raise UserError(
-                f"{flag} is not supported with --scheduler vllm: vLLM's scheduler runs "
-                "--defaults engine or unit as a whole"
-            )
     if setup.backend == "vllm" and setup.eviction != "lru":
         raise UserError(
             f"--eviction {setup.eviction}: vLLM's own manager (--backend vllm) evicts lru only"
@@ -68,9 +58,11 @@ def run_vllm(
 ) -> ReplayResult:
     """Replay ``setup``'s trace through vLLM's scheduler on the plan's pool (under vLLM's
     grouping); ``UserError`` for what vLLM or the backend refuses."""
+    from hybridkv.cli.replay_run import EngineSettings
     from hybridkv.lab import ReplayConfig
 
     check_scheduler(setup)
+    settings = EngineSettings.of(setup)
     if setup.backend == "optimized":
         from hybridkv.cli.devices import device_problem
 
@@ -86,7 +78,10 @@ def run_vllm(
     report = plan.by_policy.get("vllm")
     if report is None or isinstance(report, str):
         raise UserError(f"--scheduler vllm: vLLM 0.33 cannot group {plan.choice.name}: {report}")
-    layout = ModelLayout(display_name(plan.choice.name), with_mamba_cache_mode(report.config, True))
+    layout = ModelLayout(
+        display_name(plan.choice.name),
+        with_mamba_cache_mode(report.config, settings.prefix_caching),
+    )
     assert isinstance(config, ReplayConfig)
     try:
         engine = VllmEngine(
@@ -96,6 +91,10 @@ def run_vllm(
             defaults=setup.defaults,
             eviction_policy=setup.eviction,
             device=None if setup.backend != "optimized" else setup.device,
+            retention=settings.retention_interval,
+            full_prompt_admission=settings.full_prompt_admission,
+            async_scheduling=settings.async_scheduling,
+            prefix_caching=settings.prefix_caching,
         )
         replay = VllmReplay(trace, engine, config=config)
     except (UnsupportedSetting, ValueError) as error:

@@ -42,41 +42,15 @@ from hybridkv.block_trace import (
 )
 from hybridkv.integrations.vllm.bench import ManagerClock
 from hybridkv.integrations.vllm.check import RunConfig, build_scheduler
-from hybridkv.integrations.vllm.model_layout import ModelLayout
 from hybridkv.lab.hit_profile import add_group_hit_tokens
 from hybridkv.lab.replay import OUTPUT_TOKEN_BASE, ReplayConfig
 from hybridkv.lab.result import ReplayResult
+from hybridkv.lab.vllm_engine import MANAGERS, VllmEngine
 from hybridkv.reference import KVCacheBlocks
 
-MANAGERS = ("vllm", "reference", "optimized")
+__all__ = ["MANAGERS", "VllmEngine", "VllmReplay"]
+
 EOS_TOKEN_ID = 50256
-
-
-@dataclass(frozen=True)
-class VllmEngine:
-    """vLLM's scheduler as the replay builds it: the groups, the pool, the manager, the
-    defaults (``"engine"``: retention interval 0, full-sequence admission, async scheduling;
-    ``"unit"``: dense retention, first-chunk admission, one step in flight)."""
-
-    layout: ModelLayout
-    num_blocks: int
-    manager: str = "vllm"
-    defaults: str = "engine"
-    eviction_policy: str = "lru"
-    device: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.manager not in MANAGERS:
-            raise ValueError(f"manager must be one of {MANAGERS}, got {self.manager!r}")
-        if self.defaults not in ("engine", "unit"):
-            raise ValueError(f"defaults must be 'engine' or 'unit', got {self.defaults!r}")
-        if self.manager == "vllm" and self.eviction_policy != "lru":
-            raise ValueError(f"vLLM's own manager evicts lru only, not {self.eviction_policy!r}")
-
-    @property
-    def depth(self) -> int:
-        """Steps in flight: two under async scheduling (the engine's), else one."""
-        return 2 if self.defaults == "engine" else 1
 
 
 @dataclass
@@ -114,8 +88,12 @@ class VllmReplay:
         self.trace = iter(trace)
         self.engine = engine
         self.config = ReplayConfig() if config is None else config
-        if self.config.full_prompt_admission != (engine.defaults == "engine"):
-            raise ValueError("full_prompt_admission is the engine defaults' (vLLM's setting)")
+        if self.config.full_prompt_admission != engine.reserves_full_sequence:
+            raise ValueError(
+                "ReplayConfig.full_prompt_admission must be the engine's "
+                f"({engine.reserves_full_sequence}: vLLM's scheduler_reserve_full_isl), got "
+                f"{self.config.full_prompt_admission}"
+            )
         groups = engine.layout.config.groups
         self.group_block_sizes = tuple(group.spec.block_size for group in groups)
         self.block_size = engine.layout.block_size
@@ -128,6 +106,8 @@ class VllmReplay:
         """The arrived prompts, for the infinite-cache bound."""
         self._idle_empty = 0
         """``schedule()`` calls in a row that scheduled nothing with no step in flight."""
+        self._preempted: set[str] = set()
+        """Requests preempted and not yet scheduled again (counted without prefix caching)."""
         self._scheduled: dict[int, int] = {}
         """How far the prompts' scheduled tokens reach into each trace block (``Replay``'s)."""
         self.scheduler = self._build()
@@ -148,8 +128,11 @@ class VllmReplay:
         self._hasher = get_request_block_hasher(self.block_size, sha256)
         engine, config = self.engine, self.config
         cfg = RunConfig(
-            run="async" if engine.defaults == "engine" else "sync",
+            run="async" if engine.is_async else "sync",
             defaults=engine.defaults,
+            retention=engine.retention,
+            full_prompt_admission=engine.full_prompt_admission,
+            prefix_caching=engine.prefix_caching,
             num_blocks=engine.num_blocks,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -255,6 +238,7 @@ class VllmReplay:
         was_idle = not self.in_flight
         output = self.scheduler.schedule()
         self.result.preemptions += len(output.preempted_req_ids or ())
+        self._preempted.update(output.preempted_req_ids or ())
         if not output.num_scheduled_tokens:
             stuck = not self.scheduler.running and (was_idle or bool(output.preempted_req_ids))
             self.in_flight.append(_Flight(output, set(), self.now_ms))
@@ -307,6 +291,8 @@ class VllmReplay:
         for request_id, start in self._starts(output):
             live = self.live[request_id]
             new = first.get(request_id)
+            if not self.engine.prefix_caching:
+                self._count_uncached_admission(request_id, live, new is not None)
             if new is not None and live.queue_ms is None:
                 live.queue_ms = start_ms - live.arrival_ms
                 reachable = covered_prefix_tokens(live.trace, self._scheduled, self.block_size)
@@ -315,6 +301,17 @@ class VllmReplay:
             if start < live.trace.input_length:
                 end = start + output.num_scheduled_tokens[request_id]
                 cover_prefix(live.trace, self._scheduled, self.block_size, end, start)
+
+    def _count_uncached_admission(self, request_id: str, live: _Live, new: bool) -> None:
+        """Without prefix caching vLLM keeps no ``PrefixCacheStats``: a first admission's
+        prompt and a re-admission after preemption are counted here, as the built-in loop
+        counts them (with no hits)."""
+        if new and live.queue_ms is None:
+            self.result.prompt_tokens += live.trace.input_length
+        elif request_id in self._preempted:
+            self._preempted.discard(request_id)
+            self.result.readmissions += 1
+            self.result.readmission_prompt_tokens += self.scheduler.requests[request_id].num_tokens
 
     def _count_group_hits(self, block_ids: tuple[list[int], ...], num_computed: int) -> None:
         """The hit's blocks of each group: those within the computed tokens."""

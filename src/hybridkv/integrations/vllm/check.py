@@ -98,6 +98,14 @@ class RunConfig:
     max_steps: int = 4000
     model: ModelLayout | None = None
     """A real model's groups (``--model``), which replace ``layout``'s."""
+    retention: int | str | None = "defaults"
+    """``prefix_cache_retention_interval``: ``"defaults"`` (an engine's 0, a unit test's
+    dense), ``None`` (dense) or an interval in tokens."""
+    full_prompt_admission: bool | None = None
+    """``scheduler_reserve_full_isl`` (admit a request only when its whole sequence fits);
+    ``None``: the defaults' (the engine's)."""
+    prefix_caching: bool = True
+    """``enable_prefix_caching``; off, Mamba groups run ``"none"``."""
 
     @property
     def name(self) -> str:
@@ -114,16 +122,41 @@ class RunConfig:
         """Whether a group is Mamba: the engine runs its cache in ``"align"`` mode."""
         return self.layout == "jamba" if self.model is None else self.model.has_mamba
 
+    @property
+    def retention_interval(self) -> int | None:
+        """The retention interval the run gives vLLM (``None``: dense)."""
+        if self.retention == "defaults":
+            return 0 if self.defaults == "engine" else None
+        if self.retention is not None and not isinstance(self.retention, int):
+            raise ValueError(
+                f"retention must be 'defaults', None or tokens, got {self.retention!r}"
+            )
+        return self.retention
+
+    @property
+    def reserves_full_sequence(self) -> bool:
+        """Whether the scheduler admits a request only when its whole sequence fits."""
+        if self.full_prompt_admission is None:
+            return self.defaults == "engine"
+        return self.full_prompt_admission
+
     def kv_cache_config(self) -> Any:
         """vLLM's ``KVCacheConfig`` of the run: the layout's or the model's groups, the pool,
-        and the retention interval of the defaults (an engine's 0, a unit test's dense)."""
-        retention = 0 if self.defaults == "engine" else None
+        and the retention interval (``retention_interval``)."""
+        retention = self.retention_interval
         if self.model is not None:
             return self.model.vllm_config(self.num_blocks, retention=retention)
-        return kv_cache_config_for(self.layout, self.num_blocks, retention=retention)
+        return kv_cache_config_for(
+            self.layout,
+            self.num_blocks,
+            retention=retention,
+            mamba_cache_mode="align" if self.prefix_caching else "none",
+        )
 
 
-def kv_cache_config_for(layout: str, num_blocks: int, *, retention: int | None) -> Any:
+def kv_cache_config_for(
+    layout: str, num_blocks: int, *, retention: int | None, mamba_cache_mode: str = "align"
+) -> Any:
     """vLLM's ``KVCacheConfig`` of a hybrid layout (groups as vLLM's grouping makes them)."""
     import torch
     from vllm.v1.kv_cache_interface import (
@@ -149,7 +182,7 @@ def kv_cache_config_for(layout: str, num_blocks: int, *, retention: int | None) 
             block_size=BLOCK_SIZE,
             shapes=((4, 8),),
             dtypes=(torch.float16,),
-            mamba_cache_mode="align",
+            mamba_cache_mode=mamba_cache_mode,
         )
         groups = [full, KVCacheGroupSpec(["mamba.0"], mamba)]
     else:
@@ -210,16 +243,16 @@ def build_scheduler(
         is_encoder_decoder=False,
         watermark=0.0,
         policy=policy,
-        scheduler_reserve_full_isl=cfg.defaults == "engine",
+        scheduler_reserve_full_isl=cfg.reserves_full_sequence,
         scheduler_cls=scheduler_cls,
     )
     cache_config = CacheConfig(
         block_size=cfg.block_size,
         gpu_memory_utilization=0.9,
         cache_dtype="auto",
-        enable_prefix_caching=True,
+        enable_prefix_caching=cfg.prefix_caching,
     )
-    if cfg.has_mamba:
+    if cfg.has_mamba and cfg.prefix_caching:
         cache_config.mamba_cache_mode = "align"
     speculative_config = None
     if cfg.run == "spec":
