@@ -64,6 +64,24 @@ class HashMemo(BranchTree):
     def __init__(self, block_size: int, hasher: BlockHasher = hash_full_blocks_torch) -> None:
         super().__init__(block_size)
         self.hasher = hasher
+        self.last_prompt: tuple[array[int], MemoSource, int] | None = None
+        """The last prompt hashed from its packed ids with hashes adopted: those ids, the
+        source its first adopted run came from and that run's length in blocks, whose ids
+        the memo compared equal (``agreed_blocks``)."""
+
+    def agreed_blocks(self, packed: object, source: object) -> int:
+        """How many leading blocks of ``packed`` the last prompt walk compared equal to
+        ``source``'s ids (0 unless ``packed`` is that prompt's ids and ``source`` its first
+        run's source). Both id arrays only grow, so what was equal then is equal now: a
+        lookup right after the walk need not compare those ids again."""
+        last = self.last_prompt
+        if last is None or last[0] is not packed or last[1] is not source:
+            return 0
+        return last[2]
+
+    def clear(self) -> None:
+        super().clear()
+        self.last_prompt = None
 
     # --- Hashing ------------------------------------------------------------------------------
 
@@ -134,9 +152,12 @@ class HashMemo(BranchTree):
             )
         keyable, salt = salt_key(cache_salt)
         hashes: list[BlockHash] = []
+        self.last_prompt = None
         if self.branches and keyable and num_full > 0:
             with memoryview(packed) as ours:
                 hashes = self.walk(ours, num_full, salt)[0]
+            if self.first_agreement is not None:
+                self.last_prompt = (packed, *self.first_agreement)
         index = len(hashes)
         if index < num_full:
             parent = hashes[-1] if hashes else None

@@ -153,6 +153,9 @@ class BranchTree:
         self.block_size = block_size
         self.branches: dict[MemoKey, Branch] = {}
         self.registered: dict[int, tuple[MemoSource, Branch | None]] = {}
+        self.first_agreement: tuple[MemoSource, int] | None = None
+        """The last walk's first branch: its source and the leading blocks whose ids it
+        compared equal to the walked ones (``walk``)."""
 
     def __len__(self) -> int:
         """The number of branches (at most the number of registered sources)."""
@@ -167,8 +170,11 @@ class BranchTree:
 
         Returns the hashes adopted (of blocks ``0 … k − 1``), the last branch followed (the
         parent of a branch at ``k``) and the key probed at ``k`` that missed (``None`` if the
-        walk covered all ``count`` blocks or stopped at a source it cannot read).
+        walk covered all ``count`` blocks or stopped at a source it cannot read). The first
+        branch's source and how many of its leading blocks hold ``ours``' ids, compared, are
+        ``first_agreement`` afterwards (``None`` if no block was adopted).
         """
+        self.first_agreement = None
         b = self.block_size
         hashes: list[BlockHash] = []
         key: MemoKey = (None, ours[:b].tobytes(), salt)
@@ -192,6 +198,8 @@ class BranchTree:
                 reached = agreeing_blocks(ours, view, b, at, end, branch.fork)
             if reached == at:
                 return hashes, last, None
+            if at == 0:
+                self.first_agreement = (source, reached)
             hashes += theirs[at:reached]
             at = reached
             last = branch
@@ -261,6 +269,7 @@ class BranchTree:
     def clear(self) -> None:
         self.branches.clear()
         self.registered.clear()
+        self.first_agreement = None
 
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` if the tree is inconsistent: every branch is registered

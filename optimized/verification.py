@@ -97,6 +97,7 @@ class Verification:
             request.packed_token_ids if isinstance(request, Request) else None
         )
         self.salt: object = request.cache_salt
+        self.memo = pool.memo
         self.block_size = block_size
         self.lookahead = lookahead
         self._views: dict[int, Sequence[BlockHash]] = {}
@@ -114,6 +115,10 @@ class Verification:
                 self._limit[src] = 0
             elif source.tokens is self.tokens:
                 agree = len(self.tokens) // self.block_size
+            elif self.memo is not None and self.packed is not None:
+                # Ids the memo compared when it hashed this prompt (``HashMemo.agreed_blocks``).
+                agreed = self.memo.agreed_blocks(self.packed, source)
+                agree = agreed * self.memo.block_size // self.block_size
             self._agree[src] = agree
         if pos < agree:
             return True

@@ -228,6 +228,58 @@ def test_a_memo_request_still_misses_a_colliding_cached_prompt() -> None:
     assert hit == 0
 
 
+def test_the_memo_remembers_which_ids_it_compared_for_the_last_prompt_only() -> None:
+    """The walk compared the prompt's ids with its first source's: ``agreed_blocks`` says how
+    many blocks, for that prompt's packed ids and that source only, and for nothing after the
+    next prompt's walk or a reset."""
+    manager = TorchKVCacheManager(config(), 64)
+    first = memo_request(manager, "a", list(range(20)))
+    admit(manager, first)
+    memo, source = manager.block_hasher, manager.pool.sources[0]
+    assert source is not None
+    probe = memo_request(manager, "b", [*range(12), 99, 98, 97, 96, 5, 5])
+    ids = probe.packed_token_ids
+    assert ids is not None
+    assert memo.agreed_blocks(ids, source) == 3  # blocks 0-2 equal, block 3 differs
+    assert memo.agreed_blocks(array("Q", ids), source) == 0  # equal ids, another array
+    assert memo.agreed_blocks(ids, object()) == 0
+    memo_request(manager, "c", list(range(8)))
+    assert memo.agreed_blocks(ids, source) == 0  # another prompt walked since
+    again = memo_request(manager, "d", list(range(20)))
+    assert memo.agreed_blocks(again.packed_token_ids, source) == 5
+    manager.free(first)
+    assert manager.reset_prefix_cache()
+    assert memo.agreed_blocks(again.packed_token_ids, source) == 0
+
+
+def test_a_lookup_right_after_the_memo_hashed_the_prompt_compares_no_id_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The default request's lookup: the memo compares the prompt with the cached one when it
+    hashes it, and the verification that follows trusts that comparison (and no hash alone):
+    the same hit, no second comparison; a prompt that parts after block 2 still hits 3 blocks
+    and compares only past them."""
+    from hybridkv.optimized import verification
+
+    compared: list[tuple[int, int]] = []
+    first_difference = verification.first_difference
+
+    def counted(ours: Sequence[int], theirs: Sequence[int], lo: int, hi: int) -> int:
+        compared.append((lo, hi))
+        return first_difference(ours, theirs, lo, hi)
+
+    monkeypatch.setattr(verification, "first_difference", counted)
+    monkeypatch.setattr(verification, "same_items", lambda a, b: pytest.fail("compared"))
+    manager = TorchKVCacheManager(config(), 64)
+    admit(manager, Request("a", list(range(21)), hash_block_size=B))
+    _, hit, _ = manager.get_computed_blocks(Request("b", list(range(21)), hash_block_size=B))
+    assert (hit, compared) == (20, [])
+    parted = [*range(12), 99, 98, 97, 96, 16, 17, 18, 19, 20]
+    _, hit, _ = manager.get_computed_blocks(Request("c", parted, hash_block_size=B))
+    assert hit == 12
+    assert all(lo >= 12 for lo, _ in compared)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),
