@@ -21,7 +21,7 @@ with ``RowTables.quiet_below[row]`` decides most decode calls) and a few ``Group
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from functools import partial
 from typing import Any
 
@@ -31,6 +31,7 @@ from hybridkv.optimized import (
     allocation,
     batch,
     batch_free,
+    cached_keys,
     general_caching,
     hits,
     invariants,
@@ -39,6 +40,7 @@ from hybridkv.optimized import (
 from hybridkv.optimized.layout import BlockIds, GroupLayout
 from hybridkv.optimized.state import ManagerState, Tuning, TuningKnobs
 from hybridkv.policies import EvictionPolicy, resolve_policy
+from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.events import EventBuilder, KVCacheEvent
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.prefix_stats import PrefixCacheCounter, PrefixCacheStatsCalls
@@ -110,15 +112,13 @@ class TorchKVCacheManager(TuningKnobs, PrefixCacheStatsCalls):
         self.pool = s.pool
         self.eviction_policy = "lru" if policy is None else policy.name
         self.block_hasher = s.block_hasher
-        """``hash_full_blocks_torch``'s hashes, adopting those of a prefix this manager has
-        cached (``hash_memo``): offered to a ``Request`` built without a hasher when this manager
-        first meets it (``Request.offer_block_hasher``); ``make_request`` names it."""
+        """``hash_full_blocks_torch``'s hashes, adopting a cached prefix's (``hash_memo``):
+        offered to a ``Request`` built without a hasher, named by ``make_request``."""
         # What the quiet exit of ``allocate_slots`` reads, one attribute away.
         self._rows, self._row_of = s.rows, s.rows.row_of
         self._has_align, self._no_blocks = layout.has_align, layout.no_blocks
         self._stats = PrefixCacheCounter(log_stats)
-        # The last lookup's result: handed back to ``allocate_slots`` as it is, its ids need
-        # no checking (they are pool blocks by construction).
+        # The last lookup's result: handed back to ``allocate_slots``, its ids need no check.
         self._issued: KVCacheBlocks | None = None
 
     def make_request(
@@ -147,8 +147,7 @@ class TorchKVCacheManager(TuningKnobs, PrefixCacheStatsCalls):
 
     def block_table(self, group_id: int) -> torch.Tensor:
         """Group ``group_id``'s int32 ``[max_num_reqs, max_blocks_per_req]`` table on ``device``,
-        updated in place by every call (row ``row_of(request_id)``, positions below the table
-        length are valid)."""
+        updated in place (row ``row_of(request_id)``; positions below the row's length valid)."""
         return self._s.tables.on_device[group_id]
 
     def row_of(self, request_id: str) -> int | None:
@@ -159,9 +158,8 @@ class TorchKVCacheManager(TuningKnobs, PrefixCacheStatsCalls):
         self, request: RequestLike, max_cache_hit_length: int | None = None
     ) -> tuple[KVCacheBlocks, int, int]:
         """The request's longest cache hit: its blocks per group, its length in tokens, and the
-        shared-prefix boundary (``KVCacheManager.get_computed_blocks``); at most
-        ``max_cache_hit_length`` tokens when given. A request with fewer block hashes than full
-        blocks is looked up over its hashed blocks only."""
+        shared-prefix boundary (``KVCacheManager.get_computed_blocks``), at most
+        ``max_cache_hit_length`` tokens; over its hashed blocks only if it has fewer hashes."""
         if type(request) is Request:
             request.offer_block_hasher(self.block_hasher)
         if not self.prefix_cache_lookup_enabled(request):
@@ -178,14 +176,12 @@ class TorchKVCacheManager(TuningKnobs, PrefixCacheStatsCalls):
 
     def new_step_starts(self) -> None:
         """The scheduler begins a step: a Mamba state cached in the previous step may now be
-        adopted (no per-step state without a Mamba ``"align"`` group). The previous step's
-        pending releases and inserts are made now."""
+        adopted; the previous step's pending releases and inserts are made now."""
         self._s.settle()
         self._s.mamba.cached_this_step.clear()
 
-    # The measured hot path (``python -m hybridkv.bench``, per-call decode), over 60 lines on
-    # purpose: both quiet exits stay inline, so a decode call that crosses no threshold
-    # returns before any further Python call; validation and admission live in ``allocation``.
+    # The measured hot path (``python -m hybridkv.bench``), over 60 lines on purpose: both quiet
+    # exits stay inline (no further Python call); validation and admission in ``allocation``.
     def allocate_slots(
         self,
         request: RequestLike,
@@ -289,18 +285,16 @@ class TorchKVCacheManager(TuningKnobs, PrefixCacheStatsCalls):
         reserved_blocks: int = 0,
         watermark_blocks: int = 0,
     ) -> list[KVCacheBlocks | None]:
-        """One scheduler step for running requests: exactly ``[allocate_slots(r, n,
-        num_lookahead_tokens=…, delay_cache_blocks=…, reserved_blocks=…, watermark_blocks=…)
-        for r, n in zip(requests, num_new_tokens)]`` (``num_new_tokens`` may be one int for
-        all), vectorised across the requests (``hybridkv.optimized.batch``)."""
+        """One scheduler step for running requests: exactly ``[allocate_slots(r, n, …same
+        keywords) for r, n in zip(requests, num_new_tokens)]`` (``num_new_tokens`` may be one
+        int for all), vectorised across the requests (``hybridkv.optimized.batch``)."""
         counts = batch.counts_of(requests, num_new_tokens)
         one = partial(
             self.allocate_slots,
             num_lookahead_tokens=num_lookahead_tokens,
             delay_cache_blocks=delay_cache_blocks,
         )
-        # The single calls made here (a small batch, the few busy requests of a step) leave
-        # their table changes to one flush at the end: one host→device copy per step.
+        # Single calls made here leave their table changes to one flush: one copy per step.
         with self._s.tables.one_copy():
             served = batch.allocate_slots_batch(
                 self._s,
@@ -356,6 +350,16 @@ class TorchKVCacheManager(TuningKnobs, PrefixCacheStatsCalls):
         (``KVCacheManager.estimate_cached_tokens``; ``hybridkv.optimized.invariants``)."""
         return invariants.estimate_cached_tokens(self._s, request_id)
 
+    def get_cached_block_ids(
+        self, block_hash: BlockHash, group_ids: Sequence[int]
+    ) -> list[int] | None:
+        """The reference's (vLLM's ``BlockPool.get_cached_block``; ``optimized.cached_keys``)."""
+        return cached_keys.get_cached_block_ids(self._s, block_hash, group_ids)
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """The reference's (vLLM's ``BlockPool.evict_blocks``; ``optimized.cached_keys``)."""
+        cached_keys.evict_blocks(self._s, block_ids)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (``False``) while any request holds a block."""
         self._s.settle()
@@ -389,6 +393,5 @@ class TorchKVCacheManager(TuningKnobs, PrefixCacheStatsCalls):
         return self.pool.nbytes + self._s.tables.nbytes + self._rows.nbytes
 
     def check_invariants(self) -> None:
-        """Raise ``InvariantError`` if the pool, the rows and the tables disagree, or a request's
-        estimate of its cached tokens differs from the scan of its tables."""
+        """Raise ``InvariantError`` if the pool, rows, tables or cached-token estimates disagree."""
         invariants.check_invariants(self._s)

@@ -12,15 +12,13 @@ a sliding window or chunk, exactly as a successful one would have).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from hybridkv.policies import EvictionPolicy, resolve_policy
+from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.coordinator import make_coordinator
-from hybridkv.reference.events import (
-    EventBuilder,
-    KVCacheEvent,
-)
+from hybridkv.reference.events import EventBuilder, KVCacheEvent
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.prefix_stats import PrefixCacheCounter, PrefixCacheStatsCalls
 from hybridkv.reference.request import Request, RequestLike
@@ -30,12 +28,12 @@ from hybridkv.reference.table_invariants import check_ref_counts, check_tables
 from hybridkv.reference.validation import (
     check_allocation,
     check_block_hashes,
+    check_block_ids,
     check_cache_blocks,
+    check_group_ids,
     validate_manager_config,
 )
-from hybridkv.spec import (
-    KVCacheConfig,
-)
+from hybridkv.spec import KVCacheConfig
 from hybridkv.spec.errors import InvariantError, check_non_negative
 
 
@@ -301,6 +299,21 @@ class KVCacheManager(PrefixCacheStatsCalls):
             longest = max([block.block_hash_num_tokens or 0 for block in table], default=0)
             cached = longest if cached is None else min(cached, longest)
         return cached or 0
+
+    def get_cached_block_ids(
+        self, block_hash: BlockHash, group_ids: Sequence[int]
+    ) -> list[int] | None:
+        """The first block cached under ``block_hash`` in each group, or ``None`` if any group
+        has none (vLLM's ``BlockPool.get_cached_block``, which its aux-output connector reads)."""
+        groups = check_group_ids(group_ids, self.num_groups)
+        found = self.block_pool.get_cached_block(block_hash, groups)
+        return None if found is None else [block.block_id for block in found]
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Forget every cached key of each named block (held ones stay held, free ones keep
+        their place): vLLM's ``BlockPool.evict_blocks``, a KV connector's after a failed load."""
+        for block_id in check_block_ids(block_ids, self.block_pool.num_blocks):
+            self.block_pool.maybe_evict_cached_block(self.block_pool.blocks[block_id])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (``False``) while any request holds a block."""

@@ -8,7 +8,7 @@ refuse the same calls with the same words; each is called before the first state
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from hybridkv.reference.engine_settings import EngineSettings
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
@@ -319,3 +319,23 @@ def _check_hit_ids(
     bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < num_blocks]
     if bad:
         raise ValueError(f"new_computed_blocks group {group_id} has invalid ids {bad!r}")
+
+
+def check_block_ids(block_ids: Iterable[object], num_blocks: int) -> list[int]:
+    """``block_ids`` as a list, each a plain int in ``0 … num_blocks − 1`` (``ValueError``
+    naming the first that is not, before anything changes)."""
+    return _check_ids("block_ids", "block", block_ids, num_blocks)
+
+
+def check_group_ids(group_ids: Iterable[object], num_groups: int) -> list[int]:
+    """``group_ids`` as a list, each a plain int in ``0 … num_groups − 1``."""
+    return _check_ids("kv_cache_group_ids", "group", group_ids, num_groups)
+
+
+def _check_ids(field: str, what: str, ids: Iterable[object], count: int) -> list[int]:
+    checked: list[int] = []
+    for value in ids:
+        if type(value) is not int or not 0 <= value < count:
+            raise ValueError(f"{field}: {value!r} is not a {what} id (0 … {count - 1})")
+        checked.append(value)
+    return checked

@@ -135,12 +135,71 @@ def test_connector_and_encoder_calls_are_refused_by_name() -> None:
 
 def test_vllm_internals_are_named_and_still_attribute_errors() -> None:
     manager = _manager()
-    assert not hasattr(manager.block_pool, "hash_block_size")
-    with pytest.raises(UnsupportedSetting, match=r"block_pool\.hash_block_size"):
-        _ = manager.block_pool.hash_block_size
+    assert not hasattr(manager.block_pool, "cached_block_hash_to_block")
+    with pytest.raises(UnsupportedSetting, match=r"block_pool\.free_block_queue"):
+        _ = manager.block_pool.free_block_queue
     with pytest.raises(UnsupportedSetting, match=r"req_to_blocks"):
         _ = manager.coordinator.single_type_managers[0].req_to_blocks
     assert manager.block_pool.get_num_free_blocks() == 63
+
+
+@pytest.mark.parametrize("backend", ["reference", "optimized"])
+def test_the_block_pool_view_answers_and_evicts_as_vllms_block_pool(backend: Backend) -> None:
+    """What vLLM's aux-output connector reads (``block_pool.hash_block_size``, each group's
+    ``block_pool.get_cached_block``) and ``evict_blocks`` by id, against vLLM's own manager:
+    the same blocks for every hash and group, the same events, the same hits after."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    if backend == "optimized":
+        pytest.importorskip("torch")
+    init_none_hash(sha256_cbor)
+    hasher = get_request_block_hasher(16, sha256_cbor)
+    settings: dict[str, Any] = {"max_model_len": 512, "scheduler_block_size": 16}
+    settings |= {"hash_block_size": 16, "enable_kv_cache_events": True}
+    config = kv_cache_config_for("gemma3", 64, retention=None)
+
+    def run(manager: Any) -> list[Any]:
+        seen: list[Any] = [manager.block_pool.hash_block_size]
+        prompts = {"a": list(range(1, 101)), "b": [*range(1, 49), *range(500, 540)]}
+        requests = {}
+        for rid, prompt in prompts.items():
+            r = Request(rid, prompt, SamplingParams(max_tokens=8), None, block_hasher=hasher)
+            blocks, hit, _ = manager.get_computed_blocks(r)
+            assert manager.allocate_slots(r, r.num_tokens - hit, hit, blocks) is not None
+            r.num_computed_tokens = r.num_tokens
+            requests[rid] = r
+        manager.free(requests["a"])
+        ids = manager.get_block_ids("b")
+        hashes = [*requests["a"].block_hashes, *requests["b"].block_hashes, b"\x01" * 32]
+        groups = manager.coordinator.single_type_managers
+
+        def answers() -> list[Any]:
+            found = [
+                group.block_pool.get_cached_block(h, [g])
+                for h in hashes
+                for g, group in enumerate(groups)
+            ]
+            return [None if f is None else [b.block_id for b in f] for f in found]
+
+        manager.take_events()
+        seen.append(answers())
+        manager.block_pool.evict_blocks({ids[0][1], ids[0][4], ids[1][-1], 0})
+        seen.append(manager.take_events())
+        seen.append(answers())
+        manager.evict_blocks({ids[2][-1]})
+        seen.append(manager.take_events())
+        probe = Request("p", prompts["a"], SamplingParams(max_tokens=8), None, block_hasher=hasher)
+        seen.append(manager.get_computed_blocks(probe)[1])
+        return seen
+
+    expected = run(VllmManager(config, **settings))
+    assert expected[0] == 16
+    assert expected[3]  # the evictions were announced
+    assert run(_manager(backend=backend, **settings)) == expected
 
 
 def test_the_scheduler_view_matches_vllm() -> None:

@@ -17,10 +17,14 @@ What the scheduler reads and where it comes from:
 - ``record_prefix_cache_stats`` / ``make_prefix_cache_stats``: the core's counts (at admission,
   preempted requests apart, ``None`` with ``log_stats`` off) in vLLM's ``PrefixCacheStats``.
 - ``take_new_block_ids``: new attention blocks of each step (zeroing, Mamba hybrids).
-- ``coordinator``: a read-only view (``single_type_managers`` with ``block_size`` and
-  ``kv_cache_spec``, ``enable_partial_hash_hits``) for the scheduler's set-up arithmetic.
+- ``coordinator``: a read-only view (``single_type_managers`` with ``block_size``,
+  ``kv_cache_spec`` and ``block_pool``, ``enable_partial_hash_hits``) for the scheduler's
+  set-up arithmetic.
+- ``block_pool``: free blocks, usage, ``num_gpu_blocks``, ``hash_block_size``,
+  ``get_cached_block`` (what vLLM's aux-output connector reads) and ``evict_blocks`` (the
+  core's, as ``evict_blocks`` on the manager).
 - The KV connector hooks (``pop_blocks_for_free``, ``get_computed_blocks_for_connector``,
-  ``truncate_computed_blocks``, ``evict_blocks``, …) refuse: KV connectors are not supported.
+  ``truncate_computed_blocks``, …) refuse: KV connectors are not supported.
 """
 
 from __future__ import annotations
@@ -46,14 +50,25 @@ _CONNECTOR_WHY = "hybridkv's managers have no external KV source or deferred fre
 
 @dataclass(frozen=True)
 class GroupView:
-    """What the scheduler reads of a single-type manager: its block size and vLLM spec."""
+    """What the scheduler (and vLLM's aux-output connector) reads of a single-type manager:
+    its block size, vLLM spec and the block pool."""
 
     kv_cache_group_id: int
     block_size: int
     kv_cache_spec: Any
+    block_pool: Any = None
 
     def __getattr__(self, name: str) -> Any:
         raise _internals("single_type_managers[i]", name)
+
+
+@dataclass(frozen=True)
+class CachedBlockView:
+    """A block ``BlockPool.get_cached_block`` returns: its id and the hash it is cached under."""
+
+    block_id: int
+    block_hash: bytes
+    is_null: bool = False
 
 
 def _internals(owner: str, name: str) -> AttributeError:
@@ -100,6 +115,22 @@ class BlockPoolView:
     @property
     def num_gpu_blocks(self) -> int:
         return self._owner.config.num_blocks
+
+    @property
+    def hash_block_size(self) -> int:
+        return int(self._owner.core.hash_block_size)
+
+    def get_cached_block(
+        self, block_hash: bytes, kv_cache_group_ids: list[int]
+    ) -> list[CachedBlockView] | None:
+        """The first block cached under ``block_hash`` in each group, or ``None`` if any group
+        misses (the core's ``get_cached_block_ids``)."""
+        ids = self._owner.core.get_cached_block_ids(block_hash, kv_cache_group_ids)
+        return None if ids is None else [CachedBlockView(i, block_hash) for i in ids]
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Forget the cached keys of these blocks, in the set's order (the core's)."""
+        self._owner.core.evict_blocks(block_ids)
 
     def free_blocks(self, blocks: Iterable[Any]) -> None:
         """Only deferred frees of KV connectors hand blocks back here; they are refused."""
@@ -255,13 +286,13 @@ class KVCacheManager:
         self._stats_class = PrefixCacheStats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.num_kv_cache_groups = len(self.config.groups)
+        self.block_pool = BlockPoolView(self)
         self.coordinator = CoordinatorView(
             [
-                GroupView(i, group.kv_cache_spec.block_size, group.kv_cache_spec)
+                GroupView(i, group.kv_cache_spec.block_size, group.kv_cache_spec, self.block_pool)
                 for i, group in enumerate(kv_cache_config.kv_cache_groups)
             ]
         )
-        self.block_pool = BlockPoolView(self)
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
@@ -464,12 +495,14 @@ class KVCacheManager:
         """No connector hand-offs (KV connectors are refused)."""
         return {}
 
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Forget the cached keys of these blocks (``BlockPool.evict_blocks``): each keeps its
+        references and its place in the free queue; a ``BlockRemoved`` event per key."""
+        self.block_pool.evict_blocks(block_ids)
+
     # --- KV connector hooks: refused -----------------------------------------------------
 
     def pop_blocks_for_free(self, request: Any) -> list[Any]:
-        raise UnsupportedSetting(_CONNECTOR, _CONNECTOR_WHY)
-
-    def evict_blocks(self, block_ids: set[int]) -> None:
         raise UnsupportedSetting(_CONNECTOR, _CONNECTOR_WHY)
 
     def remove_skipped_blocks(self, *args: Any, **kwargs: Any) -> None:
