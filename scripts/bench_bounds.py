@@ -37,7 +37,7 @@ import torch  # noqa: TID251 (the optimized backend's int32 buffers, as it holds
 
 from hybridkv.bench import BLOCK, decode_blocks, gemma_like, tokens
 from hybridkv.optimized import TorchKVCacheManager
-from hybridkv.optimized import manager as manager_module
+from hybridkv.optimized import hits as hits_module
 from hybridkv.optimized.lookup import Lookup, TypeProbe
 from hybridkv.reference import Request
 from hybridkv.reference.request import pack_token_ids
@@ -301,7 +301,7 @@ def lookup_split(length: int = 131_072, repeat: int = 9) -> None:
     manager.allocate_slots(first, length)
     manager.free(first)
     spent = {"runs": 0.0, "the hit read as tuples, after the call": 0.0}
-    run, lead = Lookup.source_run, manager_module.lead_run
+    run, lead = Lookup.source_run, hits_module.lead_run
 
     def timed_run(
         self: Lookup, lo: int, hi: int, group_ids: Sequence[int], first: int | None = None
@@ -320,7 +320,7 @@ def lookup_split(length: int = 131_072, repeat: int = 9) -> None:
             spent["runs"] += time.perf_counter() - start
 
     Lookup.source_run = timed_run  # type: ignore[method-assign]
-    manager_module.lead_run = timed_lead
+    hits_module.lead_run = timed_lead
     try:
         totals = []
         for i in range(repeat):
@@ -333,7 +333,7 @@ def lookup_split(length: int = 131_072, repeat: int = 9) -> None:
             spent["the hit read as tuples, after the call"] += time.perf_counter() - start
     finally:
         Lookup.source_run = run  # type: ignore[method-assign]
-        manager_module.lead_run = lead
+        hits_module.lead_run = lead
     print(
         f"optimized lookup of a fully cached {length:,}-token prompt: "
         f"{statistics.median(totals) * 1e6:,.0f} µs (median)"
