@@ -56,11 +56,12 @@ def test_alpha_weighs_flops_per_byte_against_recency(alpha: float, order: list[i
     assert policy.score(3, stamp) == alpha * math.log2(1 + 70.0) + (1 - alpha) * stamp / horizon
 
 
-def test_on_the_document_example_chain_interiors_go_last() -> None:
-    """After a and b (a's first three blocks, then its own) are freed: the 13 blocks without
-    a key, then the candidates by score (every window block, and the last full block of each
-    chain: a's 6 and b's 28), then the full-attention blocks with a cached child by score."""
-    policy = CostPolicy()
+def test_with_marconis_candidates_chain_interiors_go_last_on_the_document_example() -> None:
+    """``candidates_first`` at Marconi's α = 0.5, after a and b (a's first three blocks, then
+    its own) are freed: the 13 blocks without a key, then the candidates by score (every window
+    block, and the last full block of each chain: a's 6 and b's 28), then the full-attention
+    blocks with a cached child by score."""
+    policy = CostPolicy(alpha=0.5, candidates_first=True)
     manager = KVCacheManager(document_config(41), max_model_len=64, eviction_policy=policy)
     a = admit(manager, "a", [*range(24), 7])
     b = admit(manager, "b", [*range(12), *range(500, 512), 7])
@@ -74,6 +75,32 @@ def test_on_the_document_example_chain_interiors_go_last() -> None:
                             16, 30, 17]  # fmt: skip
     assert order[33:] == [4, 1, 5, 2, 3, 22, 23]
     manager.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("candidates_first", "order"), [(False, [5, 1, 2, 3]), (True, [5, 2, 3, 1])]
+)
+def test_an_older_chain_interior_goes_before_a_newer_leaf_by_default(
+    candidates_first: bool, order: list[int]
+) -> None:
+    """A two-block chain (1, then 2 under it) freed before a one-block prompt (3); block 5
+    holds no key. By default every keyed block ranks by score, so the older chain goes first,
+    interior included; with Marconi's candidates the interior 1 waits behind the newer leaf 3."""
+    policy = CostPolicy(candidates_first=candidates_first)
+    policy.released([1, 2, 3, 5], [])
+    for block_id, name, parent, tokens in ((1, b"a0", None, 4), (2, b"a1", b"a0", 8)):
+        policy.cached(CachedBlock(block_id, name, 0, FULL, parent, tokens))
+    policy.cached(CachedBlock(3, b"b0", 0, FULL, None, 4))
+    policy.touched([1, 2, 3])
+    policy.released([], [1, 2])
+    policy.released([], [3])
+    assert list(policy.choose(4)) == order
+
+
+def test_the_default_alpha_is_recency_first() -> None:
+    """α = 0.02: a whole pool's worth of releases outweighs 49 bits of FLOPs per byte."""
+    assert CostPolicy().alpha == 0.02
+    assert CostPolicy().candidates_first is False
 
 
 def test_a_bad_alpha_is_refused_by_name() -> None:

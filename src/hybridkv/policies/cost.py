@@ -3,12 +3,23 @@
 Rule (Marconi, Pan et al., MLSys'25, "Marconi: Prefix Caching for the Era of Hybrid LLMs";
 ``ruipeterpan/marconi`` ``radix_cache_hybrid.py:503-560``): every candidate gets
 ``α · efficiency + (1 − α) · recency`` and the minimum is evicted, where efficiency is the
-recompute FLOPs the cached entry saves per byte it frees. Marconi's candidates are the radix
-nodes with at most one child: evicting one never cuts another entry's prefix. Here, in order:
-free blocks without a key (nothing to lose, as in vLLM's queue), then blocks that can serve no
-hit (``hybrid``'s rule, least recently released first), then the candidates by score (blocks
-with no full-attention key that has a cached child: window blocks, Mamba states, the ends of
-full-attention chains), then full-attention chain interiors by score.
+recompute FLOPs the cached entry saves per byte it frees. Here, in order: free blocks without a
+key (nothing to lose, as in vLLM's queue), then blocks that can serve no hit (``hybrid``'s
+rule, least recently released first), then every other free block by score.
+
+Marconi's candidates are the radix nodes with at most one child (evicting one never cuts
+another entry's prefix); ``candidates_first=True`` keeps that split, the blocks with no
+full-attention key that has a cached child (window blocks, Mamba states, the ends of
+full-attention chains) by score before the chain interiors by score. It is off by default, and
+α is 0.02, not Marconi's 0.5, because both were measured to lose hits on this project's policy
+table (``python -m hybridkv.lab.policy_table``, docs/eviction.md): with the split, at α from 0.5
+down to 0.02, gpt-oss-120b ``mixed`` at 2 GiB hit 46.9-47.5 % against LRU's 70.0 % (a chain's
+interior, kept until no leaf is left, outlives the recent prompts' leaves); without it, α = 0.1
+and 0.2 still lost 2 points at 1 GiB, and at α = 0.02 no cell of gpt-oss-120b, gemma-3-27b-it
+or Jamba-v0.1 fell more than 0.4 points below LRU while Jamba-v0.1 kept +9.5 to +16.9 points.
+At 0.02 the efficiency term (6-17 bits for these models' blocks and states) weighs as a tenth
+to a third of a pool's worth of releases: LRU, with Mamba states and long-prefix blocks kept a
+little longer.
 
 Adapted so that each block's score is fixed when it is released (a heap then orders the free
 blocks in O(log n); the structure comes from ``hybrid``'s incremental key trees; Marconi
@@ -19,7 +30,7 @@ eviction):
   page size (``page_size_bytes``: one block of one layer, or one padded Mamba state);
 * recency is the release stamp divided by the pool's block count: one more unit per pool's
   worth of releases, so a block released a whole pool later is worth ``(1 − α) / α`` bits
-  of efficiency (one bit at the default ``α = 0.5``).
+  of efficiency (49 bits at the default ``α = 0.02``, one bit at Marconi's 0.5).
 
 FLOPs model, per layer, for a block whose key names a prefix of ``P`` tokens (``w`` =
 ``num_kv_heads × head_size``, ``b`` = tokens in the block): attention recomputes ``b`` tokens
@@ -41,7 +52,7 @@ from hybridkv.policies.hybrid import NO_KEY, USELESS, HybridPolicy
 from hybridkv.policies.key_tree import window_of
 from hybridkv.policies.protocol import CachedBlock
 
-DEFAULT_ALPHA = 0.5
+DEFAULT_ALPHA = 0.02
 CANDIDATE, CHAIN = 2, 3
 DEFAULT_MAMBA_FLOPS_PER_STATE_BYTE = 6.0
 
@@ -65,7 +76,8 @@ def recompute_flops(block: CachedBlock, mamba_flops_per_state_byte: float) -> fl
 
 
 class CostPolicy(HybridPolicy):
-    """Evict the candidate of least ``α · log2(1 + FLOPs/byte) + (1 − α) · recency``."""
+    """Evict the block of least ``α · log2(1 + FLOPs/byte) + (1 − α) · recency`` (with
+    ``candidates_first``, Marconi's candidates before the chain interiors)."""
 
     name = "cost"
 
@@ -73,6 +85,8 @@ class CostPolicy(HybridPolicy):
         self,
         alpha: float = DEFAULT_ALPHA,
         mamba_flops_per_state_byte: float = DEFAULT_MAMBA_FLOPS_PER_STATE_BYTE,
+        *,
+        candidates_first: bool = False,
     ) -> None:
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
@@ -82,6 +96,7 @@ class CostPolicy(HybridPolicy):
             )
         self.alpha = alpha
         self.mamba_flops_per_state_byte = mamba_flops_per_state_byte
+        self.candidates_first = candidates_first
         self._efficiency: dict[int, float] = {}  # block -> FLOPs per byte of its keys
         self._horizon = 0
         super().__init__()
@@ -118,16 +133,14 @@ class CostPolicy(HybridPolicy):
         return self.alpha * math.log2(1.0 + efficiency) + (1.0 - self.alpha) * recency
 
     def sort_key(self, block_id: int, stamp: int) -> tuple[float, ...]:
-        """No key, then useless (release order), then candidates, then chain interiors, each
-        by score."""
+        """No key, then useless (release order), then the rest by score (with
+        ``candidates_first``: candidates, then chain interiors, each by score)."""
         tier = self.tier(block_id)
         if tier in (NO_KEY, USELESS):
             return (tier, stamp)
-        return (
-            CANDIDATE if self._candidate(block_id) else CHAIN,
-            self.score(block_id, stamp),
-            stamp,
-        )
+        if self.candidates_first and not self._candidate(block_id):
+            return (CHAIN, self.score(block_id, stamp), stamp)
+        return (CANDIDATE, self.score(block_id, stamp), stamp)
 
     def _candidate(self, block_id: int) -> bool:
         """Marconi's candidates: no full-attention key of the block has a cached child."""
