@@ -213,8 +213,17 @@ def test_a_replay_config_that_contradicts_the_engines_admission_is_refused() -> 
 
 
 def test_a_retention_that_is_not_tokens_is_refused_by_name() -> None:
+    """One rule for the replay's engine and the check's run config (``retention_interval``)."""
+    from hybridkv.integrations.vllm.check import RunConfig
+
     with pytest.raises(ValueError, match="retention must be 'defaults', None"):
         VllmEngine(_layout(), 9, "vllm", retention=-16)
+    for bad in (-16, True, "512"):
+        with pytest.raises(ValueError, match=r"tokens >= 0, got"):
+            _ = RunConfig(retention=bad).retention_interval
+    assert RunConfig(retention=None).retention_interval is None
+    assert RunConfig(defaults="unit").retention_interval is None
+    assert RunConfig(retention=512).retention_interval == 512
 
 
 def test_without_prefix_caching_every_manager_counts_admissions_and_hits_nothing() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridkv.integrations.vllm.check import reserves_full_sequence, retention_interval
 from hybridkv.integrations.vllm.model_layout import ModelLayout
 
 MANAGERS = ("vllm", "reference", "optimized")
@@ -43,13 +44,7 @@ class VllmEngine:
             raise ValueError(f"defaults must be 'engine' or 'unit', got {self.defaults!r}")
         if self.manager == "vllm" and self.eviction_policy != "lru":
             raise ValueError(f"vLLM's own manager evicts lru only, not {self.eviction_policy!r}")
-        retention = self.retention
-        if retention != "defaults" and not (
-            retention is None or (type(retention) is int and retention >= 0)
-        ):
-            raise ValueError(
-                f"retention must be 'defaults', None (dense) or tokens >= 0, got {retention!r}"
-            )
+        retention_interval(self.retention, self.defaults)  # ValueError naming a bad one
 
     @property
     def is_async(self) -> bool:
@@ -61,9 +56,7 @@ class VllmEngine:
     @property
     def reserves_full_sequence(self) -> bool:
         """Full-sequence admission (the engine defaults'), unless set apart."""
-        if self.full_prompt_admission is None:
-            return self.defaults == "engine"
-        return self.full_prompt_admission
+        return reserves_full_sequence(self.full_prompt_admission, self.defaults)
 
     @property
     def depth(self) -> int:

@@ -125,20 +125,12 @@ class RunConfig:
     @property
     def retention_interval(self) -> int | None:
         """The retention interval the run gives vLLM (``None``: dense)."""
-        if self.retention == "defaults":
-            return 0 if self.defaults == "engine" else None
-        if self.retention is not None and not isinstance(self.retention, int):
-            raise ValueError(
-                f"retention must be 'defaults', None or tokens, got {self.retention!r}"
-            )
-        return self.retention
+        return retention_interval(self.retention, self.defaults)
 
     @property
     def reserves_full_sequence(self) -> bool:
         """Whether the scheduler admits a request only when its whole sequence fits."""
-        if self.full_prompt_admission is None:
-            return self.defaults == "engine"
-        return self.full_prompt_admission
+        return reserves_full_sequence(self.full_prompt_admission, self.defaults)
 
     def kv_cache_config(self) -> Any:
         """vLLM's ``KVCacheConfig`` of the run: the layout's or the model's groups, the pool,
@@ -152,6 +144,24 @@ class RunConfig:
             retention=retention,
             mamba_cache_mode="align" if self.prefix_caching else "none",
         )
+
+
+def retention_interval(retention: int | str | None, defaults: str) -> int | None:
+    """``prefix_cache_retention_interval`` for ``retention`` under ``defaults``: ``"defaults"``
+    is an engine's 0 and a unit test's dense (``None``); ``ValueError`` unless it is that,
+    ``None`` or tokens ``>= 0``."""
+    if retention == "defaults":
+        return 0 if defaults == "engine" else None
+    if retention is None or (type(retention) is int and retention >= 0):
+        return retention
+    raise ValueError(
+        f"retention must be 'defaults', None (dense) or tokens >= 0, got {retention!r}"
+    )
+
+
+def reserves_full_sequence(full_prompt_admission: bool | None, defaults: str) -> bool:
+    """``scheduler_reserve_full_isl``: the setting, or (``None``) the engine defaults' on."""
+    return defaults == "engine" if full_prompt_admission is None else full_prompt_admission
 
 
 def kv_cache_config_for(

@@ -56,7 +56,7 @@ class GroupView:
     kv_cache_group_id: int
     block_size: int
     kv_cache_spec: Any
-    block_pool: Any = None
+    block_pool: Any
 
     def __getattr__(self, name: str) -> Any:
         raise _internals("single_type_managers[i]", name)
