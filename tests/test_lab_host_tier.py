@@ -8,7 +8,9 @@ from hybridkv.block_trace import BlockTraceRequest
 from hybridkv.lab import CostModel, Replay, ReplayConfig
 from hybridkv.lab.host_tier import FULL, STATE, GroupNeed, HostTier, key_bytes
 from hybridkv.reference import KVCacheManager, Request
-from hybridkv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
+from hybridkv.reference.block_hash import BlockHash
+from hybridkv.reference.events import BlockRemoved, BlockStored
+from hybridkv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, SlidingWindowSpec
 
 FULL_AND_WINDOW = (GroupNeed(FULL, 100), GroupNeed(2, 300))
 """A full-attention group of 100-byte blocks and a 2-block window of 300-byte blocks."""
@@ -97,3 +99,86 @@ def test_a_replay_moves_evicted_blocks_to_the_host_and_hits_them() -> None:
     result = replay.run()
     assert (result.hit_tokens, result.host_hit_tokens, result.bound_hit_tokens) == (0, 12, 12)
     assert result.host_hit_rate == pytest.approx(12 / 39)
+
+
+@pytest.mark.parametrize(
+    ("accounting", "stored", "at_end"),
+    [
+        ("hybrid", [(11, 1), (15, 1), (15, 2), (23, 1), (23, 2)], [(27, 1), (31, 1), (31, 2)]),
+        ("vllm", [], []),
+    ],
+)
+def test_the_hybrid_aware_tier_writes_each_trace_boundarys_window_as_it_is_computed(
+    accounting: str, stored: list[tuple[int, int]], at_end: list[tuple[int, int]]
+) -> None:
+    """Trace blocks of 8 tokens, ids [1, 2, 3]: computing tokens 0-16 crosses the boundaries
+    at 8 and 16, whose last manager blocks are 1 (ending at token 1×8+7 = 15) and 3 (ending at
+    23). The 2-block window stores blocks 0-1 and 2-3 but block 2 (token 19), which the GPU
+    holds cached; the Mamba group stores the states 15 and 23; the full-attention group nothing
+    (the GPU evicts it to the host). vLLM's accounting stores only what the pool evicts."""
+    needs = (GroupNeed(FULL, 1), GroupNeed(2, 1), GroupNeed(STATE, 1))
+    host = HostTier(10_000, needs, accounting=accounting, block_size=4)
+    host.observe(
+        [BlockStored((BlockHash(b"h"),), None, tuple(range(16, 20)), 4, None, None, None, None, 1)]
+    )
+    trace = _trace(0, 24, [1, 2, 3])
+    host.computed(trace, 0, 17)
+    assert sorted(host.keys) == stored
+    host.computed(trace, 17, 23)  # the boundary at 24 not yet computed
+    assert sorted(host.keys) == stored
+    host.computed(trace, 23, 24)  # the prompt's end: blocks 4-5 end at tokens 27 and 31
+    assert sorted(host.keys) == sorted(stored + at_end)
+
+
+def test_a_block_the_gpu_still_caches_counts_as_held_for_a_host_hit() -> None:
+    """The GPU holds the full-attention chain (tokens 11, 15, 19) but not the window; the
+    host's window blocks 1-2 complete a 12-token hit. Evicted, the chain's keys move to the
+    host's keys and no longer to the GPU's."""
+    host = HostTier(10_000, FULL_AND_WINDOW, block_size=4)
+    hashes = (BlockHash(b"a"), BlockHash(b"b"), BlockHash(b"c"))
+    stored = BlockStored(hashes, None, (0, 0, 0, 11, 0, 0, 0, 15, 0, 0, 0, 19), 4, None, None, None)
+    host.observe([stored])
+    assert host.gpu_keys == {(11, 0), (15, 0), (19, 0)}
+    trace = _trace(0, 16, [1, 2])
+    assert host.hit_tokens(trace, 0) == 0  # the window is on neither tier
+    host.store((15, 1))
+    host.store((19, 1))
+    assert host.hit_tokens(trace, 0) == 12
+    host.observe([BlockRemoved(hashes, None, None)])
+    assert host.gpu_keys == set()
+    assert list(host.keys)[-3:] == [(11, 0), (15, 0), (19, 0)]
+
+
+@pytest.mark.parametrize(("accounting", "host_hit"), [("hybrid", 8), ("vllm", 0)])
+def test_under_sparse_retention_only_the_hybrid_aware_tier_holds_a_mid_prompt_window(
+    accounting: str, host_hit: int
+) -> None:
+    """Full + 4-token sliding window, 4-token blocks, sparse retention (the engine's default):
+    request 0 ([1, 2]) leaves its full-attention chain and only its final window cached. Request
+    1 ([1, 5]) shares the first trace block (8 tokens, the bound) but the GPU lacks the window
+    ending there; the hybrid-aware tier wrote it while request 0 computed it."""
+    sizes = {"num_kv_heads": 1, "head_size": 8, "dtype_bytes": 2}
+    full = FullAttentionSpec(block_size=4, **sizes)
+    window = SlidingWindowSpec(block_size=4, sliding_window=4, **sizes)
+    groups = (KVCacheGroup(("f",), full), KVCacheGroup(("w",), window))
+    config = KVCacheConfig(40, groups, prefix_cache_retention_interval=0)
+    manager = KVCacheManager(config, max_model_len=64, enable_kv_cache_events=True)
+    needs = (GroupNeed(FULL, full.page_size_bytes), GroupNeed(2, window.page_size_bytes))
+    host = HostTier(1 << 20, needs, accounting=accounting, block_size=4)
+    trace = [
+        BlockTraceRequest(i, t, 16, 1, tuple(ids), 8)
+        for i, (t, ids) in enumerate(((0, [1, 2]), (50, [1, 5])))
+    ]
+    replay = Replay(
+        manager,
+        trace,
+        lambda rid, tokens: Request(rid, tokens, hash_block_size=4),
+        block_size=4,
+        config=ReplayConfig(max_num_batched_tokens=64, cost_model=CostModel(1.0, 0, 0, 0)),
+        group_block_sizes=[4, 4],
+        events=manager.take_events,
+        host=host,
+    )
+    result = replay.run()
+    assert (result.hit_tokens, result.host_hit_tokens, result.bound_hit_tokens) == (0, host_hit, 8)
+    assert host.unnamed == 0  # the sparse window runs named by the step's requests

@@ -292,7 +292,8 @@ class ReplayProgress:
     default="vllm,hybrid",
     show_default=True,
     help="vllm: a chunk of every group's pages per (hash, group) key, as vLLM 0.33's "
-    "OffloadingConnector; hybrid: each group's own pages. A comma list runs both.",
+    "OffloadingConnector; hybrid: each group's own pages, and each window's last blocks at "
+    "every trace block boundary written as computed. A comma list runs both.",
 )
 @click.option("--max-model-len", type=click.IntRange(min=1), default=262144, show_default=True)
 @model_options(max_num_batched_tokens=8192)

@@ -15,17 +15,29 @@ What a key costs, the two accountings of issue 24 item 7:
   its bytes suggest (``vllm/v1/kv_offload/cpu/spec.py``, vllm#56871);
 * ``hybrid`` (hybrid-aware): each key takes its own group's pages only.
 
+What the hybrid-aware tier also writes: a windowed or Mamba group's blocks the GPU pool never
+caches. Under the engine's sparse retention (``prefix_cache_retention_interval=0``) the pool
+caches a request's sliding-window blocks only at its end, so nothing it evicts holds the window
+a mid-prompt hit needs. The hybrid-aware tier stores, as the step computes them, the last
+window (a Mamba group: the state) at each boundary of the trace's own blocks, the only places a
+hit on a block-hash trace can end (two prompts share whole trace blocks). vLLM's accounting
+does not: its connector's store mask is the pool's own retention rule (``reachable_block_mask``,
+``../shared/notes``), which is what the pool caches and later evicts.
+
 A host hit continues a GPU hit. Ending at block ``k`` (``(k + 1) × block_size`` tokens) needs
 on the host, for the blocks past the GPU hit: a full-attention group every block up to ``k``,
 a windowed group (sliding window or attention chunk) the blocks of its last window, a Mamba
-group the state of block ``k``. Loading takes ``bytes / bandwidth``: the replay adds it to the
-step that computes those tokens instead of prefilling them.
+group the state of block ``k``. A block still cached on the GPU counts as held (a
+full-attention chain the GPU keeps while its window went to the host): vLLM's connector stores
+every block it computes, so its host holds those blocks too, here without their bytes.
+Loading takes ``bytes / bandwidth``: the replay adds it to the step that computes those tokens
+instead of prefilling them.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from hybridkv.block_trace import BlockTraceRequest
@@ -87,24 +99,67 @@ class HostTier:
         self.stores = 0
         self.keys: OrderedDict[HostKey, None] = OrderedDict()
         self.on_gpu: dict[tuple[object, int], int] = {}
+        self.gpu_keys: set[HostKey] = set()
+        """The keys of ``on_gpu``'s blocks: what the GPU pool holds cached now."""
+        self.unnamed = 0
+        """Stored blocks no position or ``locate`` named (never moved to the host)."""
 
     # --- What the GPU pool evicts ----------------------------------------------------------
 
-    def observe(self, events: Sequence[object]) -> None:
-        """Learn the keys of blocks the GPU caches; move the ones it evicts to the host."""
+    def observe(
+        self, events: Sequence[object], locate: Callable[[], Mapping[object, int]] | None = None
+    ) -> None:
+        """Learn the keys of blocks the GPU caches; move the ones it evicts to the host.
+
+        A run that stores every position names each block by its position; a sparse one (a
+        windowed group under sparse retention stores some positions of its run) by
+        ``locate()``: block hash → key token of the blocks the step's requests hold."""
+        located: Mapping[object, int] | None = None
         for event in events:
             if isinstance(event, BlockStored):
                 group = event.group_idx or 0
                 size = event.block_size
                 tokens = event.token_ids
+                dense = len(event.block_hashes) * size == len(tokens)
+                if not dense and located is None:
+                    located = {} if locate is None else locate()
                 for i, block_hash in enumerate(event.block_hashes):
-                    self.on_gpu[(block_hash, group)] = tokens[(i + 1) * size - 1]
+                    if dense:
+                        token = tokens[(i + 1) * size - 1]
+                    elif (named := located.get(block_hash)) is not None:  # type: ignore[union-attr]
+                        token = named
+                    else:
+                        self.unnamed += 1
+                        continue
+                    self.on_gpu[(block_hash, group)] = token
+                    self.gpu_keys.add((token, group))
             elif isinstance(event, BlockRemoved):
                 group = event.group_idx or 0
                 for block_hash in event.block_hashes:
-                    token = self.on_gpu.pop((block_hash, group), None)
-                    if token is not None:
-                        self.store((token, group))
+                    evicted = self.on_gpu.pop((block_hash, group), None)
+                    if evicted is not None:
+                        self.gpu_keys.discard((evicted, group))
+                        self.store((evicted, group))
+
+    def computed(self, trace: BlockTraceRequest, start: int, end: int) -> None:
+        """A step computed prompt tokens ``[start, end)`` of ``trace``: the hybrid-aware tier
+        stores each windowed group's last window, and each Mamba group's state, at every trace
+        block boundary in ``(start, end]`` whose blocks the GPU pool does not hold cached."""
+        if self.accounting != "hybrid":
+            return
+        end = min(end, trace.input_length)
+        step = trace.block_tokens
+        for boundary in range((start // step + 1) * step, end + 1, step):
+            last = boundary // self.block_size - 1
+            if last < 0:
+                continue
+            for g, need in enumerate(self.needs):
+                if need.window_blocks == FULL:
+                    continue  # cached on the GPU, evicted to the host
+                first = last if need.window_blocks == STATE else last + 1 - need.window_blocks
+                for j in range(max(0, first), last + 1):
+                    if (key := (self.key_token(trace, j), g)) not in self.gpu_keys:
+                        self.store(key)
 
     def store(self, key: HostKey) -> None:
         """Put ``key`` at the LRU tail, evicting the head until it fits."""
@@ -132,7 +187,7 @@ class HostTier:
         best = first
         for k in range(first, last):
             if any(
-                need.window_blocks == FULL and (self._key(trace, k), g) not in self.keys
+                need.window_blocks == FULL and not self._held((self.key_token(trace, k), g))
                 for g, need in enumerate(self.needs)
             ):
                 break  # a full-attention chain ends here
@@ -140,7 +195,7 @@ class HostTier:
                 best = k + 1
         for k in range(first, best):
             for g in range(len(self.needs)):
-                if (key := (self._key(trace, k), g)) in self.keys:
+                if (key := (self.key_token(trace, k), g)) in self.keys:
                     self.keys.move_to_end(key)
         return (best - first) * size
 
@@ -148,9 +203,17 @@ class HostTier:
         if need.window_blocks == FULL:
             return True  # checked block by block
         start = k if need.window_blocks == STATE else max(first, k + 1 - need.window_blocks)
-        return all((self._key(trace, j), g) in self.keys for j in range(start, k + 1))
+        return all(self._held((self.key_token(trace, j), g)) for j in range(start, k + 1))
 
-    def _key(self, trace: BlockTraceRequest, k: int) -> int:
+    def _held(self, key: HostKey) -> bool:
+        return key in self.keys or key in self.gpu_keys
+
+    def margin_blocks(self) -> int:
+        """Blocks before a step's first computed block that a sparse run may store (the
+        longest window's)."""
+        return max((need.window_blocks for need in self.needs), default=0)
+
+    def key_token(self, trace: BlockTraceRequest, k: int) -> int:
         """The token id at the end of block ``k`` of ``trace``'s prompt."""
         position = (k + 1) * self.block_size - 1
         return trace.hash_ids[position // trace.block_tokens] * trace.block_tokens + (

@@ -192,12 +192,33 @@ class Replay:
         self.now_ms += self.config.cost_model.step_ms(prefill, decode, context)
         if self.host is not None and loaded:
             self.now_ms += self.host.load_ms(loaded)
+        host = self.host
+        starts = [] if host is None else [live.request.num_computed_tokens for live, _ in scheduled]
         self._advance(scheduled)
         if self.events is not None:
             events = self._call(self.events)
             self._count_evictions(events)
-            if self.host is not None:
-                self.host.observe(events)
+            if host is not None:
+                host.observe(events, lambda: self._block_keys(host, scheduled, starts))
+        if host is not None:
+            for (live, num_new), start in zip(scheduled, starts, strict=True):
+                if start < live.trace.input_length:
+                    host.computed(live.trace, start, start + num_new)
+
+    def _block_keys(
+        self, host: HostTier, scheduled: list[tuple[_Live, int]], starts: list[int]
+    ) -> dict[object, int]:
+        """Block hash → the host tier's key token, for the blocks this step's requests may
+        have cached: from a window before their first computed block to their last."""
+        keys: dict[object, int] = {}
+        size = self.block_size
+        margin = host.margin_blocks()
+        for (live, num_new), start in zip(scheduled, starts, strict=True):
+            hashes = live.request.block_hashes
+            last = min(len(hashes), (start + num_new) // size, live.trace.input_length // size)
+            for j in range(max(0, start // size - margin), last):
+                keys[hashes[j]] = host.key_token(live.trace, j)
+        return keys
 
     def _count_evictions(self, events: Sequence[object]) -> None:
         """Each ``BlockRemoved`` is one cached (hash, group) key whose block new tokens took."""
