@@ -79,12 +79,13 @@ class EventBuilder:
     the lookahead hashing setting. Why each field has its value:
 
     - ``lora_id``, ``lora_name``: ``None``: the core has no LoRA (vLLM sets them from the
-      request's LoRA adapter; engines refuse LoRA requests).
+      request's LoRA adapter: ``lora``, which an engine's builder overrides).
     - ``medium``: ``MEDIUM_GPU``: the pool is the device tier (vLLM's block pool default).
     - ``extra_keys``: one entry per stored block, as vLLM's ``to_event_extra_keys`` publishes the
       keys of each block's hash: ``(cache_salt,)`` for the block starting at token 0 of a
       request with a (non-empty) salt, ``None`` for every other block (the core hashes no LoRA,
-      multimodal or prompt-embedding keys); ``None`` when no block was stored.
+      multimodal or prompt-embedding keys; ``extra_keys``, which an engine's builder overrides
+      with its requests' keys); ``None`` when no block was stored.
     - ``group_idx``: the KV cache group of the blocks.
     - ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``: the group's (see above; vLLM's
       manager annotates them in ``take_events``).
@@ -123,6 +124,22 @@ class EventBuilder:
             [event_metadata(group.spec) for group in config.groups], num_hash_lookahead_tokens
         )
 
+    def extra_keys(
+        self, request: Any, positions: Sequence[int], block_size: int
+    ) -> Sequence[tuple[Any, ...] | None] | None:
+        """One entry per stored block (at ``positions``), ``None`` when none was stored: the
+        salt on the block starting at token 0, as the core hashes it. An engine whose requests
+        carry more keys (LoRA, multimodal inputs, prompt embeddings) overrides this."""
+        if not positions:
+            return None
+        salt = request.cache_salt
+        first = (salt,) if salt and positions[0] == 0 else None
+        return self.sequence((first,) + (None,) * (len(positions) - 1))
+
+    def lora(self, request: Any) -> tuple[int | None, str | None]:
+        """``lora_id`` and ``lora_name`` of ``request``'s events: the core has no LoRA."""
+        return None, None
+
     def stored(
         self,
         request: Any,
@@ -138,11 +155,8 @@ class EventBuilder:
         ``block_size``, one per hash, ascending) of the run of tokens ``start … end − 1``."""
         seq, convert = self.sequence, self.convert_hash
         tokens = request.all_token_ids
-        extra_keys: Sequence[tuple[Any, ...] | None] | None = None
-        if positions:
-            salt = request.cache_salt
-            first = (salt,) if salt and positions[0] == 0 else None
-            extra_keys = seq((first,) + (None,) * (len(positions) - 1))
+        extra_keys = self.extra_keys(request, positions, block_size)
+        lora_id, lora_name = self.lora(request)
         lookahead: Sequence[Sequence[int]] | None = None
         if self.num_hash_lookahead_tokens:
             n = self.num_hash_lookahead_tokens
@@ -161,9 +175,9 @@ class EventBuilder:
             parent,
             seq(tokens[start:end]),
             block_size,
-            None,  # lora_id
+            lora_id,
             MEDIUM_GPU,
-            None,  # lora_name
+            lora_name,
             extra_keys,
             group_idx,
             kind,

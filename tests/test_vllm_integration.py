@@ -318,3 +318,99 @@ def test_events_of_salted_and_session_requests_equal_vllms_own_managers(
     assert any(e.session_id == "chat-1" for step in expected for e in step)
     assert any(e.extra_keys and e.extra_keys[0] == ("tenant-1",) for step in expected for e in step)
     assert run(KVCacheManager(config, backend=backend, **settings)) == expected
+
+
+@pytest.mark.parametrize("backend", ["reference", "optimized"])
+@pytest.mark.parametrize("lookahead", [0, 1], ids=["plain", "lookahead"])
+def test_events_of_lora_multimodal_and_embedding_requests_equal_vllms_own_managers(
+    backend: Backend, lookahead: int
+) -> None:
+    """Requests with a LoRA adapter, with two images (one across a block boundary, one shared
+    by a second request at another offset) and with prompt embeddings, beside a salted one:
+    the hits and every event field (``extra_keys`` untagged, ``lora_id``, ``lora_name``) as
+    vLLM's own manager gives them, through the integration."""
+    torch = pytest.importorskip("torch")
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256_cbor)
+    settings: dict[str, Any] = {
+        "max_model_len": 512,
+        "scheduler_block_size": 16,
+        "hash_block_size": 16,
+        "enable_kv_cache_events": True,
+        "num_hash_lookahead_tokens": lookahead,
+    }
+    hasher = get_request_block_hasher(16, sha256_cbor, lookahead)
+    config = kv_cache_config_for("gemma3", 64, retention=None)
+    lora = LoRARequest("adapter-a", 7, "/adapters/a")
+    embeds = torch.arange(40 * 8, dtype=torch.float32).reshape(40, 8)
+
+    def image(identifier: str, offset: int, length: int) -> Any:
+        return MultiModalFeatureSpec(
+            data=MultiModalKwargsItem.dummy(),
+            mm_position=PlaceholderRange(offset=offset, length=length),
+            identifier=identifier,
+            modality="image",
+        )
+
+    def run(manager: Any) -> tuple[list[Any], list[int]]:
+        params = SamplingParams(max_tokens=64)
+        requests = [
+            Request(
+                "lora", list(range(1, 41)), params, None, lora_request=lora, block_hasher=hasher
+            ),
+            Request(
+                "lora-again",
+                list(range(1, 41)),
+                params,
+                None,
+                lora_request=lora,
+                block_hasher=hasher,
+            ),
+            Request(
+                "images",
+                list(range(1, 49)),
+                params,
+                None,
+                block_hasher=hasher,
+                mm_features=[image("cat", 10, 12), image("dog", 36, 4)],
+            ),
+            Request(
+                "dog-again",
+                [*range(1, 17), *range(60, 92)],
+                params,
+                None,
+                block_hasher=hasher,
+                mm_features=[image("dog", 20, 4)],
+                cache_salt="t",
+            ),
+            Request("embeds", [0] * 40, params, None, block_hasher=hasher, prompt_embeds=embeds),
+        ]
+        events: list[Any] = []
+        hits: list[int] = []
+        for r in requests:
+            blocks, hit, _ = manager.get_computed_blocks(r)
+            hits.append(hit)
+            assert manager.allocate_slots(r, r.num_tokens - hit, hit, blocks) is not None
+            r.num_computed_tokens = r.num_tokens
+            events.append(manager.take_events())
+        for token in range(100, 120):
+            for r in requests[2:]:
+                r.append_output_token_ids([token])
+                assert manager.allocate_slots(r, 1) is not None
+                r.num_computed_tokens = r.num_tokens
+            events.append(manager.take_events())
+        return events, hits
+
+    expected, hits = run(VllmManager(config, **settings))
+    stored = [e for step in expected for e in step if type(e).__name__ == "BlockStored"]
+    assert hits == [0, 32, 0, 0, 0]  # the LoRA prompt again: two blocks (one token left)
+    assert any(e.lora_name == "adapter-a" and e.lora_id == 7 for e in stored)
+    assert any(e.extra_keys and ("cat", 10) in (e.extra_keys[0] or ()) for e in stored)
+    assert run(KVCacheManager(config, backend=backend, **settings)) == (expected, hits)

@@ -313,9 +313,6 @@ class KVCacheManager:
             if zeroing and not group.spec.holds_state
         )
         self._new_block_ids: list[int] = []
-        # Requests whose settings were checked (until freed): a decode step does not check
-        # them again (their LoRA, multimodal inputs and embeddings never change).
-        self._checked: dict[str, Any] = {}
         from vllm.v1.request import RequestStatus
 
         self._waiting_statuses = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -355,31 +352,10 @@ class KVCacheManager:
 
     # --- The scheduler's calls -----------------------------------------------------------
 
-    def _check_request(self, request: Any) -> None:
-        if self._checked.get(request.request_id) is request:
-            return
-        refuse(
-            request.lora_request is not None,
-            "LoRA requests (lora_request)",
-            "LoRA names are extra keys of vLLM's block hashes and events",
-        )
-        refuse(
-            bool(request.mm_features),
-            "multimodal requests (mm_features)",
-            "encoder inputs are not modelled",
-        )
-        refuse(
-            request.prompt_embeds is not None,
-            "prompt embeddings (prompt_embeds)",
-            "they are extra keys of vLLM's block hashes and events",
-        )
-        self._checked[request.request_id] = request
-
     def get_computed_blocks(
         self, request: Any, max_cache_hit_length: int | None = None
     ) -> tuple[KVCacheBlocks, int, int]:
         """The longest cache hit: blocks, tokens and the shared-prefix boundary."""
-        self._check_request(request)
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         refuse(
@@ -422,7 +398,6 @@ class KVCacheManager:
             raise ValueError(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
             )
-        self._check_request(request)
         watermark_blocks = 0
         if has_scheduled_reqs and request.status in self._waiting_statuses:
             watermark_blocks = self.watermark_blocks
@@ -448,7 +423,6 @@ class KVCacheManager:
 
     def free(self, request: Any) -> None:
         self.core.free(request)
-        self._checked.pop(request.request_id, None)
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         if self.enable_caching:
@@ -563,7 +537,50 @@ def vllm_event_builder_class() -> type[EventBuilder]:
         sequence = list
         convert_hash = staticmethod(to_int) if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES else None
 
+        def extra_keys(
+            self, request: Any, positions: Sequence[int], block_size: int
+        ) -> Sequence[tuple[Any, ...] | None] | None:
+            if (
+                request.lora_request is None
+                and not request.mm_features
+                and request.prompt_embeds is None
+            ):
+                return super().extra_keys(request, positions, block_size)
+            return event_extra_keys(request, positions, block_size, self.num_hash_lookahead_tokens)
+
+        def lora(self, request: Any) -> tuple[int | None, str | None]:
+            lora = request.lora_request
+            return (None, None) if lora is None else (lora.adapter_id, lora.name)
+
     return VllmEventBuilder
+
+
+def event_extra_keys(
+    request: Any, positions: Sequence[int], block_size: int, num_lookahead_tokens: int
+) -> list[tuple[Any, ...] | None] | None:
+    """The ``extra_keys`` of a ``BlockStored`` of ``request``'s blocks at ``positions``, as
+    vLLM 0.33's block pool publishes them (``_generate_event_extra_keys``, then
+    ``to_event_extra_keys``): LoRA names, multimodal ``(identifier, offset)`` pairs, the salt
+    and prompt-embedding digests, untagged; the same window as the block hash."""
+    from vllm.v1.core.kv_cache_utils import (
+        generate_block_hash_extra_keys,
+        generate_lookahead_block_hash_extra_keys,
+        to_event_extra_keys,
+    )
+
+    keys: list[tuple[Any, ...] | None] = []
+    mm_index = 0
+    for position in positions:
+        start, end = position * block_size, (position + 1) * block_size
+        if num_lookahead_tokens:
+            extra, mm_index = generate_lookahead_block_hash_extra_keys(
+                request, start, end, end + num_lookahead_tokens, mm_index
+            )
+        else:
+            extra, mm_index = generate_block_hash_extra_keys(request, start, end, mm_index)
+        keys.append(extra)
+    published: list[tuple[Any, ...] | None] | None = to_event_extra_keys(keys)
+    return published
 
 
 _STATS_FIELDS = (
