@@ -42,6 +42,17 @@ def estimate_cached_tokens(s: ManagerState, request_id: str) -> int:
     return cached or 0
 
 
+def cached_block_counts(s: ManagerState) -> dict[str, tuple[int, ...]]:
+    """Per request holding a row, per group the positions its row entered into the prefix
+    cache (``rows.cached``; the reference's ``num_cached_block``)."""
+    s.settle()
+    groups = range(s.layout.num_groups)
+    cached = s.rows.cached
+    return {
+        rid: tuple(int(cached[s.rows.index(row, g)]) for g in groups) for rid, row in s.rows.items()
+    }
+
+
 def snapshot(s: ManagerState) -> PoolSnapshot:
     """The pool's observable state (``KVCacheManager.snapshot``), pending work made first."""
     s.settle()

@@ -344,10 +344,13 @@ class TorchKVCacheManager(TuningKnobs, PrefixCacheStatsCalls):
             return tuple([] for _ in range(self.num_groups))
         return tuple(self._s.table(g, row) for g in range(self.num_groups))
 
+    def cached_block_counts(self) -> dict[str, tuple[int, ...]]:
+        """The reference's (vLLM's ``num_cached_block``; ``hybridkv.optimized.invariants``)."""
+        return invariants.cached_block_counts(self._s)
+
     def estimate_cached_tokens(self, request_id: str) -> int:
-        """Tokens of the request that are in the prefix cache: per group the longest prefix one
-        of its blocks is cached under, the minimum over the groups; 0 for an unknown request
-        (``KVCacheManager.estimate_cached_tokens``; ``hybridkv.optimized.invariants``)."""
+        """The reference's (the longest cached prefix per group, the minimum over the groups;
+        0 for an unknown request; ``hybridkv.optimized.invariants``)."""
         return invariants.estimate_cached_tokens(self._s, request_id)
 
     def get_cached_block_ids(

@@ -24,7 +24,11 @@ from hybridkv.reference.prefix_stats import PrefixCacheCounter, PrefixCacheStats
 from hybridkv.reference.request import Request, RequestLike
 from hybridkv.reference.single_type_managers import BlocksPerGroup, prompt_tokens
 from hybridkv.reference.snapshot import PoolSnapshot
-from hybridkv.reference.table_invariants import check_ref_counts, check_tables
+from hybridkv.reference.table_invariants import (
+    cached_tokens_by_scan,
+    check_ref_counts,
+    check_tables,
+)
 from hybridkv.reference.validation import (
     check_allocation,
     check_block_hashes,
@@ -280,6 +284,12 @@ class KVCacheManager(PrefixCacheStatsCalls):
         tables = self.coordinator.get_blocks(request_id)
         return tuple([block.block_id for block in table] for table in tables)
 
+    def cached_block_counts(self) -> dict[str, tuple[int, ...]]:
+        """Per request holding blocks, per group its blocks in the cache (``num_cached_block``)."""
+        managers = self.coordinator.managers
+        ids = dict.fromkeys(rid for m in managers for rid in m.req_to_blocks)
+        return {rid: tuple(m.num_cached_block.get(rid, 0) for m in managers) for rid in ids}
+
     def estimate_cached_tokens(self, request_id: str) -> int:
         """Tokens of the request that are in the prefix cache: per group the longest prefix one
         of its blocks is cached under, the minimum over the groups (vLLM's estimate, read from
@@ -288,15 +298,6 @@ class KVCacheManager(PrefixCacheStatsCalls):
         cached: int | None = None
         for manager in self.coordinator.managers:
             longest = manager.cached_prefix_tokens(request_id)
-            cached = longest if cached is None else min(cached, longest)
-        return cached or 0
-
-    def _estimate_cached_tokens_by_scan(self, request_id: str) -> int:
-        """``estimate_cached_tokens`` as vLLM 0.33 computes it, over every block of every table
-        (``check_invariants`` compares the two)."""
-        cached: int | None = None
-        for table in self.coordinator.get_blocks(request_id):
-            longest = max([block.block_hash_num_tokens or 0 for block in table], default=0)
             cached = longest if cached is None else min(cached, longest)
         return cached or 0
 
@@ -360,9 +361,9 @@ class KVCacheManager(PrefixCacheStatsCalls):
         holders = check_tables(self.coordinator.managers, self._in_flight)
         check_ref_counts(self.block_pool.blocks, holders)
         # Last: the estimate reads the tables the checks above vouch for.
-        for request_id in {r for m in self.coordinator.managers for r in m.req_to_blocks}:
+        for request_id in self.cached_block_counts():
             estimate = self.estimate_cached_tokens(request_id)
-            scan = self._estimate_cached_tokens_by_scan(request_id)
+            scan = cached_tokens_by_scan(self.coordinator.get_blocks(request_id))
             if estimate != scan:
                 raise InvariantError(
                     f"request {request_id!r}: estimate_cached_tokens {estimate} but its tables "

@@ -18,6 +18,16 @@ from hybridkv.spec import KVCacheSpec, rules
 from hybridkv.spec.errors import InvariantError
 
 
+def cached_tokens_by_scan(tables: Sequence[Sequence[KVCacheBlock]]) -> int:
+    """``estimate_cached_tokens`` as vLLM 0.33 computes it, over every block of every table of
+    one request (``KVCacheManager.check_invariants`` compares the two)."""
+    cached: int | None = None
+    for table in tables:
+        longest = max([block.block_hash_num_tokens or 0 for block in table], default=0)
+        cached = longest if cached is None else min(cached, longest)
+    return cached or 0
+
+
 def check_tables(
     managers: Sequence[SingleTypeKVCacheManager], in_flight: Mapping[str, int]
 ) -> Counter[int]:

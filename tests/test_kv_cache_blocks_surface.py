@@ -14,6 +14,7 @@ from hybridkv.optimized import TorchKVCacheManager
 from hybridkv.optimized.invariants import estimate_by_scan
 from hybridkv.reference import KVCacheBlocks, KVCacheManager, PrefixCacheStats, Request
 from hybridkv.reference.block_hash import hash_full_blocks
+from hybridkv.reference.table_invariants import cached_tokens_by_scan
 from hybridkv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, SlidingWindowSpec
 
 FULL = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype_bytes=4)
@@ -201,7 +202,7 @@ def test_estimate_cached_tokens_reads_the_blocks_not_the_cached_count(backend: s
     assert manager.get_block_ids("r") == ([1, 2, 3, 4, 5, 6, 10], [0, 0, 0, 0, 11, 12, 9])
     assert manager.estimate_cached_tokens("r") == 0
     scan = (
-        manager._estimate_cached_tokens_by_scan("r")
+        cached_tokens_by_scan(manager.coordinator.get_blocks("r"))
         if isinstance(manager, KVCacheManager)
         else estimate_by_scan(manager.state, "r")
     )

@@ -6,7 +6,7 @@ the optimized backend's invariant checker runs after each step too. The probes r
 vector (numpy) windows everywhere and once without them, so both lookup paths are compared.
 
 Each request's ``estimate_cached_tokens``, which reads a few table positions per group, must
-also equal vLLM's scan of its whole tables (``_estimate_cached_tokens_by_scan`` of the reference,
+also equal vLLM's scan of its whole tables (``cached_tokens_by_scan`` of the reference,
 ``invariants.estimate_by_scan`` of the optimized backend), on both.
 """
 
@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from hybridkv.optimized import TorchKVCacheManager
 from hybridkv.optimized.invariants import estimate_by_scan
 from hybridkv.reference import KVCacheManager, Request
+from hybridkv.reference.table_invariants import cached_tokens_by_scan
 from hybridkv.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -183,7 +184,7 @@ def same_state(ref: KVCacheManager, opt: TorchKVCacheManager, ids: list[str]) ->
     for rid in ids:
         assert opt.get_block_ids(rid) == ref.get_block_ids(rid)
         estimate = ref.estimate_cached_tokens(rid)
-        assert estimate == ref._estimate_cached_tokens_by_scan(rid), rid
+        assert estimate == cached_tokens_by_scan(ref.coordinator.get_blocks(rid)), rid
         assert opt.estimate_cached_tokens(rid) == estimate, rid
         assert estimate_by_scan(opt.state, rid) == estimate, rid
     opt.check_invariants()

@@ -136,11 +136,71 @@ def test_connector_and_encoder_calls_are_refused_by_name() -> None:
 def test_vllm_internals_are_named_and_still_attribute_errors() -> None:
     manager = _manager()
     assert not hasattr(manager.block_pool, "cached_block_hash_to_block")
-    with pytest.raises(UnsupportedSetting, match=r"block_pool\.free_block_queue"):
-        _ = manager.block_pool.free_block_queue
-    with pytest.raises(UnsupportedSetting, match=r"req_to_blocks"):
-        _ = manager.coordinator.single_type_managers[0].req_to_blocks
+    with pytest.raises(UnsupportedSetting, match=r"block_pool\.cached_block_hash_to_block"):
+        _ = manager.block_pool.cached_block_hash_to_block
+    with pytest.raises(UnsupportedSetting, match=r"single_type_managers\[i\]\.num_kept_block"):
+        _ = manager.coordinator.single_type_managers[0].num_kept_block
     assert manager.block_pool.get_num_free_blocks() == 63
+
+
+@pytest.mark.parametrize("backend", ["reference", "optimized"])
+def test_the_tables_and_counts_vllms_leak_check_reads_equal_vllms(backend: Backend) -> None:
+    """``req_to_blocks``, ``num_cached_block``, ``free_block_queue.num_free_blocks`` and each
+    block's ``ref_cnt``, read as vLLM's ``assert_scheduler_empty`` reads them, after every call
+    of two requests sharing a prefix (the window drops blocks) and after both are freed."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    if backend == "optimized":
+        pytest.importorskip("torch")
+    init_none_hash(sha256_cbor)
+    config = kv_cache_config_for("gemma3", 64, retention=None)
+    settings: dict[str, Any] = {
+        "max_model_len": 512,
+        "hash_block_size": 16,
+        "scheduler_block_size": 16,
+    }
+    hasher = get_request_block_hasher(16, sha256_cbor, 0)
+
+    def reads(manager: Any) -> list[Any]:
+        groups = manager.coordinator.single_type_managers
+        pool = manager.block_pool
+        return [
+            [{rid: [b.block_id for b in t] for rid, t in g.req_to_blocks.items()} for g in groups],
+            [dict(g.num_cached_block) for g in groups],
+            pool.free_block_queue.num_free_blocks,
+            [block.ref_cnt for block in pool.blocks],
+        ]
+
+    def run(manager: Any) -> list[Any]:
+        params = SamplingParams(max_tokens=64)
+        a = Request("a", list(range(1, 81)), params, None, block_hasher=hasher)
+        b = Request("b", [*range(1, 49), *range(200, 240)], params, None, block_hasher=hasher)
+        seen = []
+        for r in (a, b):
+            blocks, hit, _ = manager.get_computed_blocks(r)
+            assert manager.allocate_slots(r, r.num_tokens - hit, hit, blocks) is not None
+            r.num_computed_tokens = r.num_tokens
+            seen.append(reads(manager))
+        for token in range(300, 340):
+            a.append_output_token_ids([token])
+            assert manager.allocate_slots(a, 1) is not None
+            a.num_computed_tokens = a.num_tokens
+        seen.append(reads(manager))
+        manager.free(a)
+        seen.append(reads(manager))
+        manager.free(b)
+        seen.append(reads(manager))
+        return seen
+
+    expected = run(VllmManager(config, **settings))
+    assert expected[-1][:3] == [[{}, {}, {}], [{}, {}, {}], 63]
+    assert expected[1][1][0] == {"a": 5, "b": 5}  # full attention: 80 and 88 tokens
+    assert expected[2][0][1]["a"][:3] == [0, 0, 0]  # the window dropped a's first blocks
+    assert run(KVCacheManager(config, backend=backend, **settings)) == expected
 
 
 @pytest.mark.parametrize("backend", ["reference", "optimized"])

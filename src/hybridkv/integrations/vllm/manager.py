@@ -17,12 +17,8 @@ What the scheduler reads and where it comes from:
 - ``record_prefix_cache_stats`` / ``make_prefix_cache_stats``: the core's counts (at admission,
   preempted requests apart, ``None`` with ``log_stats`` off) in vLLM's ``PrefixCacheStats``.
 - ``take_new_block_ids``: new attention blocks of each step (zeroing, Mamba hybrids).
-- ``coordinator``: a read-only view (``single_type_managers`` with ``block_size``,
-  ``kv_cache_spec`` and ``block_pool``, ``enable_partial_hash_hits``) for the scheduler's
-  set-up arithmetic.
-- ``block_pool``: free blocks, usage, ``num_gpu_blocks``, ``hash_block_size``,
-  ``get_cached_block`` (what vLLM's aux-output connector reads) and ``evict_blocks`` (the
-  core's, as ``evict_blocks`` on the manager).
+- ``coordinator`` and ``block_pool``: read-only views (``hybridkv.integrations.vllm.views``)
+  of what the scheduler, vLLM's aux-output connector and its tests read.
 - The KV connector hooks (``pop_blocks_for_free``, ``get_computed_blocks_for_connector``,
   ``truncate_computed_blocks``, …) refuse: KV connectors are not supported.
 """
@@ -31,110 +27,24 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from hybridkv.integrations.vllm.convert import from_vllm_config
-from hybridkv.integrations.vllm.errors import UnsupportedInternal, UnsupportedSetting, refuse
+from hybridkv.integrations.vllm.errors import UnsupportedSetting, refuse
+from hybridkv.integrations.vllm.views import (
+    CONNECTOR,
+    CONNECTOR_WHY,
+    BlockPoolView,
+    CoordinatorView,
+    GroupView,
+)
 from hybridkv.reference.events import EventBuilder
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.spec import KVCacheConfig
 
 Backend = Literal["reference", "optimized"]
 BACKENDS: tuple[Backend, ...] = ("reference", "optimized")
-
-_CONNECTOR = "KV connectors (kv_transfer_config)"
-_CONNECTOR_WHY = "hybridkv's managers have no external KV source or deferred frees"
-
-
-@dataclass(frozen=True)
-class GroupView:
-    """What the scheduler (and vLLM's aux-output connector) reads of a single-type manager:
-    its block size, vLLM spec and the block pool."""
-
-    kv_cache_group_id: int
-    block_size: int
-    kv_cache_spec: Any
-    block_pool: Any
-
-    def __getattr__(self, name: str) -> Any:
-        raise _internals("single_type_managers[i]", name)
-
-
-@dataclass(frozen=True)
-class CachedBlockView:
-    """A block ``BlockPool.get_cached_block`` returns: its id and the hash it is cached under."""
-
-    block_id: int
-    block_hash: bytes
-    is_null: bool = False
-
-
-def _internals(owner: str, name: str) -> AttributeError:
-    if name.startswith("__"):
-        return AttributeError(name)
-    return UnsupportedInternal(
-        f"vLLM manager internals ({owner}.{name})",
-        "hybridkv offers vLLM's manager API, not its coordinator, block pool or block objects "
-        "(the aux-output connector and some of vLLM's tests read them)",
-    )
-
-
-class CoordinatorView:
-    """The scheduler's read-only view of the coordinator (set-up arithmetic only)."""
-
-    def __getattr__(self, name: str) -> Any:
-        raise _internals("coordinator", name)
-
-    enable_partial_hash_hits = False
-
-    def __init__(self, groups: Sequence[GroupView]) -> None:
-        self.single_type_managers = list(groups)
-
-    def get_num_blocks_to_allocate(self, *args: Any, **kwargs: Any) -> int:
-        """Only KV connectors' in-flight loads ask this; they are refused."""
-        raise UnsupportedSetting(_CONNECTOR, _CONNECTOR_WHY)
-
-
-class BlockPoolView:
-    """The block pool as the scheduler and vLLM's tests read it."""
-
-    def __init__(self, owner: KVCacheManager) -> None:
-        self._owner = owner
-
-    def __getattr__(self, name: str) -> Any:
-        raise _internals("block_pool", name)
-
-    def get_num_free_blocks(self) -> int:
-        return int(self._owner.core.num_free_blocks)
-
-    def get_usage(self) -> float:
-        return float(self._owner.core.usage)
-
-    @property
-    def num_gpu_blocks(self) -> int:
-        return self._owner.config.num_blocks
-
-    @property
-    def hash_block_size(self) -> int:
-        return int(self._owner.core.hash_block_size)
-
-    def get_cached_block(
-        self, block_hash: bytes, kv_cache_group_ids: list[int]
-    ) -> list[CachedBlockView] | None:
-        """The first block cached under ``block_hash`` in each group, or ``None`` if any group
-        misses (the core's ``get_cached_block_ids``)."""
-        ids = self._owner.core.get_cached_block_ids(block_hash, kv_cache_group_ids)
-        return None if ids is None else [CachedBlockView(i, block_hash) for i in ids]
-
-    def evict_blocks(self, block_ids: set[int]) -> None:
-        """Forget the cached keys of these blocks, in the set's order (the core's)."""
-        self._owner.core.evict_blocks(block_ids)
-
-    def free_blocks(self, blocks: Iterable[Any]) -> None:
-        """Only deferred frees of KV connectors hand blocks back here; they are refused."""
-        raise UnsupportedSetting(_CONNECTOR, _CONNECTOR_WHY)
 
 
 def make_core(
@@ -286,7 +196,7 @@ class KVCacheManager:
         self._stats_class = PrefixCacheStats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.num_kv_cache_groups = len(self.config.groups)
-        self.block_pool = BlockPoolView(self)
+        self.block_pool = BlockPoolView(self.core, self.config.num_blocks)
         self.coordinator = CoordinatorView(
             [
                 GroupView(i, group.kv_cache_spec.block_size, group.kv_cache_spec, self.block_pool)
@@ -372,7 +282,7 @@ class KVCacheManager:
     def get_computed_blocks_for_connector(
         self, request: Any, max_cache_hit_length: Any = None
     ) -> Any:
-        raise UnsupportedSetting(_CONNECTOR, _CONNECTOR_WHY)
+        raise UnsupportedSetting(CONNECTOR, CONNECTOR_WHY)
 
     def allocate_slots(
         self,
@@ -477,22 +387,22 @@ class KVCacheManager:
     # --- KV connector hooks: refused -----------------------------------------------------
 
     def pop_blocks_for_free(self, request: Any) -> list[Any]:
-        raise UnsupportedSetting(_CONNECTOR, _CONNECTOR_WHY)
+        raise UnsupportedSetting(CONNECTOR, CONNECTOR_WHY)
 
     def remove_skipped_blocks(self, *args: Any, **kwargs: Any) -> None:
-        raise UnsupportedSetting(_CONNECTOR, _CONNECTOR_WHY)
+        raise UnsupportedSetting(CONNECTOR, CONNECTOR_WHY)
 
     def get_block_ids_for_computed_tokens(self, *args: Any, **kwargs: Any) -> Any:
-        raise UnsupportedSetting(_CONNECTOR, _CONNECTOR_WHY)
+        raise UnsupportedSetting(CONNECTOR, CONNECTOR_WHY)
 
     def truncate_computed_blocks(self, *args: Any, **kwargs: Any) -> Any:
-        raise UnsupportedSetting(_CONNECTOR, _CONNECTOR_WHY)
+        raise UnsupportedSetting(CONNECTOR, CONNECTOR_WHY)
 
     def record_blocks_for_zeroing(self, *args: Any, **kwargs: Any) -> None:
-        raise UnsupportedSetting(_CONNECTOR, _CONNECTOR_WHY)
+        raise UnsupportedSetting(CONNECTOR, CONNECTOR_WHY)
 
     def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
-        raise UnsupportedSetting(_CONNECTOR, _CONNECTOR_WHY)
+        raise UnsupportedSetting(CONNECTOR, CONNECTOR_WHY)
 
     # --- Events --------------------------------------------------------------------------
 

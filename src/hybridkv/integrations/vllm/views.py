@@ -1,0 +1,156 @@
+"""The read-only views of vLLM's manager internals that vLLM's scheduler, its aux-output
+connector and its tests read: the coordinator's ``single_type_managers``, the block pool and
+its blocks. Each answers from the core manager's public API; any other name raises
+``UnsupportedInternal`` (an ``AttributeError`` naming it).
+
+- ``coordinator.single_type_managers[i]``: ``block_size``, ``kv_cache_spec``, ``block_pool``;
+  ``req_to_blocks`` (request id → its table's blocks) and ``num_cached_block`` (request id →
+  its blocks entered into the prefix cache), built per read from the core's
+  ``cached_block_counts`` and ``get_block_ids``; ``get_num_blocks_to_allocate`` refuses (only
+  KV connectors' in-flight loads ask it).
+- ``block_pool``: free blocks, usage, ``num_gpu_blocks``, ``hash_block_size``,
+  ``get_cached_block``, ``evict_blocks``; ``free_block_queue.num_free_blocks`` and ``blocks``
+  (each block's ``block_id``, ``ref_cnt`` and ``is_null``, from the core's ``snapshot``):
+  what vLLM's memory-leak check reads. Views, not vLLM's objects: writes do not reach the core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hybridkv.integrations.vllm.errors import UnsupportedInternal, UnsupportedSetting
+
+CONNECTOR = "KV connectors (kv_transfer_config)"
+CONNECTOR_WHY = "hybridkv's managers have no external KV source or deferred frees"
+
+
+@dataclass(frozen=True)
+class BlockView:
+    """One block as vLLM's tests read a ``KVCacheBlock``: its id, holders and null flag."""
+
+    block_id: int
+    ref_cnt: int = 0
+    is_null: bool = False
+
+
+@dataclass(frozen=True)
+class FreeQueueView:
+    """``block_pool.free_block_queue``: only its length."""
+
+    num_free_blocks: int
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """What the scheduler (and vLLM's aux-output connector and tests) read of a single-type
+    manager: its block size, vLLM spec, the block pool, and its requests' tables."""
+
+    kv_cache_group_id: int
+    block_size: int
+    kv_cache_spec: Any
+    block_pool: BlockPoolView
+
+    def __getattr__(self, name: str) -> Any:
+        raise _internals("single_type_managers[i]", name)
+
+    @property
+    def req_to_blocks(self) -> dict[str, list[BlockView]]:
+        """Each request holding blocks → its table in this group (the null block as one)."""
+        return self.block_pool.request_tables(self.kv_cache_group_id)
+
+    @property
+    def num_cached_block(self) -> dict[str, int]:
+        """Each request holding blocks → how many of its blocks entered the prefix cache."""
+        counts = self.block_pool.core.cached_block_counts()
+        return {rid: count[self.kv_cache_group_id] for rid, count in counts.items()}
+
+
+@dataclass(frozen=True)
+class CachedBlockView:
+    """A block ``BlockPool.get_cached_block`` returns: its id and the hash it is cached under."""
+
+    block_id: int
+    block_hash: bytes
+    is_null: bool = False
+
+
+def _internals(owner: str, name: str) -> AttributeError:
+    if name.startswith("__"):
+        return AttributeError(name)
+    return UnsupportedInternal(
+        f"vLLM manager internals ({owner}.{name})",
+        "hybridkv offers vLLM's manager API, not its coordinator, block pool or block objects "
+        "(the aux-output connector and some of vLLM's tests read them)",
+    )
+
+
+class CoordinatorView:
+    """The scheduler's read-only view of the coordinator (set-up arithmetic only)."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise _internals("coordinator", name)
+
+    enable_partial_hash_hits = False
+
+    def __init__(self, groups: Sequence[GroupView]) -> None:
+        self.single_type_managers = list(groups)
+
+    def get_num_blocks_to_allocate(self, *args: Any, **kwargs: Any) -> int:
+        """Only KV connectors' in-flight loads ask this; they are refused."""
+        raise UnsupportedSetting(CONNECTOR, CONNECTOR_WHY)
+
+
+class BlockPoolView:
+    """The block pool as the scheduler and vLLM's tests read it (``core``: the core manager)."""
+
+    def __init__(self, core: Any, num_gpu_blocks: int) -> None:
+        self.core = core
+        self.num_gpu_blocks = num_gpu_blocks
+
+    def __getattr__(self, name: str) -> Any:
+        raise _internals("block_pool", name)
+
+    def get_num_free_blocks(self) -> int:
+        return int(self.core.num_free_blocks)
+
+    def get_usage(self) -> float:
+        return float(self.core.usage)
+
+    @property
+    def hash_block_size(self) -> int:
+        return int(self.core.hash_block_size)
+
+    @property
+    def free_block_queue(self) -> FreeQueueView:
+        return FreeQueueView(int(self.core.num_free_blocks))
+
+    @property
+    def blocks(self) -> list[BlockView]:
+        """Every block, the null block (id 0) first, with its reference count."""
+        held = self.core.snapshot().ref_counts
+        return [BlockView(i, held.get(i, 0), i == 0) for i in range(self.num_gpu_blocks)]
+
+    def request_tables(self, group_id: int) -> dict[str, list[BlockView]]:
+        """``single_type_managers[group_id].req_to_blocks``: each request's table."""
+        return {
+            rid: [BlockView(i, is_null=i == 0) for i in self.core.get_block_ids(rid)[group_id]]
+            for rid in self.core.cached_block_counts()
+        }
+
+    def get_cached_block(
+        self, block_hash: bytes, kv_cache_group_ids: list[int]
+    ) -> list[CachedBlockView] | None:
+        """The first block cached under ``block_hash`` in each group, or ``None`` if any group
+        misses (the core's ``get_cached_block_ids``)."""
+        ids = self.core.get_cached_block_ids(block_hash, kv_cache_group_ids)
+        return None if ids is None else [CachedBlockView(i, block_hash) for i in ids]
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Forget the cached keys of these blocks, in the set's order (the core's)."""
+        self.core.evict_blocks(block_ids)
+
+    def free_blocks(self, blocks: Iterable[Any]) -> None:
+        """Only deferred frees of KV connectors hand blocks back here; they are refused."""
+        raise UnsupportedSetting(CONNECTOR, CONNECTOR_WHY)
