@@ -43,14 +43,16 @@ def estimate_cached_tokens(s: ManagerState, request_id: str) -> int:
 
 
 def cached_block_counts(s: ManagerState) -> dict[str, tuple[int, ...]]:
-    """Per request holding a row, per group the positions its row entered into the prefix
+    """Per request holding blocks, per group the positions its row entered into the prefix
     cache (``rows.cached``; the reference's ``num_cached_block``)."""
     s.settle()
-    groups = range(s.layout.num_groups)
-    cached = s.rows.cached
-    return {
-        rid: tuple(int(cached[s.rows.index(row, g)]) for g in groups) for rid, row in s.rows.items()
-    }
+    rows, groups = s.rows, range(s.layout.num_groups)
+    counts: dict[str, tuple[int, ...]] = {}
+    for rid, row in rows.items():
+        pairs = [rows.index(row, g) for g in groups]
+        if any(rows.length[i] for i in pairs):
+            counts[rid] = tuple(int(rows.cached[i]) for i in pairs)
+    return counts
 
 
 def snapshot(s: ManagerState) -> PoolSnapshot:

@@ -287,7 +287,7 @@ class KVCacheManager(PrefixCacheStatsCalls):
     def cached_block_counts(self) -> dict[str, tuple[int, ...]]:
         """Per request holding blocks, per group its blocks in the cache (``num_cached_block``)."""
         managers = self.coordinator.managers
-        ids = dict.fromkeys(rid for m in managers for rid in m.req_to_blocks)
+        ids = dict.fromkeys(rid for m in managers for rid, held in m.req_to_blocks.items() if held)
         return {rid: tuple(m.num_cached_block.get(rid, 0) for m in managers) for rid in ids}
 
     def estimate_cached_tokens(self, request_id: str) -> int:

@@ -182,3 +182,25 @@ def test_under_sparse_retention_only_the_hybrid_aware_tier_holds_a_mid_prompt_wi
     result = replay.run()
     assert (result.hit_tokens, result.host_hit_tokens, result.bound_hit_tokens) == (0, host_hit, 8)
     assert host.unnamed == 0  # the sparse window runs named by the step's requests
+
+
+def test_a_chunked_group_reads_only_its_own_chunks_blocks() -> None:
+    """Chunks of 8 tokens, blocks of 4: a hit ending after block 2 (12 tokens) reads block 2,
+    the start of its chunk; one ending after block 1 (8 tokens, a chunk's end) reads none."""
+    chunked = GroupNeed(2, 1, chunk_tokens=8)
+    assert [chunked.first_block(k, 4) for k in range(4)] == [0, 2, 2, 4]
+    host = HostTier(10_000, (GroupNeed(FULL, 1), chunked), block_size=4)
+    trace = _trace(0, 20, [1, 2, 3])
+    for token in (11, 15, 19):  # the full-attention chain of blocks 0-2
+        host.store((token, 0))
+    assert host.hit_tokens(trace, 0) == 8  # ends after block 1: the chunk needs nothing
+    host.store((19, 1))
+    assert host.hit_tokens(trace, 0) == 12
+
+
+def test_a_sliding_window_needs_the_blocks_of_its_hit_rule() -> None:
+    """A 5-token window over 4-token blocks reads ``cdiv(4, 4) = 1`` block before a hit's end
+    (``rules.sliding_window_hit_blocks_needed``), as the replay's tier is built."""
+    window = GroupNeed(1, 1)
+    assert [window.first_block(k, 4) for k in range(3)] == [0, 1, 2]
+    assert GroupNeed(STATE, 1).first_block(5, 4) == 5

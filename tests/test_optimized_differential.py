@@ -181,6 +181,7 @@ def same_state(ref: KVCacheManager, opt: TorchKVCacheManager, ids: list[str]) ->
     assert opt.num_free_blocks == ref.num_free_blocks
     assert opt.usage == ref.usage
     assert opt.take_events() == ref.take_events()
+    assert opt.cached_block_counts() == ref.cached_block_counts()
     for rid in ids:
         assert opt.get_block_ids(rid) == ref.get_block_ids(rid)
         estimate = ref.estimate_cached_tokens(rid)

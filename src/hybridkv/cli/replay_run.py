@@ -220,7 +220,7 @@ def _host_tier(setup: ReplaySetup, plan: Plan) -> HostTier | None:
     if setup.host_memory_bytes is None:
         return None
     from hybridkv.lab.host_tier import FULL, STATE, GroupNeed, HostTier
-    from hybridkv.spec import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec
+    from hybridkv.spec import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec, rules
 
     size = plan.report.block_size
     needs = []
@@ -231,14 +231,14 @@ def _host_tier(setup: ReplaySetup, plan: Plan) -> HostTier | None:
                 f"--host-memory needs one block size in every group; {plan.choice.name} has "
                 f"{spec.block_size} beside {size}"
             )
-        window = FULL
+        window, chunk = FULL, 0
         if isinstance(spec, MambaSpec):
             window = STATE
         elif isinstance(spec, SlidingWindowSpec):
-            window = -(-(spec.sliding_window - 1) // size) + 1
+            window = rules.sliding_window_hit_blocks_needed(spec.sliding_window, size)
         elif isinstance(spec, ChunkedLocalAttentionSpec):
-            window = -(-spec.attention_chunk_size // size)
-        needs.append(GroupNeed(window, spec.page_size_bytes * group.num_own_layers))
+            window, chunk = -(-spec.attention_chunk_size // size), spec.attention_chunk_size
+        needs.append(GroupNeed(window, spec.page_size_bytes * group.num_own_layers, chunk))
     try:
         return HostTier(
             setup.host_memory_bytes,

@@ -50,7 +50,7 @@ HostKey = tuple[int, int]
 
 FULL = -1
 """``GroupNeed.window_blocks`` of a full-attention group: every block of the prefix."""
-STATE = 0
+STATE = -2
 """``GroupNeed.window_blocks`` of a Mamba group: the state at the hit's end only."""
 
 
@@ -59,8 +59,20 @@ class GroupNeed:
     """What one group's hit needs, and the bytes of one of its blocks (all its layers)."""
 
     window_blocks: int
-    """``FULL``, ``STATE``, or the number of trailing blocks a windowed group reads."""
+    """``FULL``, ``STATE``, or the most trailing blocks a windowed group reads: a sliding
+    window's ``cdiv(window − 1, block_size)`` (the hit rule), a chunk's blocks."""
     block_bytes: int
+    chunk_tokens: int = 0
+    """A chunked local group's attention chunk: a hit ending at block ``k`` reads the blocks
+    from its chunk's start to ``k`` (none when ``k`` ends a chunk)."""
+
+    def first_block(self, k: int, block_size: int) -> int:
+        """The first block a hit ending at block ``k`` reads (``k + 1``: none)."""
+        if self.window_blocks == STATE:
+            return k
+        if self.chunk_tokens:
+            return (k + 1) * block_size // self.chunk_tokens * self.chunk_tokens // block_size
+        return k + 1 - self.window_blocks
 
 
 def key_bytes(accounting: str, needs: Sequence[GroupNeed]) -> tuple[int, ...]:
@@ -156,8 +168,7 @@ class HostTier:
             for g, need in enumerate(self.needs):
                 if need.window_blocks == FULL:
                     continue  # cached on the GPU, evicted to the host
-                first = last if need.window_blocks == STATE else last + 1 - need.window_blocks
-                for j in range(max(0, first), last + 1):
+                for j in range(max(0, need.first_block(last, self.block_size)), last + 1):
                     if (key := (self.key_token(trace, j), g)) not in self.gpu_keys:
                         self.store(key)
 
@@ -202,7 +213,7 @@ class HostTier:
     def _ready(self, trace: BlockTraceRequest, k: int, first: int, g: int, need: GroupNeed) -> bool:
         if need.window_blocks == FULL:
             return True  # checked block by block
-        start = k if need.window_blocks == STATE else max(first, k + 1 - need.window_blocks)
+        start = max(first, need.first_block(k, self.block_size))
         return all(self._held((self.key_token(trace, j), g)) for j in range(start, k + 1))
 
     def _held(self, key: HostKey) -> bool:
