@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridkv.block_trace import BlockTraceRequest
-from hybridkv.lab import CostModel, Replay, ReplayConfig
+from hybridkv.lab import CostModel, Replay, ReplayConfig, ReplayResult
 from hybridkv.lab.host_tier import FULL, STATE, GroupNeed, HostTier, key_bytes
 from hybridkv.reference import KVCacheManager, Request
 from hybridkv.reference.block_hash import BlockHash
@@ -18,6 +18,22 @@ FULL_AND_WINDOW = (GroupNeed(FULL, 100), GroupNeed(2, 300))
 
 def _trace(index: int, length: int, ids: list[int]) -> BlockTraceRequest:
     return BlockTraceRequest(index, 0, length, 1, tuple(ids), 8)
+
+
+def _replay(
+    manager: KVCacheManager, trace: list[BlockTraceRequest], host: HostTier, num_groups: int
+) -> ReplayResult:
+    """``trace`` through ``manager`` over ``host``: 4-token blocks, one step per ms."""
+    return Replay(
+        manager,
+        trace,
+        lambda rid, tokens: Request(rid, tokens, hash_block_size=4),
+        block_size=4,
+        config=ReplayConfig(max_num_batched_tokens=64, cost_model=CostModel(1.0, 0, 0, 0)),
+        group_block_sizes=[4] * num_groups,
+        events=manager.take_events,
+        host=host,
+    ).run()
 
 
 def test_vllms_accounting_charges_every_key_a_chunk_of_all_groups_pages() -> None:
@@ -86,17 +102,7 @@ def test_a_replay_moves_evicted_blocks_to_the_host_and_hits_them() -> None:
         BlockTraceRequest(i, t, 13, 1, tuple(ids), 8)
         for i, (t, ids) in enumerate(((0, [1, 2]), (50, [3, 4]), (100, [1, 2])))
     ]
-    replay = Replay(
-        manager,
-        trace,
-        lambda rid, tokens: Request(rid, tokens, hash_block_size=4),
-        block_size=4,
-        config=ReplayConfig(max_num_batched_tokens=64, cost_model=CostModel(1.0, 0, 0, 0)),
-        group_block_sizes=[4],
-        events=manager.take_events,
-        host=host,
-    )
-    result = replay.run()
+    result = _replay(manager, trace, host, num_groups=1)
     assert (result.hit_tokens, result.host_hit_tokens, result.bound_hit_tokens) == (0, 12, 12)
     assert result.host_hit_rate == pytest.approx(12 / 39)
 
@@ -169,17 +175,7 @@ def test_under_sparse_retention_only_the_hybrid_aware_tier_holds_a_mid_prompt_wi
         BlockTraceRequest(i, t, 16, 1, tuple(ids), 8)
         for i, (t, ids) in enumerate(((0, [1, 2]), (50, [1, 5])))
     ]
-    replay = Replay(
-        manager,
-        trace,
-        lambda rid, tokens: Request(rid, tokens, hash_block_size=4),
-        block_size=4,
-        config=ReplayConfig(max_num_batched_tokens=64, cost_model=CostModel(1.0, 0, 0, 0)),
-        group_block_sizes=[4, 4],
-        events=manager.take_events,
-        host=host,
-    )
-    result = replay.run()
+    result = _replay(manager, trace, host, num_groups=2)
     assert (result.hit_tokens, result.host_hit_tokens, result.bound_hit_tokens) == (0, host_hit, 8)
     assert host.unnamed == 0  # the sparse window runs named by the step's requests
 

@@ -325,22 +325,12 @@ def test_the_scheduler_bench_splits_a_step_between_manager_and_scheduler() -> No
     assert times.scheduler > 0
 
 
-@pytest.mark.parametrize("backend", ["reference", "optimized"])
-@pytest.mark.parametrize("lookahead", [0, 1], ids=["plain", "lookahead"])
-def test_events_of_salted_and_session_requests_equal_vllms_own_managers(
-    backend: Backend, lookahead: int
-) -> None:
-    """Through the integration, with int hashes (vLLM's default): the same structs, field by
-    field, as vLLM's own manager emits for a salted request in a session, a request sharing
-    its prefix, decode steps and lookahead hashing."""
-    from vllm import SamplingParams
+def _event_setup(lookahead: int) -> tuple[dict[str, Any], Any, Any]:
+    """Manager settings with events and lookahead hashing, vLLM's request hasher for them (its
+    ``NONE_HASH`` set) and a 3-group Gemma-3-like config of 64 blocks."""
     from vllm.utils.hashing import sha256_cbor
-    from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmManager
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
 
-    if backend == "optimized":
-        pytest.importorskip("torch")
     init_none_hash(sha256_cbor)
     settings: dict[str, Any] = {
         "max_model_len": 512,
@@ -350,7 +340,24 @@ def test_events_of_salted_and_session_requests_equal_vllms_own_managers(
         "num_hash_lookahead_tokens": lookahead,
     }
     hasher = get_request_block_hasher(16, sha256_cbor, lookahead)
-    config = kv_cache_config_for("gemma3", 64, retention=None)
+    return settings, hasher, kv_cache_config_for("gemma3", 64, retention=None)
+
+
+@pytest.mark.parametrize("backend", ["reference", "optimized"])
+@pytest.mark.parametrize("lookahead", [0, 1], ids=["plain", "lookahead"])
+def test_events_of_salted_and_session_requests_equal_vllms_own_managers(
+    backend: Backend, lookahead: int
+) -> None:
+    """Through the integration, with int hashes (vLLM's default): the same structs, field by
+    field, as vLLM's own manager emits for a salted request in a session, a request sharing
+    its prefix, decode steps and lookahead hashing."""
+    from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmManager
+    from vllm.v1.request import Request
+
+    if backend == "optimized":
+        pytest.importorskip("torch")
+    settings, hasher, config = _event_setup(lookahead)
 
     def run(manager: Any) -> list[Any]:
         def request(rid: str, prompt: list[int], salt: str | None, session: str | None) -> Any:
@@ -393,21 +400,10 @@ def test_events_of_lora_multimodal_and_embedding_requests_equal_vllms_own_manage
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
     from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
-    from vllm.utils.hashing import sha256_cbor
     from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmManager
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
-    init_none_hash(sha256_cbor)
-    settings: dict[str, Any] = {
-        "max_model_len": 512,
-        "scheduler_block_size": 16,
-        "hash_block_size": 16,
-        "enable_kv_cache_events": True,
-        "num_hash_lookahead_tokens": lookahead,
-    }
-    hasher = get_request_block_hasher(16, sha256_cbor, lookahead)
-    config = kv_cache_config_for("gemma3", 64, retention=None)
+    settings, hasher, config = _event_setup(lookahead)
     lora = LoRARequest("adapter-a", 7, "/adapters/a")
     embeds = torch.arange(40 * 8, dtype=torch.float32).reshape(40, 8)
 
