@@ -117,13 +117,14 @@ def oracle_tiers(policy: RecordingHybrid, free: Sequence[int]) -> dict[int, int]
     counts = oracle_counts(policy)
     full_hashes = {k[0] for k in policy.holders if policy.entries[k].kind == "full"}
     any_full = any(e.kind == "full" for e in policy.entries.values())
+    chain = OTHER if any(e.kind == "mamba" for e in policy.entries.values()) else KEEP
 
     def key_tier(block_id: int, key: Key) -> int:
         entry = policy.entries[key]
         if policy.holders[key][0] != block_id:
             return USELESS
         if entry.kind == "full":
-            return KEEP if entry.parent is None or entry.parent in policy.holders else USELESS
+            return chain if entry.parent is None or entry.parent in policy.holders else USELESS
         if entry.kind in WINDOW_KINDS:
             _, serves, tails = counts[key]
             return USELESS if not serves else KEEP if tails else INTERIOR

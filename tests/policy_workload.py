@@ -11,6 +11,7 @@ from hybridkv.spec import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroup,
+    MambaSpec,
     SlidingWindowSpec,
 )
 
@@ -36,6 +37,15 @@ def chunked_config(num_blocks: int = 25) -> KVCacheConfig:
         KVCacheGroup(("full",), FullAttentionSpec(**KV)),
         KVCacheGroup(("sw",), SlidingWindowSpec(**KV, sliding_window=8)),
         KVCacheGroup(("chunk",), ChunkedLocalAttentionSpec(**KV, attention_chunk_size=8)),
+    )
+    return KVCacheConfig(num_blocks, groups)
+
+
+def mamba_config(num_blocks: int = 25) -> KVCacheConfig:
+    """Full attention beside a Mamba group in ``"align"`` mode (a state per cached block)."""
+    groups = (
+        KVCacheGroup(("full",), FullAttentionSpec(**KV)),
+        KVCacheGroup(("mamba",), MambaSpec(block_size=4, state_bytes=64, mamba_cache_mode="align")),
     )
     return KVCacheConfig(num_blocks, groups)
 

@@ -10,7 +10,15 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from policy_oracle import RecordingHybrid, check_against_oracle
-from policy_workload import KV, Op, admit, chunked_config, document_config, run_ops
+from policy_workload import (
+    KV,
+    Op,
+    admit,
+    chunked_config,
+    document_config,
+    mamba_config,
+    run_ops,
+)
 
 from hybridkv.policies import CachedBlock, HybridPolicy, LRUPolicy
 from hybridkv.policies.hybrid import INTERIOR, KEEP, NO_KEY, OTHER, USELESS
@@ -109,18 +117,37 @@ def test_blocks_that_can_serve_no_hit_are_useless() -> None:
         policy.cached(block)
     policy.released([], list(range(1, 11)))
     assert policy.tiers() == {
-        1: KEEP, 2: KEEP,  # the chain h1-h2
+        1: OTHER, 2: OTHER,  # the chain h1-h2, beside a Mamba group: with the states
         3: INTERIOR, 4: KEEP, 5: KEEP,  # the end at 12 reads blocks 1 and 2
         6: INTERIOR, 7: USELESS,  # the end at 4 reads block 0; block 1 ends the chunk
         8: OTHER, 9: USELESS,  # the full group holds h2 but not h3
         10: USELESS,  # h1 is served by block 1
     }  # fmt: skip
     policy.taken([1])  # h1's first holder goes: block 10 serves it now
-    assert policy.tiers()[10] == KEEP
+    assert policy.tiers()[10] == OTHER
     policy.taken([10, 4])  # full h1 gone: h2's chain is broken; window h2 gone: h3 ends
     tiers = policy.tiers()  # no hit, and h1 is a branch end now
     assert (tiers[2], tiers[3], tiers[5], tiers[8]) == (USELESS, KEEP, USELESS, OTHER)
     assert policy.choose(3) == [2, 5, 7]
+
+
+def test_beside_a_mamba_group_chains_age_with_the_states() -> None:
+    """A hit on full attention + Mamba needs the state at its end, so the chain is not kept
+    past its states: released in order chain h1, state h1, chain h2, the three leave in that
+    order (LRU within tier 3). A chain cached before the first Mamba block moves from tier 4
+    to tier 3 when that block arrives."""
+    full = FullAttentionSpec(**KV)
+    mamba = MambaSpec(block_size=4, state_bytes=64, mamba_cache_mode="align")
+    policy = HybridPolicy()
+    policy.cached(_block(1, b"h1", 0, full, None, 4))
+    policy.released([], [1])
+    assert policy.tiers() == {1: KEEP}
+    policy.cached(_block(2, b"h1", 1, mamba, None, 4))
+    policy.cached(_block(3, b"h2", 0, full, b"h1", 8))
+    assert policy.tiers() == {1: OTHER}
+    policy.released([], [2, 3])
+    assert policy.tiers() == {1: OTHER, 2: OTHER, 3: OTHER}
+    assert policy.choose(3) == [1, 2, 3]
 
 
 OPS = st.lists(
@@ -142,10 +169,10 @@ def _oracle(policy: RecordingHybrid) -> object:
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops=OPS, chunked=st.booleans())
+@given(ops=OPS, layout=st.sampled_from(["document", "chunked", "mamba"]))
 def test_incremental_counts_agree_with_the_brute_force_after_every_operation(
-    ops: list[Op], chunked: bool
+    ops: list[Op], layout: str
 ) -> None:
     policy = RecordingHybrid()
-    config = chunked_config(21) if chunked else document_config(17)
-    run_ops(config, policy, ops, _oracle(policy))  # type: ignore[arg-type]
+    config = {"document": document_config(17), "chunked": chunked_config(21)}.get(layout)
+    run_ops(config or mamba_config(21), policy, ops, _oracle(policy))  # type: ignore[arg-type]

@@ -13,6 +13,11 @@ queue orders ties):
 3. the rest (Mamba states at cached prefixes, kinds without a rule);
 4. full-attention chains and the last window before each branch end and branch point.
 
+Beside a Mamba group the full-attention chains stay in tier 3, with the states: a hit there
+needs the state at its end, so a chain kept past its states keeps blocks no hit can use (on
+Jamba-v0.1 that order lost half of LRU's hits; ``docs/eviction.md``). The layout is learned
+from the first Mamba block cached, when every free block is re-sorted once.
+
 A block holding several keys takes its highest tier. ``HybridPolicy(tails_last=False)`` keeps
 only tiers 0, 1 and 3: useless blocks first, then plain LRU.
 
@@ -49,6 +54,7 @@ class HybridPolicy:
         self._free = ScoredFreeSet()
         self._stamp: dict[int, int] = {}  # free block -> release stamp
         self._keys: dict[int, dict[Key, None]] = {}
+        self._beside_mamba = False  # a Mamba block was ever cached: chains age with states
 
     # --- what the pool tells ---------------------------------------------------------------
 
@@ -56,6 +62,9 @@ class HybridPolicy:
         key = (block.block_hash, block.group_id)
         self._keys.setdefault(block.block_id, {})[key] = None
         self._reclassify(self._tree.add(block), (block.block_id,))
+        if not self._beside_mamba and self._tree.mamba_groups:
+            self._beside_mamba = True
+            self._reclassify((), tuple(self._stamp))  # once: the chains' tier changes
 
     def released(self, without_hash: Sequence[int], with_hash: Sequence[int]) -> None:
         for ids, stamps in (
@@ -112,7 +121,9 @@ class HybridPolicy:
         if next(iter(node.blocks)) != block_id:
             return USELESS  # lookups return the first holder
         if node.kind == "full":
-            return USELESS if tree.orphan(key) else self._kept(KEEP)
+            return (
+                USELESS if tree.orphan(key) else self._kept(OTHER if self._beside_mamba else KEEP)
+            )
         if node.kind in WINDOW_KINDS:
             if not node.serves:
                 return USELESS
