@@ -216,7 +216,7 @@ def test_simulate_replays_a_block_hash_trace_on_the_clock(tmp_path: Path) -> Non
     assert summary["hit_tokens"] == 512
 
 
-@pytest.mark.parametrize("policy", ["hybrid", "cost", "arc"])
+@pytest.mark.parametrize("policy", ["hybrid", "cost", "arc", "hybrid-arc"])
 def test_every_policy_replays_on_the_optimized_backend_as_on_the_reference(
     tmp_path: Path, policy: str
 ) -> None:

@@ -28,7 +28,7 @@ from hybridkv.reference import KVCacheManager, Request
 from hybridkv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, SlidingWindowSpec
 
 LRU_SEAM = "hybridkv.policies.lru:LRUPolicy"
-SHIPPED = (LRU_SEAM, "hybrid", "cost", "arc")
+SHIPPED = (LRU_SEAM, "hybrid", "cost", "arc", "hybrid-arc")
 BACKENDS: tuple[type[Any], ...] = (KVCacheManager, TorchKVCacheManager)
 KV = {"block_size": 4, "num_kv_heads": 1, "head_size": 8, "dtype_bytes": 2}
 

@@ -42,7 +42,7 @@ With sparse retention LRU hits 61-62 % at the first memory of the three attentio
 half their bound: smaller pools refuse requests first (``docs/eviction.md``, the policy table)."""
 
 WORKLOADS = ("agent", "mixed")
-POLICIES = ("lru", "hybrid", "cost", "arc")
+POLICIES = ("lru", "hybrid", "cost", "arc", "hybrid-arc")
 BOUND_MEMORY = 64 * GIB
 """The bound's pool: far more than the 120 requests of a workload ever hold at once."""
 

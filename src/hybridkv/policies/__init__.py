@@ -13,6 +13,7 @@ import importlib
 from hybridkv.policies.arc import ARCPolicy
 from hybridkv.policies.cost import CostPolicy
 from hybridkv.policies.hybrid import HybridPolicy
+from hybridkv.policies.hybrid_arc import HybridARCPolicy
 from hybridkv.policies.lru import LRUPolicy
 from hybridkv.policies.protocol import CachedBlock, EvictionPolicy, PolicyError
 
@@ -22,6 +23,7 @@ __all__ = [
     "CachedBlock",
     "CostPolicy",
     "EvictionPolicy",
+    "HybridARCPolicy",
     "HybridPolicy",
     "LRUPolicy",
     "PolicyError",
@@ -33,6 +35,7 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     "hybrid": HybridPolicy,
     "arc": ARCPolicy,
     "cost": CostPolicy,
+    "hybrid-arc": HybridARCPolicy,
 }
 """The shipped policies by name."""
 

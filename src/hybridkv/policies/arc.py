@@ -96,6 +96,11 @@ class ARCPolicy:
             if block_id in self._keys and block_id not in self._frequent:
                 self._promote(block_id, False)
 
+    @property
+    def num_free(self) -> int:
+        """Free blocks, with a key or without."""
+        return len(self._free_plain) + len(self._free_t1) + len(self._free_t2)
+
     def choose(self, n: int) -> Sequence[int]:
         chosen = list(_first(self._free_plain, n))
         t1 = iter(self._free_t1)

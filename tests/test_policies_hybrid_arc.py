@@ -1,0 +1,86 @@
+"""``hybrid-arc``: blocks that can serve no hit first (``hybrid``'s tiers 0 and 1), then ARC's
+order (T1, cached once, before T2, hit since, while T1 exceeds its target)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from policy_workload import KV, Op, chunked_config, document_config, mamba_config, run_ops
+
+from hybridkv.policies import CachedBlock, HybridARCPolicy
+from hybridkv.policies.hybrid import USELESS
+from hybridkv.reference import KVCacheManager
+from hybridkv.spec import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+
+def _block(block_id: int, name: bytes, group: int, spec: object, parent: bytes | None,
+           tokens: int) -> CachedBlock:  # fmt: skip
+    return CachedBlock(block_id, name, group, spec, parent, tokens)  # type: ignore[arg-type]
+
+
+def test_useless_blocks_go_first_then_arcs_lists() -> None:
+    """The cache of ``hybrid``'s own useless-block test: a chunk's last block (7), a Mamba
+    state at a prefix the full group does not hold (9) and a second holder of a key (10) go
+    first, least recently released first; then T1 in release order, and block 2, hit since
+    (T2), last."""
+    full = FullAttentionSpec(**KV)
+    window = SlidingWindowSpec(**KV, sliding_window=8)
+    chunk = ChunkedLocalAttentionSpec(**KV, attention_chunk_size=8)
+    mamba = MambaSpec(block_size=4, state_bytes=64, mamba_cache_mode="align")
+    policy = HybridARCPolicy()
+    blocks = [
+        _block(1, b"h1", 0, full, None, 4),
+        _block(2, b"h2", 0, full, b"h1", 8),
+        _block(3, b"h1", 1, window, None, 4),
+        _block(4, b"h2", 1, window, b"h1", 8),
+        _block(5, b"h3", 1, window, b"h2", 12),
+        _block(6, b"h1", 2, chunk, None, 4),
+        _block(7, b"h2", 2, chunk, b"h1", 8),
+        _block(8, b"h2", 3, mamba, b"h1", 8),
+        _block(9, b"h3", 3, mamba, b"h2", 12),
+        _block(10, b"h1", 0, full, None, 4),
+    ]
+    for block in blocks:
+        policy.cached(block)
+    policy.released([], list(range(1, 11)))
+    assert list(policy.choose(10)) == [7, 9, 10, 1, 2, 3, 4, 5, 6, 8]
+    assert list(policy.choose(2)) == [7, 9]
+    policy.touched([2])
+    policy.released([], [2])
+    assert list(policy.choose(10)) == [7, 9, 10, 1, 3, 4, 5, 6, 8, 2]
+    policy.taken([7, 9])
+    assert list(policy.choose(3)) == [10, 1, 3]
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("admit"), st.integers(0, 7), st.integers(1, 40)),
+        st.tuples(st.just("free"), st.integers(0, 7), st.just(0)),
+        st.tuples(st.just("reset"), st.just(0), st.just(0)),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=OPS, layout=st.sampled_from(["document", "chunked", "mamba"]))
+def test_its_order_is_hybrids_useless_blocks_then_arcs_after_every_operation(
+    ops: list[Op], layout: str
+) -> None:
+    """Beside a ``hybrid`` and an ``arc`` hearing the same calls (through the pool of a second
+    manager), every answer is their composition: useless blocks in ``hybrid``'s order, then the
+    others in ARC's."""
+    configs = {"document": document_config(17), "chunked": chunked_config(21)}
+    config = configs.get(layout) or mamba_config(21)
+    policy = HybridARCPolicy()
+
+    def compare(manager: KVCacheManager) -> None:
+        free = manager.num_free_blocks
+        order = list(policy.choose(free))
+        hybrid, arc = policy.hybrid, policy.arc
+        useless = [b for b in hybrid.choose(free) if hybrid.tier(b) <= USELESS]
+        assert order == useless + [b for b in arc.choose(free) if b not in set(useless)]
+        assert len(set(order)) == free
+        manager.check_invariants()
+
+    run_ops(config, policy, ops, compare)
