@@ -84,7 +84,7 @@ if TYPE_CHECKING:
     "--eviction",
     default="lru",
     show_default=True,
-    help="Eviction policy: lru (vLLM's), hybrid, cost, arc or module:Class.",
+    help="Eviction policy: lru (vLLM's), hybrid, cost, arc, hybrid-arc or module:Class.",
 )
 def simulate(
     model: str | None,
