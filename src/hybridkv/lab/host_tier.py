@@ -138,7 +138,7 @@ class HostTier:
                 for i, block_hash in enumerate(event.block_hashes):
                     if dense:
                         token = tokens[(i + 1) * size - 1]
-                    elif (named := located.get(block_hash)) is not None:  # type: ignore[union-attr]
+                    elif located is not None and (named := located.get(block_hash)) is not None:
                         token = named
                     else:
                         self.unnamed += 1

@@ -190,9 +190,9 @@ class Replay:
         self.result.steps += 1
         prefill, decode, context, loaded = self._work(scheduled)
         self.now_ms += self.config.cost_model.step_ms(prefill, decode, context)
-        if self.host is not None and loaded:
-            self.now_ms += self.host.load_ms(loaded)
         host = self.host
+        if host is not None and loaded:
+            self.now_ms += host.load_ms(loaded)
         starts = [] if host is None else [live.request.num_computed_tokens for live, _ in scheduled]
         self._advance(scheduled)
         if self.events is not None:
