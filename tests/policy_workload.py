@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from hybridkv.policies import EvictionPolicy
+from hypothesis import strategies as st
+
+from hybridkv.policies import CachedBlock, EvictionPolicy
 from hybridkv.reference import KVCacheManager, Request
 from hybridkv.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroup,
+    KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
 )
@@ -91,3 +94,38 @@ def run_ops(
         manager.check_invariants()
         after_each(manager)
     return hit_tokens
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("admit"), st.integers(0, 7), st.integers(1, 40)),
+        st.tuples(st.just("free"), st.integers(0, 7), st.just(0)),
+        st.tuples(st.just("reset"), st.just(0), st.just(0)),
+    ),
+    max_size=40,
+)
+"""Random traffic for ``run_ops``: admissions over four prefixes, frees and resets."""
+
+
+def useless_cache() -> list[CachedBlock]:
+    """A hand-built cache of every kind (full h1-h2, a window of 8 to h3, a chunk of 8, Mamba
+    states at h2 and h3, a second holder of full h1), blocks 1-10 in that order: the window
+    block 3 is interior, the chunk's block 7, the Mamba state 9 (the full group lacks h3) and
+    block 10 (h1 is served by block 1) can serve no hit."""
+    full = FullAttentionSpec(**KV)
+    window = SlidingWindowSpec(**KV, sliding_window=8)
+    chunk = ChunkedLocalAttentionSpec(**KV, attention_chunk_size=8)
+    mamba = MambaSpec(block_size=4, state_bytes=64, mamba_cache_mode="align")
+    rows: list[tuple[int, bytes, int, KVCacheSpec, bytes | None, int]] = [
+        (1, b"h1", 0, full, None, 4),
+        (2, b"h2", 0, full, b"h1", 8),
+        (3, b"h1", 1, window, None, 4),
+        (4, b"h2", 1, window, b"h1", 8),
+        (5, b"h3", 1, window, b"h2", 12),
+        (6, b"h1", 2, chunk, None, 4),
+        (7, b"h2", 2, chunk, b"h1", 8),
+        (8, b"h2", 3, mamba, b"h1", 8),
+        (9, b"h3", 3, mamba, b"h2", 12),
+        (10, b"h1", 0, full, None, 4),
+    ]
+    return [CachedBlock(*row) for row in rows]

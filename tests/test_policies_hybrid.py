@@ -12,22 +12,22 @@ from hypothesis import strategies as st
 from policy_oracle import RecordingHybrid, check_against_oracle
 from policy_workload import (
     KV,
+    OPS,
     Op,
     admit,
     chunked_config,
     document_config,
     mamba_config,
     run_ops,
+    useless_cache,
 )
 
 from hybridkv.policies import CachedBlock, HybridPolicy, LRUPolicy
 from hybridkv.policies.hybrid import INTERIOR, KEEP, NO_KEY, OTHER, USELESS
 from hybridkv.reference import KVCacheManager, Request
 from hybridkv.spec import (
-    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     MambaSpec,
-    SlidingWindowSpec,
 )
 
 A = list(range(24))
@@ -96,23 +96,8 @@ def test_blocks_that_can_serve_no_hit_are_useless() -> None:
     """A full block whose parent key is gone, a window block no cached end reads, a chunk's
     last block (a hit at the chunk boundary reads nothing of it), a Mamba state at a prefix
     the full group does not hold, and a second holder of a key are all reused first."""
-    full = FullAttentionSpec(**KV)
-    window = SlidingWindowSpec(**KV, sliding_window=8)
-    chunk = ChunkedLocalAttentionSpec(**KV, attention_chunk_size=8)
-    mamba = MambaSpec(block_size=4, state_bytes=64, mamba_cache_mode="align")
     policy = HybridPolicy()
-    blocks = [
-        _block(1, b"h1", 0, full, None, 4),
-        _block(2, b"h2", 0, full, b"h1", 8),
-        _block(3, b"h1", 1, window, None, 4),
-        _block(4, b"h2", 1, window, b"h1", 8),
-        _block(5, b"h3", 1, window, b"h2", 12),
-        _block(6, b"h1", 2, chunk, None, 4),
-        _block(7, b"h2", 2, chunk, b"h1", 8),
-        _block(8, b"h2", 3, mamba, b"h1", 8),
-        _block(9, b"h3", 3, mamba, b"h2", 12),
-        _block(10, b"h1", 0, full, None, 4),
-    ]
+    blocks = useless_cache()
     for block in blocks:
         policy.cached(block)
     policy.released([], list(range(1, 11)))
@@ -148,16 +133,6 @@ def test_beside_a_mamba_group_chains_age_with_the_states() -> None:
     policy.released([], [2, 3])
     assert policy.tiers() == {1: OTHER, 2: OTHER, 3: OTHER}
     assert policy.choose(3) == [1, 2, 3]
-
-
-OPS = st.lists(
-    st.one_of(
-        st.tuples(st.just("admit"), st.integers(0, 7), st.integers(1, 40)),
-        st.tuples(st.just("free"), st.integers(0, 7), st.just(0)),
-        st.tuples(st.just("reset"), st.just(0), st.just(0)),
-    ),
-    max_size=40,
-)
 
 
 def _oracle(policy: RecordingHybrid) -> object:

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from policy_workload import KV, Op, chunked_config, document_config, mamba_config, run_ops
+from policy_workload import (
+    OPS,
+    Op,
+    chunked_config,
+    document_config,
+    mamba_config,
+    run_ops,
+    useless_cache,
+)
 
-from hybridkv.policies import CachedBlock, HybridARCPolicy
+from hybridkv.policies import HybridARCPolicy
 from hybridkv.policies.hybrid import USELESS
 from hybridkv.reference import KVCacheManager
-from hybridkv.spec import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
-
-
-def _block(block_id: int, name: bytes, group: int, spec: object, parent: bytes | None,
-           tokens: int) -> CachedBlock:  # fmt: skip
-    return CachedBlock(block_id, name, group, spec, parent, tokens)  # type: ignore[arg-type]
 
 
 def test_useless_blocks_go_first_then_arcs_lists() -> None:
@@ -23,23 +25,8 @@ def test_useless_blocks_go_first_then_arcs_lists() -> None:
     state at a prefix the full group does not hold (9) and a second holder of a key (10) go
     first, least recently released first; then T1 in release order, and block 2, hit since
     (T2), last."""
-    full = FullAttentionSpec(**KV)
-    window = SlidingWindowSpec(**KV, sliding_window=8)
-    chunk = ChunkedLocalAttentionSpec(**KV, attention_chunk_size=8)
-    mamba = MambaSpec(block_size=4, state_bytes=64, mamba_cache_mode="align")
     policy = HybridARCPolicy()
-    blocks = [
-        _block(1, b"h1", 0, full, None, 4),
-        _block(2, b"h2", 0, full, b"h1", 8),
-        _block(3, b"h1", 1, window, None, 4),
-        _block(4, b"h2", 1, window, b"h1", 8),
-        _block(5, b"h3", 1, window, b"h2", 12),
-        _block(6, b"h1", 2, chunk, None, 4),
-        _block(7, b"h2", 2, chunk, b"h1", 8),
-        _block(8, b"h2", 3, mamba, b"h1", 8),
-        _block(9, b"h3", 3, mamba, b"h2", 12),
-        _block(10, b"h1", 0, full, None, 4),
-    ]
+    blocks = useless_cache()
     for block in blocks:
         policy.cached(block)
     policy.released([], list(range(1, 11)))
@@ -50,16 +37,6 @@ def test_useless_blocks_go_first_then_arcs_lists() -> None:
     assert list(policy.choose(10)) == [7, 9, 10, 1, 3, 4, 5, 6, 8, 2]
     policy.taken([7, 9])
     assert list(policy.choose(3)) == [10, 1, 3]
-
-
-OPS = st.lists(
-    st.one_of(
-        st.tuples(st.just("admit"), st.integers(0, 7), st.integers(1, 40)),
-        st.tuples(st.just("free"), st.integers(0, 7), st.just(0)),
-        st.tuples(st.just("reset"), st.just(0), st.just(0)),
-    ),
-    max_size=30,
-)
 
 
 @settings(max_examples=40, deadline=None)

@@ -7,19 +7,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from policy_workload import Op, chunked_config, document_config, run_ops
+from policy_workload import OPS, Op, chunked_config, document_config, run_ops
 
 from hybridkv.policies import POLICIES
 from hybridkv.reference import KVCacheManager
-
-OPS = st.lists(
-    st.one_of(
-        st.tuples(st.just("admit"), st.integers(0, 7), st.integers(1, 40)),
-        st.tuples(st.just("free"), st.integers(0, 7), st.just(0)),
-        st.tuples(st.just("reset"), st.just(0), st.just(0)),
-    ),
-    max_size=40,
-)
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
