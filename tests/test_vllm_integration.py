@@ -169,7 +169,10 @@ def test_the_tables_and_counts_vllms_leak_check_reads_equal_vllms(backend: Backe
         groups = manager.coordinator.single_type_managers
         pool = manager.block_pool
         return [
-            [{rid: [b.block_id for b in t] for rid, t in g.req_to_blocks.items()} for g in groups],
+            [
+                {rid: [(b.block_id, b.ref_cnt) for b in t] for rid, t in g.req_to_blocks.items()}
+                for g in groups
+            ],
             [dict(g.num_cached_block) for g in groups],
             pool.free_block_queue.num_free_blocks,
             [block.ref_cnt for block in pool.blocks],
@@ -199,7 +202,8 @@ def test_the_tables_and_counts_vllms_leak_check_reads_equal_vllms(backend: Backe
     expected = run(VllmManager(config, **settings))
     assert expected[-1][:3] == [[{}, {}, {}], [{}, {}, {}], 63]
     assert expected[1][1][0] == {"a": 5, "b": 5}  # full attention: 80 and 88 tokens
-    assert expected[2][0][1]["a"][:3] == [0, 0, 0]  # the window dropped a's first blocks
+    assert expected[1][0][0]["b"][:4] == [(1, 2), (2, 2), (3, 2), (16, 1)]  # a's prefix shared
+    assert [i for i, _ in expected[2][0][1]["a"][:3]] == [0, 0, 0]  # the window dropped them
     assert run(KVCacheManager(config, backend=backend, **settings)) == expected
 
 

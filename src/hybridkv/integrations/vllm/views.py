@@ -129,15 +129,20 @@ class BlockPoolView:
     @property
     def blocks(self) -> list[BlockView]:
         """Every block, the null block (id 0) first, with its reference count."""
-        held = self.core.snapshot().ref_counts
-        return [BlockView(i, held.get(i, 0), i == 0) for i in range(self.num_gpu_blocks)]
+        return self._views(range(self.num_gpu_blocks), self.core.snapshot().ref_counts)
 
     def request_tables(self, group_id: int) -> dict[str, list[BlockView]]:
-        """``single_type_managers[group_id].req_to_blocks``: each request's table."""
+        """``single_type_managers[group_id].req_to_blocks``: each request's table, each block
+        with its reference count now."""
+        held = self.core.snapshot().ref_counts
         return {
-            rid: [BlockView(i, is_null=i == 0) for i in self.core.get_block_ids(rid)[group_id]]
+            rid: self._views(self.core.get_block_ids(rid)[group_id], held)
             for rid in self.core.cached_block_counts()
         }
+
+    @staticmethod
+    def _views(block_ids: Iterable[int], ref_counts: dict[int, int]) -> list[BlockView]:
+        return [BlockView(i, ref_counts.get(i, 0), i == 0) for i in block_ids]
 
     def get_cached_block(
         self, block_hash: bytes, kv_cache_group_ids: list[int]
