@@ -85,8 +85,8 @@ REFERENCE_MUTANTS: tuple[Mutant, ...] = (
         "freeing a request walks its table first to last (its head is evicted first)",
         "reference.single_type_base",
         (
-            "self.block_pool.free_blocks(table[::-1])",
-            "self.block_pool.free_blocks(table)",
+            "self.block_pool.free_blocks(self.pop_blocks_for_free(request_id)[::-1])",
+            "self.block_pool.free_blocks(self.pop_blocks_for_free(request_id))",
         ),
     ),
     manager_mutant(
@@ -126,11 +126,11 @@ REFERENCE_MUTANTS: tuple[Mutant, ...] = (
             "",
         ),
         (
-            "            return None\n        if any(hits):",
+            "            return None\n        if any(hits) or num_external_computed_tokens:",
             "            return None\n"
             "        self.coordinator.remove_skipped_blocks(request_id, max(0, total_computed - "
             "in_flight))\n"
-            "        if any(hits):",
+            "        if any(hits) or num_external_computed_tokens:",
         ),
     ),
     manager_mutant(

@@ -27,6 +27,7 @@ import numpy.typing as npt
 
 from hybridkv.optimized import general_caching, step
 from hybridkv.optimized import path_counts as paths
+from hybridkv.optimized.layout import BlockIds
 from hybridkv.optimized.lookup import GroupHit
 from hybridkv.optimized.state import ManagerState
 from hybridkv.policies.protocol import PolicyError
@@ -43,22 +44,26 @@ def allocate(
     num_lookahead_tokens: int,
     delay_cache_blocks: bool,
     kept_free: int = 0,
+    num_external: int = 0,
 ) -> KVCacheBlocks | None:
     """``allocate_slots`` after validation, ``hits`` each group's adopted hit; ``kept_free``
-    blocks (reserved and watermark) must stay free."""
+    blocks (reserved and watermark) must stay free; ``num_external`` tokens a KV connector
+    supplies follow the hit."""
     pool = s.pool
     request_id = request.request_id
     row = s.rows.row_of(request_id)
-    computed = min(request.num_computed_tokens + num_new_computed_tokens, s.layout.max_model_len)
+    local = request.num_computed_tokens + num_new_computed_tokens
+    computed = min(local + num_external, s.layout.max_model_len)
     need = min(computed + num_new_tokens + num_lookahead_tokens, s.layout.max_model_len)
     cache_up_to = -1
     if s.layout.caching and not delay_cache_blocks:
         cache_up_to = min(computed + num_new_tokens, request.num_tokens)
     if row is not None:
         return step.step(s, request, row, computed, need, cache_up_to, kept_free)
-    # Admission: skipped positions, then the adopted hits, then new blocks.
+    # Admission: skipped positions, then the adopted hits, then the external tokens' blocks,
+    # then new blocks.
     required = [rule.blocks_for_tokens(need) for rule in s.layout.rules]
-    skipped = [rule.skipped_positions(computed) for rule in s.layout.rules]
+    skipped = [rule.skipped_positions(local + num_external) for rule in s.layout.rules]
     adopted = adopted_blocks(hits, skipped)
     total = int(np.count_nonzero(pool.ref.n[adopted] == 0))  # hits in the free queue
     for g, count in enumerate(required):
@@ -68,6 +73,8 @@ def allocate(
     row = s.rows.take(request_id)
     adopt(s, row, hits, skipped, adopted)
     try:
+        if num_external:
+            take_external(s, row, local, num_external)
         admitted = step.extend(s, row, required)
     except PolicyError:
         s.thresholds.refresh(row)  # the request keeps its hits, as the reference's does
@@ -78,17 +85,53 @@ def allocate(
     return KVCacheBlocks(admitted)
 
 
+def take_external(s: ManagerState, row: int, local: int, num_external: int) -> BlockIds:
+    """Blocks for the ``num_external`` tokens a KV connector supplies after the ``local``
+    computed ones, every group's hit adopted first (``allocate_external_computed_blocks``):
+    each group's positions up to the last external token that its type still reads."""
+    length, at = s.rows.length, row * s.layout.num_groups
+    targets = [
+        max(rule.external_positions(local, num_external), length[at + g])
+        for g, rule in enumerate(s.layout.rules)
+    ]
+    return step.extend(s, row, targets)
+
+
+def blocks_to_allocate(
+    s: ManagerState, request_id: str, num_tokens: int, total_computed: int, apply_cap: bool
+) -> int:
+    """``KVCacheCoordinator.get_num_blocks_to_allocate`` with no hit to adopt, on a layout
+    without a Mamba ``"align"`` group: a request holding a row needs the positions it lacks,
+    one being admitted those past its skipped positions."""
+    row = s.rows.row_of(request_id)
+    total = 0
+    for g, rule in enumerate(s.layout.rules):
+        required = rule.blocks_for_tokens(num_tokens)
+        cap = s.layout.admission_caps[g]
+        if apply_cap and cap is not None:
+            required = min(required, cap)
+        if row is not None:
+            total += max(required - s.rows.length[s.rows.index(row, g)], 0)
+        else:
+            total += max(required - rule.skipped_positions(total_computed), 0)
+    return total
+
+
 def whole_sequence_fits(
     s: ManagerState,
     request: RequestLike,
     num_new_computed_tokens: int,
     hits: Sequence[GroupHit],
     watermark_blocks: int = 0,
+    num_external: int = 0,
 ) -> bool:
     """A full-prompt admission's first check: the whole sequence, a window counting only
     what it ever holds at once, fits in the free blocks less the watermark (before anything
     is released)."""
-    computed = min(request.num_computed_tokens + num_new_computed_tokens, s.layout.max_model_len)
+    computed = min(
+        request.num_computed_tokens + num_new_computed_tokens + num_external,
+        s.layout.max_model_len,
+    )
     full_length = min(request.num_tokens, s.layout.max_model_len)
     row = s.rows.row_of(request.request_id)
     length = s.rows.length

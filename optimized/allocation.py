@@ -42,9 +42,11 @@ def allocate(
     *,
     checked: bool,
     issued: bool,
+    num_external: int = 0,
 ) -> KVCacheBlocks | None:
     """``allocate_slots`` of a call its quiet exit did not answer (``checked``: no hit and
-    plain counts, already checked; ``issued``: the hit is the manager's last lookup result)."""
+    plain counts, already checked; ``issued``: the hit is the manager's last lookup result;
+    ``num_external``: tokens a KV connector supplies after the hit)."""
     s.pool.paths.ran(paths.ALLOCATE)
     if type(request) is Request:
         request.offer_block_hasher(s.block_hasher)  # a request met here first
@@ -58,6 +60,7 @@ def allocate(
         (reserved_blocks, watermark_blocks),
         checked=checked,
         issued=issued,
+        num_external=num_external,
     )
     s.settle()
     try:
@@ -73,9 +76,10 @@ def allocate(
                 full_sequence_must_fit,
                 reserved_blocks,
                 watermark_blocks,
+                num_external,
             )
         if full_sequence_must_fit and not admission.whole_sequence_fits(
-            s, request, num_new_computed_tokens, group_hits, watermark_blocks
+            s, request, num_new_computed_tokens, group_hits, watermark_blocks, num_external
         ):
             return None
         return admission.allocate(
@@ -87,6 +91,7 @@ def allocate(
             num_lookahead_tokens,
             delay_cache_blocks,
             reserved_blocks + watermark_blocks,
+            num_external,
         )
     finally:
         s.tables.flush()
@@ -103,6 +108,7 @@ def checked_hits(
     *,
     checked: bool,
     issued: bool,
+    num_external: int = 0,
 ) -> tuple[BlockIds, Sequence[GroupHit]]:
     """``allocate_slots``'s checks of a call with a hit or unusual counts (``kept_free``: its
     reserved and watermark blocks; ``checked``: no hit, counts checked already): the hit's ids
@@ -127,6 +133,7 @@ def checked_hits(
             holds_blocks=s.rows.__contains__,
             settings=layout.settings,
             allow_fewer_hashes=True,
+            num_external_computed_tokens=num_external,
         )
     else:
         found = check_allocation(
@@ -141,6 +148,7 @@ def checked_hits(
             settings=layout.settings,
             allow_fewer_hashes=True,
             issued=issued,
+            num_external_computed_tokens=num_external,
         )
         group_hits = tuple(map(GroupHit.of, found)) if not layout.has_align else ()
     check_non_negative("reserved_blocks", kept_free[0])

@@ -35,16 +35,33 @@ class GroupRule:
         """The hooks of ``spec``'s attention type, from ``GROUP_RULES``."""
         return GROUP_RULES[spec.kind](spec)
 
-    def skipped_positions(self, num_computed_tokens: int) -> int:
+    def skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Leading tokens the next token no longer reads (``skipped_tokens`` of the type)."""
         if self.kind == SLIDING:
-            skipped = rules.sliding_window_skipped_tokens(num_computed_tokens, self.span)
-        elif self.kind == CHUNKED:
-            skipped = rules.chunked_local_skipped_tokens(num_computed_tokens, self.span)
-        elif self.kind == MAMBA:
-            skipped = rules.mamba_skipped_tokens(num_computed_tokens)
-        else:
-            return 0  # full attention skips nothing
+            return rules.sliding_window_skipped_tokens(num_computed_tokens, self.span)
+        if self.kind == CHUNKED:
+            return rules.chunked_local_skipped_tokens(num_computed_tokens, self.span)
+        if self.kind == MAMBA:
+            return rules.mamba_skipped_tokens(num_computed_tokens)
+        return 0  # full attention skips nothing
+
+    def skipped_positions(self, num_computed_tokens: int) -> int:
+        if self.kind == FULL:
+            return 0
+        skipped = self.skipped_tokens(num_computed_tokens)
         return rules.skipped_block_positions(skipped, self.block_size)
+
+    def external_positions(self, num_local_computed: int, num_external: int) -> int:
+        """Positions a table holds once it has blocks for ``num_external`` tokens a KV
+        connector supplies after ``num_local_computed`` (0: none needed, every one is skipped;
+        ``allocate_external_computed_blocks`` of the reference)."""
+        total = num_local_computed + num_external
+        skipped = self.skipped_tokens(total)
+        if skipped > 0:
+            num_external = min(total - skipped, num_external)
+        if num_external <= 0:
+            return 0
+        return rules.cdiv(total, self.block_size)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         blocks = rules.attention_blocks_for_tokens(num_tokens, self.block_size)

@@ -44,15 +44,18 @@ def allocate(
     full_sequence_must_fit: bool,
     reserved_blocks: int = 0,
     watermark_blocks: int = 0,
+    num_external: int = 0,
 ) -> KVCacheBlocks | None:
-    """``KVCacheManager.allocate_slots`` after validation."""
+    """``KVCacheManager.allocate_slots`` after validation (``num_external``: tokens a KV
+    connector supplies after the hit)."""
     request_id = request.request_id
     num_local_computed = request.num_computed_tokens + num_new_computed_tokens
-    total_computed = min(num_local_computed, s.layout.max_model_len)
+    num_computed = num_local_computed + num_external
+    total_computed = min(num_computed, s.layout.max_model_len)
     prefill_end = max(prompt_tokens(request), request.num_tokens - 1)
     if full_sequence_must_fit:
         full_length = min(request.num_tokens, s.layout.max_model_len)
-        needed = _num_blocks(
+        needed = num_blocks_to_allocate(
             s, request_id, full_length, hits, total_computed, full_length, True, prefill_end
         )
         if needed + watermark_blocks > s.pool.num_free_blocks:
@@ -62,13 +65,13 @@ def allocate(
     in_flight = request.num_in_flight_tokens
     row = s.rows.row_of(request_id)
     if row is not None:
-        _remove_skipped(s, request_id, row, max(0, total_computed - in_flight))
+        remove_skipped(s, request_id, row, max(0, total_computed - in_flight))
     if in_flight:
         s.mamba.in_flight[request_id] = in_flight
     else:
         s.mamba.in_flight.pop(request_id, None)
-    needed = _num_blocks(
-        s, request_id, need_slot, hits, num_local_computed, main, False, prefill_end
+    needed = num_blocks_to_allocate(
+        s, request_id, need_slot, hits, num_computed, main, False, prefill_end
     )
     if needed + watermark_blocks > s.pool.num_free_blocks - reserved_blocks:
         if row is not None:
@@ -76,9 +79,11 @@ def allocate(
         return None
     if row is None:
         row = s.rows.take(request_id)
-        if any(hits):
-            _adopt(s, request_id, row, hits, num_local_computed)
+        if any(hits) or num_external:
+            _adopt(s, request_id, row, hits, num_local_computed, num_external)
     try:
+        if num_external:
+            _take_external(s, request_id, row, num_local_computed, num_external)
         new_blocks = tuple(
             _allocate_group(s, request_id, row, g, need_slot, main)
             for g in range(s.layout.num_groups)
@@ -92,17 +97,38 @@ def allocate(
     return KVCacheBlocks(new_blocks)
 
 
-def _adopt(s: ManagerState, request_id: str, row: int, hits: BlockIds, num_computed: int) -> None:
-    """Admit a request with a hit into its new row: the attention groups as
-    ``admission.adopt`` does, a Mamba group's table with nulls anywhere."""
+def _adopt(
+    s: ManagerState,
+    request_id: str,
+    row: int,
+    hits: BlockIds,
+    num_computed: int,
+    num_external: int = 0,
+) -> None:
+    """Admit a request with a hit (or external tokens) into its new row: the attention groups
+    as ``admission.adopt`` does, a Mamba group's table with nulls anywhere."""
     group_hits = [GroupHit.of(ids) for ids in hits]
-    skipped = [rule.skipped_positions(num_computed) for rule in s.layout.rules]
+    total = num_computed + num_external
+    skipped = [rule.skipped_positions(total) for rule in s.layout.rules]
     admission.adopt(s, row, group_hits, skipped, admission.adopted_blocks(group_hits, skipped))
     for g, rule in enumerate(s.layout.rules):
         s.mamba.running.add((row, g))
         if rule.kind == MAMBA:
             s.rows.nulls[s.rows.index(row, g)] = 0
-            _record_adopted(s, request_id, row, g, hits[g], num_computed)
+            _record_adopted(s, request_id, row, g, hits[g], total)
+
+
+def _take_external(
+    s: ManagerState, request_id: str, row: int, num_local: int, num_external: int
+) -> None:
+    """``admission.take_external``; a Mamba group records where its new state sits."""
+    lengths = s.rows.length
+    before = [lengths[s.rows.index(row, g)] for g in range(s.layout.num_groups)]
+    admission.take_external(s, row, num_local, num_external)
+    for g, rule in enumerate(s.layout.rules):
+        after = lengths[s.rows.index(row, g)]
+        if rule.kind == MAMBA and after > before[g]:
+            s.mamba.positions.setdefault((request_id, g), []).extend(range(before[g], after))
 
 
 def _num_evictable(s: ManagerState, blocks: Sequence[int]) -> int:
@@ -110,7 +136,7 @@ def _num_evictable(s: ManagerState, blocks: Sequence[int]) -> int:
     return sum(1 for b in blocks if b != 0 and ref[b] == 0)
 
 
-def _num_blocks(
+def num_blocks_to_allocate(
     s: ManagerState,
     request_id: str,
     num_tokens: int,
@@ -311,7 +337,7 @@ def _int_array(values: Sequence[int]) -> array[int]:
     return array("i", values)
 
 
-def _remove_skipped(s: ManagerState, request_id: str, row: int, computed: int) -> None:
+def remove_skipped(s: ManagerState, request_id: str, row: int, computed: int) -> None:
     """``remove_skipped_blocks`` of every group, in group order."""
     tab, rows = s.tables.host.a, s.rows
     for g, rule in enumerate(s.layout.rules):

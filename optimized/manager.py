@@ -21,7 +21,7 @@ with ``RowTables.quiet_below[row]`` decides most decode calls) and a few ``Group
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -31,16 +31,15 @@ from hybridkv.optimized import (
     allocation,
     batch,
     batch_free,
-    cached_keys,
     general_caching,
     hits,
     invariants,
     step,
 )
+from hybridkv.optimized.connector_calls import ConnectorCalls
 from hybridkv.optimized.layout import BlockIds, GroupLayout
 from hybridkv.optimized.state import ManagerState, Tuning, TuningKnobs
 from hybridkv.policies import EvictionPolicy, resolve_policy
-from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.events import EventBuilder, KVCacheEvent
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.prefix_stats import PrefixCacheCounter, PrefixCacheStatsCalls
@@ -57,7 +56,7 @@ from hybridkv.spec.errors import check_non_negative
 __all__ = ["BlockIds", "TorchKVCacheManager", "Tuning"]
 
 
-class TorchKVCacheManager(TuningKnobs, PrefixCacheStatsCalls):
+class TorchKVCacheManager(ConnectorCalls, TuningKnobs, PrefixCacheStatsCalls):
     """Allocation and prefix caching for every KV cache group, on flat buffers (see the module
     doc)."""
 
@@ -194,9 +193,11 @@ class TorchKVCacheManager(TuningKnobs, PrefixCacheStatsCalls):
         full_sequence_must_fit: bool = False,
         reserved_blocks: int = 0,
         watermark_blocks: int = 0,
+        num_external_computed_tokens: int = 0,
     ) -> KVCacheBlocks | None:
         """Slots for ``num_new_tokens`` more tokens (and lookahead), or ``None`` if they do not fit
-        (``KVCacheManager.allocate_slots``): ``reserved_blocks`` free blocks stay untouched and
+        (``KVCacheManager.allocate_slots``, also for ``num_external_computed_tokens`` a KV
+        connector supplies): ``reserved_blocks`` free blocks stay untouched and
         ``watermark_blocks`` more stay free (the full-sequence check keeps the watermark only).
         Window and chunk blocks are released on the processed count, ``num_computed_tokens``
         less the request's ``num_in_flight_tokens`` (async scheduling)."""
@@ -212,6 +213,7 @@ class TorchKVCacheManager(TuningKnobs, PrefixCacheStatsCalls):
             and reserved_blocks >= 0
             and type(watermark_blocks) is int
             and watermark_blocks >= 0
+            and num_external_computed_tokens == 0
         ):
             # A step of a running request (no hit to adopt, plain counts): what
             # ``check_allocation`` checks reduces to the request's hash count (more hashes
@@ -271,6 +273,7 @@ class TorchKVCacheManager(TuningKnobs, PrefixCacheStatsCalls):
             watermark_blocks,
             checked=checked,
             issued=new_computed_blocks is not None and new_computed_blocks is self._issued,
+            num_external=num_external_computed_tokens,
         )
         self._s.raise_policy_error()
         return allocated
@@ -352,16 +355,6 @@ class TorchKVCacheManager(TuningKnobs, PrefixCacheStatsCalls):
         """The reference's (the longest cached prefix per group, the minimum over the groups;
         0 for an unknown request; ``hybridkv.optimized.invariants``)."""
         return invariants.estimate_cached_tokens(self._s, request_id)
-
-    def get_cached_block_ids(
-        self, block_hash: BlockHash, group_ids: Sequence[int]
-    ) -> list[int] | None:
-        """The reference's (vLLM's ``BlockPool.get_cached_block``; ``optimized.cached_keys``)."""
-        return cached_keys.get_cached_block_ids(self._s, block_hash, group_ids)
-
-    def evict_blocks(self, block_ids: Iterable[int]) -> None:
-        """The reference's (vLLM's ``BlockPool.evict_blocks``; ``optimized.cached_keys``)."""
-        cached_keys.evict_blocks(self._s, block_ids)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (``False``) while any request holds a block."""

@@ -19,6 +19,8 @@ Data layout (G groups, R = ``max_num_reqs`` rows, W = ``max_blocks_per_req`` pos
     thresholds   RowThresholds: recomputes a row's thresholds after a step
     row_src[R]   the pool source (token and hash lists) each row caches under, -1 for none
     mamba        MambaState: a Mamba ``"align"`` group's bookkeeping beside its tables
+    deferred     Counter: blocks ``pop_blocks_for_free`` handed out and not yet freed (holders
+                 outside the tables; ``hybridkv.optimized.connector_calls``)
     tuning       Tuning: the sizes at which paths switch to vectorised calls
 
 The shared steps are methods: ``settle`` (make the running steps' pending pool work before
@@ -28,6 +30,7 @@ bookkeeping) and ``table`` (a group's block table of a row as a list).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -131,6 +134,7 @@ class ManagerState:
     __slots__ = (
         "_tuning",
         "block_hasher",
+        "deferred",
         "layout",
         "mamba",
         "pool",
@@ -165,6 +169,8 @@ class ManagerState:
         )
         self.row_src = [-1] * layout.max_num_reqs
         self.mamba = MambaState()
+        # Blocks ``pop_blocks_for_free`` handed out, not yet freed: holders outside the tables.
+        self.deferred: Counter[int] = Counter()
         self.block_hasher = block_hasher
         self._tuning = tuning
         self.tuning = tuning

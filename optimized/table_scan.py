@@ -166,6 +166,8 @@ def check_holders(s: ManagerState, scan: TableScan) -> None:
         at = int(split[0])
         raise InvariantError(f"block {held[at]} is in groups {owner[at]} and {group[at]}")
     holders = np.bincount(held, minlength=n)
+    for block, count in s.deferred.items():  # handed out by ``pop_blocks_for_free``
+        holders[block] += count
     ref = s.pool.ref.n
     wrong = (ref[1:] != holders[1:]).nonzero()[0]
     if wrong.shape[0]:

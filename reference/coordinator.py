@@ -142,13 +142,30 @@ class KVCacheCoordinator(ABC):
         )
 
     def allocate_new_computed_blocks(
-        self, request_id: str, new_computed_blocks: BlocksPerGroup, num_computed_tokens: int
-    ) -> None:
-        """Adopt an admitted request's hit in every group (a running request adopts none)."""
+        self,
+        request_id: str,
+        new_computed_blocks: BlocksPerGroup,
+        num_computed_tokens: int,
+        num_external_computed_tokens: int = 0,
+    ) -> BlocksPerGroup:
+        """Adopt an admitted request's hit in every group (a running request adopts none), then
+        take blocks for the tokens a KV connector supplies, in a second pass: every group's hit
+        is touched before any group takes a block, so no group evicts another's hit. Returns
+        the blocks taken for the external tokens, per group."""
         if any(request_id in manager.num_cached_block for manager in self.managers):
-            return
+            return tuple([] for _ in self.managers)
         for manager, blocks in zip(self.managers, new_computed_blocks, strict=True):
-            manager.add_local_computed_blocks(request_id, blocks, num_computed_tokens)
+            manager.add_local_computed_blocks(
+                request_id, blocks, num_computed_tokens, num_external_computed_tokens
+            )
+        if num_external_computed_tokens <= 0:
+            return tuple([] for _ in self.managers)
+        return tuple(
+            manager.allocate_external_computed_blocks(
+                request_id, num_computed_tokens, num_external_computed_tokens
+            )
+            for manager in self.managers
+        )
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int

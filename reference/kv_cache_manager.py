@@ -12,11 +12,12 @@ a sliding window or chunk, exactly as a successful one would have).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from hybridkv.policies import EvictionPolicy, resolve_policy
-from hybridkv.reference.block_hash import BlockHash
+from hybridkv.reference.connector_calls import ConnectorCalls
 from hybridkv.reference.coordinator import make_coordinator
 from hybridkv.reference.events import EventBuilder, KVCacheEvent
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
@@ -32,16 +33,14 @@ from hybridkv.reference.table_invariants import (
 from hybridkv.reference.validation import (
     check_allocation,
     check_block_hashes,
-    check_block_ids,
     check_cache_blocks,
-    check_group_ids,
     validate_manager_config,
 )
 from hybridkv.spec import KVCacheConfig
 from hybridkv.spec.errors import InvariantError, check_non_negative
 
 
-class KVCacheManager(PrefixCacheStatsCalls):
+class KVCacheManager(ConnectorCalls, PrefixCacheStatsCalls):
     """Allocation and prefix caching for every KV cache group of one model.
 
     The keyword-only settings are an engine's (vLLM's names):
@@ -113,7 +112,9 @@ class KVCacheManager(PrefixCacheStatsCalls):
         self._stats = PrefixCacheCounter(log_stats)
         # Tokens in flight at each request's last allocation: that step still reads the Mamba
         # states before them, so an "align" table may hold their blocks too (the invariant).
-        self._in_flight: dict[str, int] = {}
+        self.in_flight_tokens: dict[str, int] = {}
+        # Blocks ``pop_blocks_for_free`` handed out, not yet freed (``connector_calls``).
+        self.deferred_holders: Counter[int] = Counter()
 
     def make_request(
         self, request_id: str, prompt_token_ids: Sequence[int], **options: Any
@@ -184,6 +185,7 @@ class KVCacheManager(PrefixCacheStatsCalls):
         full_sequence_must_fit: bool = False,
         reserved_blocks: int = 0,
         watermark_blocks: int = 0,
+        num_external_computed_tokens: int = 0,
     ) -> KVCacheBlocks | None:
         """Slots for ``num_new_tokens`` more tokens (and lookahead), or ``None`` if they do not fit.
 
@@ -198,11 +200,16 @@ class KVCacheManager(PrefixCacheStatsCalls):
         watermark to waiting and preempted requests when others are scheduled). The
         full-sequence check keeps the watermark only, as vLLM's does.
 
+        ``num_external_computed_tokens`` follow the hit at admission: tokens a KV connector
+        supplies (loaded from another tier or engine). They count as computed and get blocks,
+        only where their type still reads them; with ``delay_cache_blocks`` nothing is cached
+        until the load is done (``cache_blocks``).
+
         Token regions, as the scheduler sees them::
 
-            | computed | new computed (hit) | new | lookahead |
-                       |<------ to be allocated ------------->|
-                       |<-- to be cached -->|
+            | computed | new computed (hit) | external | new | lookahead |
+                       |<----------- to be allocated ------------------->|
+                       |<------ to be cached ------------>|
         """
         hits = self._validate_allocation(
             request,
@@ -210,12 +217,14 @@ class KVCacheManager(PrefixCacheStatsCalls):
             num_new_computed_tokens,
             new_computed_blocks,
             num_lookahead_tokens,
+            num_external_computed_tokens,
         )
         check_non_negative("reserved_blocks", reserved_blocks)
         check_non_negative("watermark_blocks", watermark_blocks)
         request_id = request.request_id
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
-        total_computed = min(num_local_computed, self.max_model_len)
+        num_computed = num_local_computed + num_external_computed_tokens
+        total_computed = min(num_computed, self.max_model_len)
         prefill_end = max(prompt_tokens(request), request.num_tokens - 1)
         if full_sequence_must_fit:
             full_length = min(request.num_tokens, self.max_model_len)
@@ -237,21 +246,23 @@ class KVCacheManager(PrefixCacheStatsCalls):
         in_flight = request.num_in_flight_tokens
         self.coordinator.remove_skipped_blocks(request_id, max(0, total_computed - in_flight))
         if in_flight:
-            self._in_flight[request_id] = in_flight
+            self.in_flight_tokens[request_id] = in_flight
         else:
-            self._in_flight.pop(request_id, None)
+            self.in_flight_tokens.pop(request_id, None)
         needed = self.coordinator.get_num_blocks_to_allocate(
             request_id,
             num_tokens_need_slot,
             hits,
-            num_local_computed,
+            num_computed,
             num_tokens_main_model,
             prefill_end=prefill_end,
         )
         if needed + watermark_blocks > self.block_pool.num_free_blocks - reserved_blocks:
             return None
-        if any(hits):
-            self.coordinator.allocate_new_computed_blocks(request_id, hits, num_local_computed)
+        if any(hits) or num_external_computed_tokens:
+            self.coordinator.allocate_new_computed_blocks(
+                request_id, hits, num_local_computed, num_external_computed_tokens
+            )
         new_blocks = self.coordinator.allocate_new_blocks(
             request_id, num_tokens_need_slot, num_tokens_main_model
         )
@@ -264,7 +275,7 @@ class KVCacheManager(PrefixCacheStatsCalls):
     def free(self, request: RequestLike) -> None:
         """Release every block of a finished, aborted or preempted request (a no-op if none)."""
         self.coordinator.free(request.request_id)
-        self._in_flight.pop(request.request_id, None)
+        self.in_flight_tokens.pop(request.request_id, None)
 
     def cache_blocks(self, request: RequestLike, num_computed_tokens: int) -> None:
         """Enter the request's full blocks up to ``num_computed_tokens`` into the prefix cache
@@ -300,21 +311,6 @@ class KVCacheManager(PrefixCacheStatsCalls):
             longest = manager.cached_prefix_tokens(request_id)
             cached = longest if cached is None else min(cached, longest)
         return cached or 0
-
-    def get_cached_block_ids(
-        self, block_hash: BlockHash, group_ids: Sequence[int]
-    ) -> list[int] | None:
-        """The first block cached under ``block_hash`` in each group, or ``None`` if any group
-        has none (vLLM's ``BlockPool.get_cached_block``, which its aux-output connector reads)."""
-        groups = check_group_ids(group_ids, self.num_groups)
-        found = self.block_pool.get_cached_block(block_hash, groups)
-        return None if found is None else [block.block_id for block in found]
-
-    def evict_blocks(self, block_ids: Iterable[int]) -> None:
-        """Forget every cached key of each named block (held ones stay held, free ones keep
-        their place): vLLM's ``BlockPool.evict_blocks``, a KV connector's after a failed load."""
-        for block_id in check_block_ids(block_ids, self.block_pool.num_blocks):
-            self.block_pool.maybe_evict_cached_block(self.block_pool.blocks[block_id])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (``False``) while any request holds a block."""
@@ -358,8 +354,8 @@ class KVCacheManager(PrefixCacheStatsCalls):
         the group's type puts them (``hybridkv.reference.table_invariants``), and each
         request's estimate of its cached tokens equal to the scan of its tables."""
         self.block_pool.check_invariants()
-        holders = check_tables(self.coordinator.managers, self._in_flight)
-        check_ref_counts(self.block_pool.blocks, holders)
+        holders = check_tables(self.coordinator.managers, self.in_flight_tokens)
+        check_ref_counts(self.block_pool.blocks, holders + self.deferred_holders)
         # Last: the estimate reads the tables the checks above vouch for.
         for request_id in self.cached_block_counts():
             estimate = self.estimate_cached_tokens(request_id)
@@ -379,6 +375,7 @@ class KVCacheManager(PrefixCacheStatsCalls):
         num_new_computed_tokens: int,
         new_computed_blocks: KVCacheBlocks | None,
         num_lookahead_tokens: int,
+        num_external_computed_tokens: int,
     ) -> BlocksPerGroup:
         """Check every argument; return the adopted hits as blocks per group."""
         hit_ids = check_allocation(
@@ -387,6 +384,7 @@ class KVCacheManager(PrefixCacheStatsCalls):
             num_new_computed_tokens,
             new_computed_blocks,
             num_lookahead_tokens,
+            num_external_computed_tokens=num_external_computed_tokens,
             config=self.config,
             enable_caching=self.enable_caching,
             holds_blocks=lambda request_id: any(self.get_block_ids(request_id)),

@@ -126,15 +126,32 @@ class MambaManager(MambaStateCaching):
         request_id: str,
         new_computed_blocks: Sequence[KVCacheBlock],
         num_computed_tokens: int,
+        num_external_computed_tokens: int = 0,
     ) -> None:
         """Align mode also records where the adopted state sits (the table is the skipped
         nulls, then the hit: nulls and one state)."""
-        super().add_local_computed_blocks(request_id, new_computed_blocks, num_computed_tokens)
+        super().add_local_computed_blocks(
+            request_id, new_computed_blocks, num_computed_tokens, num_external_computed_tokens
+        )
         if self.align:
             table = self.req_to_blocks[request_id]
             self.state_positions[request_id] = [
                 index for index, block in enumerate(table) if not block.is_null
             ]
+
+    def allocate_external_computed_blocks(
+        self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int
+    ) -> list[KVCacheBlock]:
+        """The state at the last external token (every earlier one is skipped); align mode
+        records where it sits."""
+        new_blocks = super().allocate_external_computed_blocks(
+            request_id, num_local_computed_tokens, num_external_computed_tokens
+        )
+        if self.align and new_blocks:
+            table = self.req_to_blocks[request_id]
+            positions = self.state_positions.setdefault(request_id, [])
+            positions.extend(range(len(table) - len(new_blocks), len(table)))
+        return new_blocks
 
     def get_num_blocks_to_allocate(
         self,
@@ -300,13 +317,13 @@ class MambaManager(MambaStateCaching):
         self.block_pool.free_blocks(released)
         self.num_retired_blocks[request_id] = last
 
-    def free(self, request_id: str) -> None:
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         self.allocated_block_reqs.discard(request_id)
         self.last_state_block_idx.pop(request_id, None)
         self.num_retired_blocks.pop(request_id, None)
         self.checkpoints.pop(request_id, None)
         self.state_positions.pop(request_id, None)
-        super().free(request_id)
+        return super().pop_blocks_for_free(request_id)
 
     def new_step_starts(self) -> None:
         self.cached_blocks_this_step.clear()

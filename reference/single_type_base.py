@@ -187,9 +187,13 @@ class SingleTypeKVCacheManager(ABC):
         request_id: str,
         new_computed_blocks: Sequence[KVCacheBlock],
         num_computed_tokens: int,
+        num_external_computed_tokens: int = 0,
     ) -> None:
-        """Admit a request: null positions for its skipped tokens, then its adopted hits."""
-        skipped = max(self.skipped_tokens(num_computed_tokens) // self.block_size, 0)
+        """Admit a request: null positions for its skipped tokens, then its adopted hits. Tokens
+        a KV connector supplies (``num_external_computed_tokens``) count as computed: a window
+        skips what lies behind all of them."""
+        total = num_computed_tokens + num_external_computed_tokens
+        skipped = max(self.skipped_tokens(total) // self.block_size, 0)
         adopted = list(new_computed_blocks[skipped:])
         if self.enable_caching:
             self.block_pool.touch(adopted)
@@ -198,6 +202,25 @@ class SingleTypeKVCacheManager(ABC):
         # Hits are cached already; nulls hold nothing to cache.
         self.num_cached_block[request_id] = len(table)
         self.num_kept_block[request_id] = len(table)
+
+    def allocate_external_computed_blocks(
+        self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int
+    ) -> list[KVCacheBlock]:
+        """Blocks for the tokens a KV connector will write (after every group adopted its hit,
+        so one group's new blocks cannot evict another's hit): the positions up to the last
+        computed token, but only where the type still reads them (a window's in-window
+        positions, a Mamba group's last state). Returns the new blocks."""
+        total = num_local_computed_tokens + num_external_computed_tokens
+        skipped = self.skipped_tokens(total)
+        if skipped > 0:
+            num_external_computed_tokens = min(total - skipped, num_external_computed_tokens)
+        if num_external_computed_tokens <= 0:
+            return []
+        table = self.req_to_blocks.setdefault(request_id, [])
+        num_new = max(0, rules.cdiv(total, self.block_size) - len(table))
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        table.extend(new_blocks)
+        return new_blocks
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int
@@ -312,12 +335,19 @@ class SingleTypeKVCacheManager(ABC):
             table[index] = self.block_pool.null_block
         self.block_pool.free_blocks(released)
 
-    def free(self, request_id: str) -> None:
-        """Release the whole table, last position first, so the tail is evicted first."""
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """Forget the request and hand its table back without releasing it (the caller frees
+        it later, last position first): a KV connector may still be writing its blocks. The
+        leading nulls (a window's released positions) are left out."""
         table = self.req_to_blocks.pop(request_id, [])
         self.num_cached_block.pop(request_id, None)
         self.num_kept_block.pop(request_id, None)
-        self.block_pool.free_blocks(table[::-1])
+        first = next((i for i, block in enumerate(table) if not block.is_null), len(table))
+        return table[first:]
+
+    def free(self, request_id: str) -> None:
+        """Release the whole table, last position first, so the tail is evicted first."""
+        self.block_pool.free_blocks(self.pop_blocks_for_free(request_id)[::-1])
 
     def new_step_starts(self) -> None:  # noqa: B027 (a hook: only Mamba keeps per-step state)
         """The scheduler begins a step (only Mamba keeps per-step state)."""

@@ -8,7 +8,7 @@ refuse the same calls with the same words; each is called before the first state
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from hybridkv.reference.engine_settings import EngineSettings
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
@@ -177,13 +177,15 @@ def check_allocation(
     settings: EngineSettings,
     allow_fewer_hashes: bool = False,
     issued: bool = False,
+    num_external_computed_tokens: int = 0,
 ) -> tuple[tuple[int, ...], ...]:
     """Check every argument of ``allocate_slots``; return the adopted hit's block ids per group.
 
     ``holds_blocks(request_id)`` says whether the request already holds blocks: only a request
     being admitted adopts a cache hit (a running one would hold two tables). ``issued``: the
     manager returned ``new_computed_blocks`` itself (a lookup result, whose ids are pool blocks
-    by construction), so only their counts are checked, not each id.
+    by construction), so only their counts are checked, not each id. Tokens a KV connector
+    supplies (``num_external_computed_tokens``) follow the hit of a request being admitted.
     """
     _check_counts(
         request,
@@ -193,7 +195,9 @@ def check_allocation(
         enable_caching,
         settings,
         allow_fewer_hashes,
+        num_external_computed_tokens,
     )
+    _check_admitted_external(request, num_external_computed_tokens, holds_blocks)
     if new_computed_blocks is None:
         if num_new_computed_tokens:
             raise ValueError(
@@ -224,6 +228,7 @@ def check_issued_allocation(
     holds_blocks: Callable[[str], bool],
     settings: EngineSettings,
     allow_fewer_hashes: bool = False,
+    num_external_computed_tokens: int = 0,
 ) -> None:
     """``check_allocation`` of a hit the manager issued itself, given by the number of blocks
     in each group (``hit_sizes``): its ids are pool blocks by construction, so the hit need not
@@ -236,7 +241,9 @@ def check_issued_allocation(
         enable_caching,
         settings,
         allow_fewer_hashes,
+        num_external_computed_tokens,
     )
+    _check_admitted_external(request, num_external_computed_tokens, holds_blocks)
     _check_hit_group_count(len(hit_sizes), config)
     for group_id, size in enumerate(hit_sizes):
         block_size = config.groups[group_id].spec.block_size
@@ -264,6 +271,18 @@ def _check_admitted(
         )
 
 
+def _check_admitted_external(
+    request: RequestLike, num_external_computed_tokens: int, holds_blocks: Callable[[str], bool]
+) -> None:
+    """Tokens a KV connector supplies are adopted at admission only, as a hit is."""
+    if num_external_computed_tokens and holds_blocks(request.request_id):
+        raise ValueError(
+            f"request {request.request_id!r} already holds blocks; only a request being "
+            "admitted adopts external tokens (num_external_computed_tokens="
+            f"{num_external_computed_tokens} must be 0)"
+        )
+
+
 def _check_counts(
     request: RequestLike,
     num_new_tokens: int,
@@ -272,13 +291,15 @@ def _check_counts(
     enable_caching: bool,
     settings: EngineSettings,
     allow_fewer_hashes: bool,
+    num_external_computed_tokens: int = 0,
 ) -> None:
     """The token counts of ``allocate_slots``, and the request's hashes."""
     check_non_negative("num_new_tokens", num_new_tokens)
     check_non_negative("num_new_computed_tokens", num_new_computed_tokens)
     check_non_negative("num_lookahead_tokens", num_lookahead_tokens)
-    if num_new_tokens == 0 and num_new_computed_tokens == 0:
-        raise ValueError("num_new_tokens must be positive when no cache hit is adopted, got 0")
+    check_non_negative("num_external_computed_tokens", num_external_computed_tokens)
+    if num_new_tokens == 0 and num_new_computed_tokens == 0 and not num_external_computed_tokens:
+        raise ValueError("num_new_tokens must be positive with nothing computed to adopt, got 0")
     if enable_caching:
         check_block_hashes(
             request,
@@ -325,6 +346,23 @@ def check_block_ids(block_ids: Iterable[object], num_blocks: int) -> list[int]:
     """``block_ids`` as a list, each a plain int in ``0 … num_blocks − 1`` (``ValueError``
     naming the first that is not, before anything changes)."""
     return _check_ids("block_ids", "block", block_ids, num_blocks)
+
+
+def check_deferred_blocks(
+    block_ids: Iterable[object], num_blocks: int, handed_out: Mapping[int, int]
+) -> list[int]:
+    """``block_ids`` of a deferred free (``free_blocks``): block ids, each freed no more often
+    than ``pop_blocks_for_free`` handed it out (``handed_out``: block id → times)."""
+    ids = check_block_ids(block_ids, num_blocks)
+    freed: dict[int, int] = {}
+    for block_id in ids:
+        freed[block_id] = freed.get(block_id, 0) + 1
+        if freed[block_id] > handed_out.get(block_id, 0):
+            raise ValueError(
+                f"block_ids: block {block_id} is freed {freed[block_id]} times but "
+                f"pop_blocks_for_free handed it out {handed_out.get(block_id, 0)} times"
+            )
+    return ids
 
 
 def check_group_ids(group_ids: Iterable[object], num_groups: int) -> list[int]:

@@ -51,7 +51,7 @@ def request(token_ids: list[int], request_id: str = "b") -> Request:
         ({"num_new_tokens": -1}, "num_new_tokens must be a non-negative int, got -1"),
         (
             {"num_new_tokens": 0},
-            "num_new_tokens must be positive when no cache hit is adopted, got 0",
+            "num_new_tokens must be positive with nothing computed to adopt, got 0",
         ),
         ({"num_new_tokens": 2.5}, "num_new_tokens must be a non-negative int, got 2.5"),
         (

@@ -214,7 +214,7 @@ def test_batches_of_bad_or_unusual_calls_behave_as_single_calls() -> None:
         r.num_computed_tokens = r.num_tokens
     with pytest.raises(ValueError, match="num_new_tokens must give one count per request"):
         m.allocate_slots_batch(requests[:3], [1, 1])
-    with pytest.raises(ValueError, match="num_new_tokens must be positive when no cache hit"):
+    with pytest.raises(ValueError, match="num_new_tokens must be positive with nothing computed"):
         m.allocate_slots_batch(requests[:3], [1, 0, 1])
     # The first request was served before the second one failed, as in single calls.
     assert m.get_block_ids(requests[0].request_id)[0][-1] != 0

@@ -16,30 +16,35 @@ What the scheduler reads and where it comes from:
   ``vllm_event_builder_class``).
 - ``record_prefix_cache_stats`` / ``make_prefix_cache_stats``: the core's counts (at admission,
   preempted requests apart, ``None`` with ``log_stats`` off) in vLLM's ``PrefixCacheStats``.
-- ``take_new_block_ids``: new attention blocks of each step (zeroing, Mamba hybrids).
+- ``take_new_block_ids``: new attention blocks of each step (zeroing, Mamba hybrids), group
+  by group as vLLM's managers hand them over; ``record_blocks_for_zeroing`` adds a table's
+  tail again (a failed load left it unwritten).
 - ``coordinator`` and ``block_pool``: read-only views (``hybridkv.integrations.vllm.views``)
   of what the scheduler, vLLM's aux-output connector and its tests read.
-- The KV connector hooks (``pop_blocks_for_free``, ``get_computed_blocks_for_connector``,
-  ``truncate_computed_blocks``, …) refuse: KV connectors are not supported.
+- A KV connector's calls: ``allocate_slots(num_external_computed_tokens=…,
+  delay_cache_blocks=…, skip_zeroing_group_ids=…)`` (the core's admission of external
+  tokens), ``get_computed_blocks_for_connector``, ``truncate_computed_blocks``,
+  ``get_block_ids_for_computed_tokens``, ``remove_skipped_blocks``, ``pop_blocks_for_free``
+  and ``block_pool.free_blocks`` (deferred frees), ``coordinator.get_num_blocks_to_allocate``
+  (a waiting load's reservation), ``evict_blocks`` (failed loads).
 """
 
 from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Sequence
 from typing import Any, Literal
 
+from hybridkv.integrations.vllm.connector import ConnectorCalls
 from hybridkv.integrations.vllm.convert import from_vllm_config
 from hybridkv.integrations.vllm.errors import UnsupportedSetting, refuse
+from hybridkv.integrations.vllm.events import vllm_event_builder_class
 from hybridkv.integrations.vllm.views import (
-    CONNECTOR,
-    CONNECTOR_WHY,
     BlockPoolView,
+    BlockViews,
     CoordinatorView,
     GroupView,
 )
-from hybridkv.reference.events import EventBuilder
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.spec import KVCacheConfig
 
@@ -106,7 +111,7 @@ def make_core(
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
-class KVCacheManager:
+class KVCacheManager(ConnectorCalls):
     """vLLM 0.33's ``KVCacheManager`` API over a hybridkv backend."""
 
     def __init__(
@@ -198,10 +203,11 @@ class KVCacheManager:
         self.num_kv_cache_groups = len(self.config.groups)
         self.block_pool = BlockPoolView(self.core, self.config.num_blocks)
         self.coordinator = CoordinatorView(
+            self.core,
             [
                 GroupView(i, group.kv_cache_spec.block_size, group.kv_cache_spec, self.block_pool)
                 for i, group in enumerate(kv_cache_config.kv_cache_groups)
-            ]
+            ],
         )
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
@@ -214,15 +220,10 @@ class KVCacheManager:
             for group in kv_cache_config.kv_cache_groups
         )
         self.scheduler_block_size = scheduler_block_size
-        self.empty_kv_cache_blocks = KVCacheBlocks.empty(self.num_kv_cache_groups)
-        # Groups whose new blocks the worker zeroes (attention groups of a Mamba hybrid).
-        zeroing = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
-        self._zeroed_groups = tuple(
-            i
-            for i, group in enumerate(self.config.groups)
-            if zeroing and not group.spec.holds_state
+        self.empty_kv_cache_blocks = BlockViews.empty(self.num_kv_cache_groups)
+        self.init_connector_calls(
+            self.config, bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
         )
-        self._new_block_ids: list[int] = []
         from vllm.v1.request import RequestStatus
 
         self._waiting_statuses = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -279,11 +280,6 @@ class KVCacheManager:
             blocks, hit, boundary = self.core.get_computed_blocks(request, max_cache_hit_length)
         return self._blocks(blocks), hit, boundary
 
-    def get_computed_blocks_for_connector(
-        self, request: Any, max_cache_hit_length: Any = None
-    ) -> Any:
-        raise UnsupportedSetting(CONNECTOR, CONNECTOR_WHY)
-
     def allocate_slots(
         self,
         request: Any,
@@ -300,11 +296,16 @@ class KVCacheManager:
         skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> KVCacheBlocks | None:
         """Slots for new tokens (vLLM's full keyword set; see the README's picture)."""
-        if num_external_computed_tokens or num_encoder_tokens or skip_zeroing_group_ids:
-            _refuse_allocation_settings(
-                num_external_computed_tokens, num_encoder_tokens, skip_zeroing_group_ids
-            )
-        if num_new_tokens == 0 and num_new_computed_tokens == 0:
+        refuse(
+            num_encoder_tokens != 0,
+            f"num_encoder_tokens={num_encoder_tokens} (cross-attention)",
+            "encoder-decoder models are not modelled",
+        )
+        if (
+            num_new_tokens == 0
+            and num_new_computed_tokens == 0
+            and not num_external_computed_tokens
+        ):
             raise ValueError(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
             )
@@ -313,6 +314,9 @@ class KVCacheManager:
             watermark_blocks = self.watermark_blocks
         # Both backends release window and chunk blocks on the processed count (the request's
         # ``num_in_flight_tokens``, async scheduling) and keep the reserved and watermark blocks.
+        external: dict[str, int] = {}
+        if num_external_computed_tokens:
+            external["num_external_computed_tokens"] = num_external_computed_tokens
         new_blocks = self.core.allocate_slots(
             request,
             num_new_tokens,
@@ -323,12 +327,18 @@ class KVCacheManager:
             full_sequence_must_fit=full_sequence_must_fit,
             reserved_blocks=reserved_blocks,
             watermark_blocks=watermark_blocks,
+            **external,
         )
         if new_blocks is None:
             return None
         blocks = self._blocks(new_blocks)
-        for group_id in self._zeroed_groups:
-            self._new_block_ids.extend(blocks.block_ids[group_id])
+        if self._zeroed_groups:
+            self._record_new_blocks(
+                request.request_id,
+                blocks,
+                new_computed_blocks if num_external_computed_tokens else None,
+                skip_zeroing_group_ids,
+            )
         return blocks
 
     def free(self, request: Any) -> None:
@@ -342,10 +352,7 @@ class KVCacheManager:
         ids = self.core.get_block_ids(request_id)
         if not any(ids):
             return self.empty_kv_cache_blocks
-        return KVCacheBlocks(tuple(tuple(group) for group in ids))
-
-    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        return tuple(list(group) for group in self.core.get_block_ids(request_id))
+        return BlockViews(tuple(tuple(group) for group in ids))
 
     def reset_prefix_cache(self) -> bool:
         if not self.core.reset_prefix_cache():
@@ -358,10 +365,6 @@ class KVCacheManager:
         if step is not None:
             step()
 
-    def take_new_block_ids(self) -> list[int]:
-        ids, self._new_block_ids = self._new_block_ids, []
-        return ids
-
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Deprecated in vLLM (cascade attention was removed): zeros."""
         return [0] * self.num_kv_cache_groups
@@ -371,39 +374,6 @@ class KVCacheManager:
         groups of the longest cached prefix a block of the group names; the core's)."""
         return int(self.core.estimate_cached_tokens(request.request_id))
 
-    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
-        """No copy-on-write copies: partial Mamba hits are refused at construction."""
-        return [], []
-
-    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        """No connector hand-offs (KV connectors are refused)."""
-        return {}
-
-    def evict_blocks(self, block_ids: set[int]) -> None:
-        """Forget the cached keys of these blocks (``BlockPool.evict_blocks``): each keeps its
-        references and its place in the free queue; a ``BlockRemoved`` event per key."""
-        self.block_pool.evict_blocks(block_ids)
-
-    # --- KV connector hooks: refused -----------------------------------------------------
-
-    def pop_blocks_for_free(self, request: Any) -> list[Any]:
-        raise UnsupportedSetting(CONNECTOR, CONNECTOR_WHY)
-
-    def remove_skipped_blocks(self, *args: Any, **kwargs: Any) -> None:
-        raise UnsupportedSetting(CONNECTOR, CONNECTOR_WHY)
-
-    def get_block_ids_for_computed_tokens(self, *args: Any, **kwargs: Any) -> Any:
-        raise UnsupportedSetting(CONNECTOR, CONNECTOR_WHY)
-
-    def truncate_computed_blocks(self, *args: Any, **kwargs: Any) -> Any:
-        raise UnsupportedSetting(CONNECTOR, CONNECTOR_WHY)
-
-    def record_blocks_for_zeroing(self, *args: Any, **kwargs: Any) -> None:
-        raise UnsupportedSetting(CONNECTOR, CONNECTOR_WHY)
-
-    def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
-        raise UnsupportedSetting(CONNECTOR, CONNECTOR_WHY)
-
     # --- Events --------------------------------------------------------------------------
 
     def take_events(self) -> list[Any]:
@@ -411,86 +381,6 @@ class KVCacheManager:
         (``vllm_event_builder_class``): nothing to convert per step."""
         events: list[Any] = self.core.take_events()
         return events
-
-    # --- Helpers -------------------------------------------------------------------------
-
-    def _blocks(self, blocks: Any) -> KVCacheBlocks:
-        """A core result as ``KVCacheBlocks`` (the empty one shared, as vLLM's)."""
-        ids = blocks.block_ids if isinstance(blocks, KVCacheBlocks) else blocks.get_block_ids()
-        if not any(ids):
-            return self.empty_kv_cache_blocks
-        if isinstance(blocks, KVCacheBlocks):
-            return blocks
-        return KVCacheBlocks(tuple(tuple(group) for group in ids))
-
-
-_LOW_64 = (1 << 64) - 1
-
-
-def vllm_event_builder_class() -> type[EventBuilder]:
-    """An ``EventBuilder`` whose events are vLLM 0.33's own msgspec structs (``BlockStored``,
-    ``BlockRemoved``, ``AllBlocksCleared``): lists for list fields, and hashes as vLLM's
-    ``maybe_convert_block_hash`` gives them (their low 64 bits as an int under
-    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, a switch read here, once per manager; vLLM reads
-    it per event). The core builds each event once, in the engine's type, as vLLM's manager
-    does, instead of its own dataclass converted at every step."""
-    from vllm import envs
-    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-
-    def to_int(block_hash: bytes) -> int:
-        return int.from_bytes(block_hash, "big") & _LOW_64
-
-    class VllmEventBuilder(EventBuilder):
-        stored_type = BlockStored
-        removed_type = BlockRemoved
-        cleared_type = AllBlocksCleared
-        sequence = list
-        convert_hash = staticmethod(to_int) if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES else None
-
-        def extra_keys(
-            self, request: Any, positions: Sequence[int], block_size: int
-        ) -> Sequence[tuple[Any, ...] | None] | None:
-            if (
-                request.lora_request is None
-                and not request.mm_features
-                and request.prompt_embeds is None
-            ):
-                return super().extra_keys(request, positions, block_size)
-            return event_extra_keys(request, positions, block_size, self.num_hash_lookahead_tokens)
-
-        def lora(self, request: Any) -> tuple[int | None, str | None]:
-            lora = request.lora_request
-            return (None, None) if lora is None else (lora.adapter_id, lora.name)
-
-    return VllmEventBuilder
-
-
-def event_extra_keys(
-    request: Any, positions: Sequence[int], block_size: int, num_lookahead_tokens: int
-) -> list[tuple[Any, ...] | None] | None:
-    """The ``extra_keys`` of a ``BlockStored`` of ``request``'s blocks at ``positions``, as
-    vLLM 0.33's block pool publishes them (``_generate_event_extra_keys``, then
-    ``to_event_extra_keys``): LoRA names, multimodal ``(identifier, offset)`` pairs, the salt
-    and prompt-embedding digests, untagged; the same window as the block hash."""
-    from vllm.v1.core.kv_cache_utils import (
-        generate_block_hash_extra_keys,
-        generate_lookahead_block_hash_extra_keys,
-        to_event_extra_keys,
-    )
-
-    keys: list[tuple[Any, ...] | None] = []
-    mm_index = 0
-    for position in positions:
-        start, end = position * block_size, (position + 1) * block_size
-        if num_lookahead_tokens:
-            extra, mm_index = generate_lookahead_block_hash_extra_keys(
-                request, start, end, end + num_lookahead_tokens, mm_index
-            )
-        else:
-            extra, mm_index = generate_block_hash_extra_keys(request, start, end, mm_index)
-        keys.append(extra)
-    published: list[tuple[Any, ...] | None] | None = to_event_extra_keys(keys)
-    return published
 
 
 _STATS_FIELDS = (
@@ -503,24 +393,3 @@ _STATS_FIELDS = (
     "preempted_hits",
 )
 """The counters of vLLM's ``PrefixCacheStats`` that the core's ``PrefixCacheStats`` holds."""
-
-
-def _refuse_allocation_settings(
-    num_external_computed_tokens: int, num_encoder_tokens: int, skip_zeroing_group_ids: object
-) -> None:
-    """The ``allocate_slots`` keywords the integration refuses, each by name."""
-    refuse(
-        num_external_computed_tokens != 0,
-        f"num_external_computed_tokens={num_external_computed_tokens}",
-        "tokens cached by a KV connector are not modelled",
-    )
-    refuse(
-        num_encoder_tokens != 0,
-        f"num_encoder_tokens={num_encoder_tokens} (cross-attention)",
-        "encoder-decoder models are not modelled",
-    )
-    refuse(
-        bool(skip_zeroing_group_ids),
-        f"skip_zeroing_group_ids={skip_zeroing_group_ids}",
-        "async KV loads are not modelled",
-    )

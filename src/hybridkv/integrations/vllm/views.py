@@ -6,10 +6,11 @@ its blocks. Each answers from the core manager's public API; any other name rais
 - ``coordinator.single_type_managers[i]``: ``block_size``, ``kv_cache_spec``, ``block_pool``;
   ``req_to_blocks`` (request id → its table's blocks) and ``num_cached_block`` (request id →
   its blocks entered into the prefix cache), built per read from the core's
-  ``cached_block_counts`` and ``get_block_ids``; ``get_num_blocks_to_allocate`` refuses (only
-  KV connectors' in-flight loads ask it).
+  ``cached_block_counts`` and ``get_block_ids``; ``coordinator.get_num_blocks_to_allocate``,
+  which the scheduler asks for requests waiting on a KV connector's load, is the core's.
 - ``block_pool``: free blocks, usage, ``num_gpu_blocks``, ``hash_block_size``,
-  ``get_cached_block``, ``evict_blocks``; ``free_block_queue.num_free_blocks`` and ``blocks``
+  ``get_cached_block``, ``evict_blocks``, ``free_blocks`` (a deferred free of the blocks
+  ``pop_blocks_for_free`` handed out); ``free_block_queue.num_free_blocks`` and ``blocks``
   (each block's ``block_id``, ``ref_cnt`` and ``is_null``, from the core's ``snapshot``):
   what vLLM's memory-leak check reads. Views, not vLLM's objects: writes do not reach the core.
 """
@@ -20,10 +21,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hybridkv.integrations.vllm.errors import UnsupportedInternal, UnsupportedSetting
-
-CONNECTOR = "KV connectors (kv_transfer_config)"
-CONNECTOR_WHY = "hybridkv's managers have no external KV source or deferred frees"
+from hybridkv.integrations.vllm.errors import UnsupportedInternal, refuse
+from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 
 
 @dataclass(frozen=True)
@@ -33,6 +32,29 @@ class BlockView:
     block_id: int
     ref_cnt: int = 0
     is_null: bool = False
+
+
+@dataclass(frozen=True)
+class ConnectorBlockView:
+    """A block of ``KVCacheBlocks.blocks`` as a KV connector reads it: its id and null flag
+    (its ``block_hash`` is not offered yet: reading it raises ``UnsupportedInternal``)."""
+
+    block_id: int
+    is_null: bool
+
+    @property
+    def block_hash(self) -> Any:
+        raise _internals("KVCacheBlocks.blocks[i][j]", "block_hash")
+
+
+@dataclass(frozen=True)
+class BlockViews(KVCacheBlocks):
+    """``KVCacheBlocks`` with vLLM's ``blocks``: per group, its blocks as a connector reads
+    them (the scheduler reads ``empty_kv_cache_blocks.blocks``)."""
+
+    @property
+    def blocks(self) -> tuple[list[ConnectorBlockView], ...]:
+        return tuple([ConnectorBlockView(i, i == 0) for i in ids] for ids in self.block_ids)
 
 
 @dataclass(frozen=True)
@@ -94,12 +116,45 @@ class CoordinatorView:
 
     enable_partial_hash_hits = False
 
-    def __init__(self, groups: Sequence[GroupView]) -> None:
+    def __init__(self, core: Any, groups: Sequence[GroupView]) -> None:
+        self.core = core
         self.single_type_managers = list(groups)
 
-    def get_num_blocks_to_allocate(self, *args: Any, **kwargs: Any) -> int:
-        """Only KV connectors' in-flight loads ask this; they are refused."""
-        raise UnsupportedSetting(CONNECTOR, CONNECTOR_WHY)
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[Sequence[Any]],
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        """The free blocks a request would consume (vLLM's arguments): what the scheduler
+        keeps free for a request whose KV a connector is still loading. It passes no hit."""
+        refuse(
+            any(new_computed_blocks),
+            "coordinator.get_num_blocks_to_allocate with new_computed_blocks",
+            "the scheduler passes none; allocate_slots adopts a hit",
+        )
+        refuse(
+            num_encoder_tokens != 0,
+            f"num_encoder_tokens={num_encoder_tokens} (cross-attention)",
+            "encoder-decoder models are not modelled",
+        )
+        del num_local_computed_tokens  # only a partial Mamba hit reads it (refused)
+        return int(
+            self.core.get_num_blocks_to_allocate(
+                request_id,
+                num_tokens,
+                total_computed_tokens,
+                num_tokens_main_model,
+                apply_admission_cap=apply_admission_cap,
+                prefill_end=prefill_end,
+            )
+        )
 
 
 class BlockPoolView:
@@ -156,6 +211,7 @@ class BlockPoolView:
         """Forget the cached keys of these blocks, in the set's order (the core's)."""
         self.core.evict_blocks(block_ids)
 
-    def free_blocks(self, blocks: Iterable[Any]) -> None:
-        """Only deferred frees of KV connectors hand blocks back here; they are refused."""
-        raise UnsupportedSetting(CONNECTOR, CONNECTOR_WHY)
+    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
+        """Drop one holder of each block, in eviction order: the scheduler's deferred free of
+        what ``pop_blocks_for_free`` handed out (the core's ``free_blocks``)."""
+        self.core.free_blocks([block.block_id for block in ordered_blocks])
