@@ -64,12 +64,14 @@ def cache(
 def cacheable(s: ManagerState, num_tokens: int, g: int) -> int:
     """``HybridCoordinator.num_cacheable_tokens``: hits land on scheduler blocks, so a
     hybrid caches up to the last one (an EAGLE group one block past it)."""
+    reprefill = s.layout.settings.num_reprefillable_tokens
     if s.layout.num_groups == 1:
-        return num_tokens
+        return max(0, num_tokens - reprefill)
     sb = s.layout.block_size
     aligned = num_tokens // sb * sb
     if s.layout.group_eagle[g] and aligned > 0:
-        return min(num_tokens, aligned + s.layout.rules[g].block_size)
+        final = max(0, num_tokens - reprefill)
+        return min(final, final // sb * sb + s.layout.rules[g].block_size)
     return aligned
 
 

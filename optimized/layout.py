@@ -113,7 +113,8 @@ class GroupLayout:
         # its block size, and requests go one by one.
         uniform = all(rule.block_size == block_size == hash_block_size for rule in group_rules)
         has_align = any(rule.kind == MAMBA for rule in group_rules)
-        general = not uniform or has_align
+        # Multi-module MTP caches behind the computed tokens: every call looks (no threshold).
+        general = not uniform or has_align or settings.num_reprefillable_tokens > 0
         spec_blocks = any(rule.spec_blocks for rule in group_rules)
         uniform_columns = uniform and not has_align and not spec_blocks
         types = tuple(config.attention_types())

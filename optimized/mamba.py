@@ -56,7 +56,15 @@ def allocate(
     if full_sequence_must_fit:
         full_length = min(request.num_tokens, s.layout.max_model_len)
         needed = num_blocks_to_allocate(
-            s, request_id, full_length, hits, total_computed, full_length, True, prefill_end
+            s,
+            request_id,
+            full_length,
+            hits,
+            total_computed,
+            full_length,
+            True,
+            prefill_end,
+            num_external,
         )
         if needed + watermark_blocks > s.pool.num_free_blocks:
             return None
@@ -71,7 +79,7 @@ def allocate(
     else:
         s.mamba.in_flight.pop(request_id, None)
     needed = num_blocks_to_allocate(
-        s, request_id, need_slot, hits, num_computed, main, False, prefill_end
+        s, request_id, need_slot, hits, num_computed, main, False, prefill_end, num_external
     )
     if needed + watermark_blocks > s.pool.num_free_blocks - reserved_blocks:
         if row is not None:
@@ -145,6 +153,7 @@ def num_blocks_to_allocate(
     main: int,
     apply_cap: bool,
     prefill_end: int,
+    num_external: int = 0,
 ) -> int:
     """``KVCacheCoordinator.get_num_blocks_to_allocate`` (which also records each Mamba
     group's checkpoint reservation, unless it is a full-prompt admission's check)."""
@@ -156,8 +165,18 @@ def num_blocks_to_allocate(
         group_hits = hits[g]
         held = s.rows.length[s.rows.index(row, g)] if row is not None else 0
         if rule.kind == MAMBA:
+            external = num_external > 0 and (row is None or (row, g) not in s.mamba.running)
             total += _mamba_num_blocks(
-                s, request_id, g, held, group_hits, total_computed, main, apply_cap, prefill_end
+                s,
+                request_id,
+                g,
+                held,
+                group_hits,
+                total_computed,
+                main,
+                apply_cap,
+                prefill_end,
+                external,
             )
             continue
         required = rule.blocks_for_tokens(num_tokens)
@@ -183,8 +202,10 @@ def _mamba_num_blocks(
     main: int,
     apply_cap: bool,
     prefill_end: int,
+    external: bool = False,
 ) -> int:
-    """``MambaManager.get_num_blocks_to_allocate`` in ``"align"`` mode."""
+    """``MambaManager.get_num_blocks_to_allocate`` in ``"align"`` mode (``external``: an
+    admission with external tokens, whose last state takes a block of its own)."""
     state = s.mamba
     if group_hits and primary_key(s, group_hits[-1]) in state.cached_this_step.get(g, ()):
         # The same-step rule: a state cached in this step is still being written.
@@ -193,6 +214,8 @@ def _mamba_num_blocks(
     b = spec.block_size
     required = rules.cdiv(main, b) + spec.spec_blocks
     num_new = required - len(group_hits) - held
+    if external:
+        num_new = required - rules.cdiv(total_computed, b)
     checkpoint = _checkpoint_position(s, request_id, g, total_computed, main, prefill_end)
     if not apply_cap:
         if checkpoint > 0:
@@ -204,7 +227,7 @@ def _mamba_num_blocks(
         if (request_id, g) not in state.allocated:
             cap += spec.spec_blocks
         num_new = min(num_new, cap)
-    return num_new + _num_evictable(s, group_hits)
+    return num_new + int(external) + _num_evictable(s, group_hits)
 
 
 def _checkpoint_position(

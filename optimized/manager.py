@@ -78,6 +78,7 @@ class TorchKVCacheManager(ConnectorCalls, TuningKnobs, PrefixCacheStatsCalls):
         event_builder_class: type[EventBuilder] = EventBuilder,
         tuning: Tuning | None = None,
         eviction_policy: str | EvictionPolicy = "lru",
+        num_prefill_lookahead: int = 0,
     ) -> None:
         policy = resolve_policy(eviction_policy)
         self.settings = settings = validate_manager_config(
@@ -89,6 +90,7 @@ class TorchKVCacheManager(ConnectorCalls, TuningKnobs, PrefixCacheStatsCalls):
             use_eagle=use_eagle,
             num_hash_lookahead_tokens=num_hash_lookahead_tokens,
             log_stats=log_stats,
+            num_prefill_lookahead=num_prefill_lookahead,
         )
         layout = GroupLayout.build(
             config,

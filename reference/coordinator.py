@@ -120,11 +120,14 @@ class KVCacheCoordinator(ABC):
         *,
         apply_admission_cap: bool = False,
         prefill_end: int = 0,
+        num_external_computed_tokens: int = 0,
     ) -> int:
         """Free blocks the allocation would consume, summed over groups (all checked together).
 
         Only under the engine's sparse retention (interval 0) does Mamba reserve its prefill
         checkpoint on the prefill's last chunk alone; otherwise every chunk publishes a state.
+        ``total_computed_tokens`` includes the ``num_external_computed_tokens`` a KV
+        connector supplies at admission.
         """
         if self.retention_interval != 0:
             prefill_end = 0
@@ -137,6 +140,7 @@ class KVCacheCoordinator(ABC):
                 num_tokens_main_model,
                 apply_admission_cap=apply_admission_cap,
                 prefill_end=prefill_end,
+                num_external_computed_tokens=num_external_computed_tokens,
             )
             for manager, blocks in zip(self.managers, new_computed_blocks, strict=True)
         )
@@ -176,8 +180,9 @@ class KVCacheCoordinator(ABC):
         )
 
     def num_cacheable_tokens(self, num_tokens: int, manager: SingleTypeKVCacheManager) -> int:
-        """Tokens of ``num_tokens`` worth caching in this group (all, for one group)."""
-        return num_tokens
+        """Tokens of ``num_tokens`` worth caching in this group: all but those multi-module
+        MTP may prefill again (one group)."""
+        return max(0, num_tokens - self.settings.num_reprefillable_tokens)
 
     def cache_blocks(self, request: RequestLike, num_tokens: int) -> None:
         """Each caching group caches its blocks; sparse groups keep the replay boundaries."""
@@ -275,9 +280,11 @@ class HybridCoordinator(KVCacheCoordinator):
     def num_cacheable_tokens(self, num_tokens: int, manager: SingleTypeKVCacheManager) -> int:
         """Hits land on scheduler blocks, so cache up to the last one; an EAGLE group also one
         block past it (it matches that block, then drops it)."""
-        aligned = num_tokens // self.scheduler_block_size * self.scheduler_block_size
+        block = self.scheduler_block_size
+        aligned = num_tokens // block * block
         if manager.use_eagle and aligned > 0:
-            return min(num_tokens, aligned + manager.block_size)
+            final = max(0, num_tokens - self.settings.num_reprefillable_tokens)
+            return min(final, final // block * block + manager.block_size)
         return aligned
 
     def find_longest_cache_hit(

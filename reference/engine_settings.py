@@ -22,3 +22,11 @@ class EngineSettings:
     hash_block_size: int
     use_eagle: bool = False
     num_hash_lookahead_tokens: int = 0
+    num_prefill_lookahead: int = 0
+
+    @property
+    def num_reprefillable_tokens(self) -> int:
+        """Tokens at the end of the computed ones that multi-module MTP may prefill again
+        (its ``num_prefill_lookahead`` draft modules read the next prompt tokens): their KV
+        is not final, so they are not cached yet (vLLM's ``num_reprefillable_tokens``)."""
+        return max(0, self.num_prefill_lookahead - 1)

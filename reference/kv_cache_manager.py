@@ -55,6 +55,8 @@ class KVCacheManager(ConnectorCalls, PrefixCacheStatsCalls):
       it (only the groups flagged ``is_eagle_group``, or all when none is).
     - ``num_hash_lookahead_tokens``: EAGLE/MTP with lookahead block hashes instead; requests
       must be built with the same value.
+    - ``num_prefill_lookahead``: multi-module MTP's draft modules, which prefill the last
+      ``num_prefill_lookahead − 1`` computed tokens again: those are cached a step later.
     - ``log_stats``: count admitted lookups for ``make_prefix_cache_stats`` (on by default, as
       an engine logs them unless told not to).
     - ``event_builder_class``: builds the KV events (``EventBuilder``: the core's dataclasses);
@@ -77,6 +79,7 @@ class KVCacheManager(ConnectorCalls, PrefixCacheStatsCalls):
         num_hash_lookahead_tokens: int = 0,
         log_stats: bool = True,
         event_builder_class: type[EventBuilder] = EventBuilder,
+        num_prefill_lookahead: int = 0,
         eviction_policy: str | EvictionPolicy = "lru",
     ) -> None:
         policy = resolve_policy(eviction_policy)
@@ -89,6 +92,7 @@ class KVCacheManager(ConnectorCalls, PrefixCacheStatsCalls):
             use_eagle=use_eagle,
             num_hash_lookahead_tokens=num_hash_lookahead_tokens,
             log_stats=log_stats,
+            num_prefill_lookahead=num_prefill_lookahead,
         )
         self.config = config
         self.max_model_len = max_model_len
@@ -236,6 +240,7 @@ class KVCacheManager(ConnectorCalls, PrefixCacheStatsCalls):
                 full_length,
                 apply_admission_cap=True,
                 prefill_end=prefill_end,
+                num_external_computed_tokens=num_external_computed_tokens,
             )
             if needed + watermark_blocks > self.block_pool.num_free_blocks:
                 return None
@@ -256,6 +261,7 @@ class KVCacheManager(ConnectorCalls, PrefixCacheStatsCalls):
             num_computed,
             num_tokens_main_model,
             prefill_end=prefill_end,
+            num_external_computed_tokens=num_external_computed_tokens,
         )
         if needed + watermark_blocks > self.block_pool.num_free_blocks - reserved_blocks:
             return None

@@ -163,6 +163,7 @@ class MambaManager(MambaStateCaching):
         *,
         apply_admission_cap: bool = False,
         prefill_end: int = 0,
+        num_external_computed_tokens: int = 0,
     ) -> int:
         if new_computed_blocks and new_computed_blocks[-1].block_hash in (
             self.cached_blocks_this_step
@@ -184,6 +185,12 @@ class MambaManager(MambaStateCaching):
         num_tokens = num_tokens_main_model
         required = rules.cdiv(num_tokens, self.block_size) + self.num_speculative_blocks
         num_new = required - len(new_computed_blocks) - len(self.req_to_blocks.get(request_id, ()))
+        # External tokens at admission: their last state takes a block of its own before the
+        # new ones (vLLM 0.33 counts none for it and fails inside the allocation instead).
+        admitted = request_id not in self.num_cached_block
+        external_state = int(num_external_computed_tokens > 0 and admitted)
+        if external_state:
+            num_new = required - rules.cdiv(total_computed_tokens, self.block_size)
         checkpoint = self._checkpoint_position(
             request_id, total_computed_tokens, num_tokens, prefill_end
         )
@@ -200,7 +207,7 @@ class MambaManager(MambaStateCaching):
             if request_id not in self.allocated_block_reqs:
                 cap += self.num_speculative_blocks
             num_new = min(num_new, cap)
-        return num_new + num_evictable(new_computed_blocks)
+        return num_new + external_state + num_evictable(new_computed_blocks)
 
     def _checkpoint_position(
         self, request_id: str, query_start: int, query_end: int, prefill_end: int

@@ -163,8 +163,10 @@ class SingleTypeKVCacheManager(ABC):
         *,
         apply_admission_cap: bool = False,
         prefill_end: int = 0,
+        num_external_computed_tokens: int = 0,
     ) -> int:
-        """Free blocks this group would consume to hold ``num_tokens`` tokens.
+        """Free blocks this group would consume to hold ``num_tokens`` tokens (the external
+        tokens' positions are among them: no type but Mamba counts them apart).
 
         A running request needs the positions its table lacks. A request being admitted sets
         aside its skipped positions (no block), adopts its hits, and needs the rest; a hit that

@@ -27,6 +27,7 @@ def validate_manager_config(
     use_eagle: bool = False,
     num_hash_lookahead_tokens: int = 0,
     log_stats: bool = True,
+    num_prefill_lookahead: int = 0,
 ) -> EngineSettings:
     """Reject configurations the manager does not support, naming the field and the value;
     return the resolved engine settings."""
@@ -40,6 +41,7 @@ def validate_manager_config(
     if not isinstance(log_stats, bool):
         raise ValueError(f"log_stats must be a bool, got {log_stats!r}")
     check_non_negative("num_hash_lookahead_tokens", num_hash_lookahead_tokens)
+    check_non_negative("num_prefill_lookahead", num_prefill_lookahead)
     if enable_caching:
         for group in config.groups:
             group.spec.check_prefix_caching()
@@ -57,10 +59,24 @@ def validate_manager_config(
         hash_block_size=resolved,
         use_eagle=use_eagle,
         num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+        num_prefill_lookahead=num_prefill_lookahead,
     )
     if enable_caching:
         _check_caching_layout(config, settings)
+        _check_prefill_lookahead(config, settings)
     return settings
+
+
+def _check_prefill_lookahead(config: KVCacheConfig, settings: EngineSettings) -> None:
+    """Multi-module MTP with EAGLE groups: a hit drops its last scheduler block, which must
+    hold every token the draft modules prefill again (vLLM's check)."""
+    eagle = settings.use_eagle or any(group.is_eagle_group for group in config.groups)
+    if eagle and settings.scheduler_block_size < settings.num_prefill_lookahead:
+        raise ValueError(
+            "Multi-module MTP with prefix caching requires scheduler_block_size"
+            f" (={settings.scheduler_block_size}) >= num_speculative_tokens"
+            f" (={settings.num_prefill_lookahead})."
+        )
 
 
 def _resolve_hash_block_size(

@@ -154,7 +154,9 @@ def test_a_deferred_free_of_a_block_not_held_changes_nothing() -> None:
     manager.allocate_slots(request, 96)
     held = manager.pop_blocks_for_free(request)
     free = manager.block_pool.get_num_free_blocks()
-    with pytest.raises(ValueError, match="freed 2 times but pop_blocks_for_free handed it out 1 times"):
+    with pytest.raises(
+        ValueError, match="freed 2 times but pop_blocks_for_free handed it out 1 times"
+    ):
         manager.block_pool.free_blocks([*held, held[-1]])
     assert manager.block_pool.get_num_free_blocks() == free
     manager.block_pool.free_blocks(reversed(held))
@@ -170,3 +172,23 @@ def test_a_connectors_block_hash_read_is_refused_by_name() -> None:
     assert (block.block_id, block.is_null) == (1, False)
     with pytest.raises(UnsupportedInternal, match="block_hash"):
         _ = block.block_hash
+
+
+@pytest.mark.parametrize("backend", ["reference", "optimized"])
+def test_external_tokens_whose_mamba_state_does_not_fit_change_nothing(backend: Backend) -> None:
+    """Four free blocks, 40 tokens of which 16 external: full attention needs 3 blocks, the
+    Mamba group one for the external state and one for the new one. vLLM 0.33 counts one
+    Mamba block and fails inside the allocation; hybridkv counts both and returns ``None``."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmManager
+
+    if backend == "optimized":
+        pytest.importorskip("torch")
+    config = kv_cache_config_for("jamba", 5, retention=None)
+    request = _requests()["c"]
+    with pytest.raises(ValueError, match="Cannot get 1 free blocks"):
+        VllmManager(config, **SETTINGS).allocate_slots(request, 24, num_external_computed_tokens=16)
+    manager = KVCacheManager(config, backend=backend, **SETTINGS)
+    assert manager.allocate_slots(request, 24, num_external_computed_tokens=16) is None
+    assert manager.block_pool.get_num_free_blocks() == 4
+    assert manager.get_block_ids("c") == ([], [])
+    assert manager.take_events() == []

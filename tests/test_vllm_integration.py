@@ -111,7 +111,6 @@ def test_to_vllm_config_keeps_a_mamba_groups_state_size_and_mode() -> None:
     [
         ("dcp_world_size", 2),
         ("pcp_world_size", 2),
-        ("num_prefill_lookahead", 1),
         ("metrics_collector", object()),
     ],
 )

@@ -67,6 +67,7 @@ def make_core(
     max_num_reqs: int | None = None,
     log_stats: bool = True,
     eviction_policy: str | None = None,
+    num_prefill_lookahead: int = 0,
 ) -> Any:
     """The core manager of ``backend`` with vLLM's settings, under ``eviction_policy`` (when
     ``None``, the one ``HYBRIDKV_EVICTION`` names; ``lru``, vLLM's own order, when unset)."""
@@ -77,6 +78,7 @@ def make_core(
         "num_hash_lookahead_tokens": num_hash_lookahead_tokens,
         "log_stats": log_stats,
         "event_builder_class": vllm_event_builder_class(),
+        "num_prefill_lookahead": num_prefill_lookahead,
     }
     eviction = eviction_policy or os.environ.get("HYBRIDKV_EVICTION", "lru")
     if eviction != "lru":
@@ -145,11 +147,6 @@ class KVCacheManager(ConnectorCalls):
             "metrics_collector (--kv-cache-metrics)",
             "block residency sampling is not implemented",
         )
-        refuse(
-            num_prefill_lookahead != 0,
-            f"num_prefill_lookahead={num_prefill_lookahead} (multi-module MTP)",
-            "re-prefilled tokens are not modelled",
-        )
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
         from vllm.v1.core.kv_cache_utils import partial_hash_hits_enabled
@@ -189,6 +186,7 @@ class KVCacheManager(ConnectorCalls):
             device=device,
             max_num_reqs=max_num_reqs,
             eviction_policy=eviction_policy,
+            num_prefill_lookahead=num_prefill_lookahead,
         )
         core_block_size = int(getattr(self.core, "scheduler_block_size", scheduler_block_size))
         refuse(
