@@ -48,10 +48,10 @@ REFERENCE_MUTANTS: tuple[Mutant, ...] = (
     manager_mutant(
         "hit_not_capped",
         "a hit may cover the last token (max hit num_tokens instead of num_tokens − 1)",
-        "reference.kv_cache_manager",
+        "reference.validation",
         (
-            "max_cache_hit_length = request.num_tokens - 1",
-            "max_cache_hit_length = request.num_tokens",
+            "    if max_cache_hit_length is None:\n        return request.num_tokens - 1\n",
+            "    if max_cache_hit_length is None:\n        return request.num_tokens\n",
         ),
     ),
     manager_mutant(

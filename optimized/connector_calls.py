@@ -13,21 +13,53 @@ tables (``table``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
-from hybridkv.optimized import admission, cached_keys, mamba, step
+from hybridkv.optimized import admission, cached_keys, hits, mamba, step
+from hybridkv.optimized.lookup import HitBlocks
 from hybridkv.optimized.state import ManagerState
 from hybridkv.reference.block_hash import BlockHash
-from hybridkv.reference.validation import check_deferred_blocks
+from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
+from hybridkv.reference.request import Request, RequestLike
+from hybridkv.reference.validation import (
+    check_block_hashes,
+    check_deferred_blocks,
+    hit_length_limit,
+)
 from hybridkv.spec.errors import check_non_negative
 
 
 class ConnectorCalls:
     """The manager's calls for KV connectors (mixed into ``TorchKVCacheManager``)."""
 
+    # The manager's own, which these build on.
+    get_computed_blocks: Callable[..., tuple[KVCacheBlocks, int, int]]
+    prefix_cache_lookup_enabled: Callable[[RequestLike], bool]
+
     @property
     def state(self) -> ManagerState:
         raise NotImplementedError  # the manager's
+
+    def get_computed_blocks_per_group(
+        self, request: RequestLike, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, tuple[int, ...]]:
+        """The reference's: each attention type's own longest hit, not intersected, and the
+        hit length per group (``hits.hit_per_group``)."""
+        s = self.state
+        g_count = s.layout.num_groups
+        if g_count == 1 or not s.layout.caching:
+            blocks, hit, _ = self.get_computed_blocks(request, max_cache_hit_length)
+            return blocks, (hit,) * g_count
+        if type(request) is Request:
+            request.offer_block_hasher(s.block_hasher)
+        if not self.prefix_cache_lookup_enabled(request):
+            return KVCacheBlocks.empty(g_count), (0,) * g_count
+        s.settle()
+        check_block_hashes(request, s.layout.hash_block_size, s.layout.lookahead, allow_fewer=True)
+        found, lengths = hits.hit_per_group(
+            s, request, hit_length_limit(request, max_cache_hit_length)
+        )
+        return HitBlocks(found), lengths
 
     def pop_blocks_for_free(self, request_id: str) -> list[int]:
         """The reference's: the request leaves its row, its blocks stay held; returns them,

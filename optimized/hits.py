@@ -31,6 +31,24 @@ def longest_hit(
 ) -> tuple[HitBlocks, int, int]:
     """The request's longest hit of at most ``max_length`` tokens: its blocks per group, its
     length, and the shared-prefix boundary (the longest one type found alone, when longer)."""
+    memos = type_probes(s, request, max_length)
+    hits: Sequence[GroupHit]
+    boundary = 0
+    if s.layout.num_groups == 1:
+        spec = s.layout.types[0][0]
+        hits = type_hit(s, spec, memos[0], max_length, s.layout.type_eagle[0], spec.block_size)
+        hit_length = len(hits[0]) * spec.block_size
+    else:
+        if s.layout.mixes_full_with_more_types:
+            s.pool.paths.ran(paths.HYBRID_WITH_FULL)
+        hits, hit_length, longest = hybrid_hit(s, memos, max_length)
+        boundary = longest if longest > hit_length else 0
+    return HitBlocks(hits), hit_length, boundary
+
+
+def type_probes(s: ManagerState, request: RequestLike, max_length: int) -> list[TypeProbe]:
+    """One ``TypeProbe`` per attention type (``layout.types`` order), reading the request's
+    hashes through one ``Lookup`` per block size."""
     hbs = s.layout.hash_block_size
     lookups: dict[int, Lookup] = {}
     memos: list[TypeProbe] = []
@@ -47,18 +65,27 @@ def longest_hit(
         memos.append(TypeProbe(lookup, group_ids, limit))
     if len(memos) > 1 and len(lookups) == 1:
         lead_run(memos)
-    hits: Sequence[GroupHit]
-    boundary = 0
-    if s.layout.num_groups == 1:
-        spec = s.layout.types[0][0]
-        hits = type_hit(s, spec, memos[0], max_length, s.layout.type_eagle[0], spec.block_size)
-        hit_length = len(hits[0]) * spec.block_size
-    else:
-        if s.layout.mixes_full_with_more_types:
-            s.pool.paths.ran(paths.HYBRID_WITH_FULL)
-        hits, hit_length, longest = hybrid_hit(s, memos, max_length)
-        boundary = longest if longest > hit_length else 0
-    return HitBlocks(hits), hit_length, boundary
+    return memos
+
+
+def hit_per_group(
+    s: ManagerState, request: RequestLike, max_length: int
+) -> tuple[list[GroupHit], tuple[int, ...]]:
+    """Each attention type's own longest hit, not intersected: the blocks and the hit length
+    per group (``HybridCoordinator.find_longest_cache_hit_per_group`` of the reference)."""
+    memos = type_probes(s, request, max_length)
+    hits = [NO_HIT] * s.layout.num_groups
+    lengths = [0] * s.layout.num_groups
+    num_hashed = len(memos[0].lookup.request_hashes) * s.layout.hash_block_size
+    types = zip(s.layout.types, s.layout.type_eagle, memos, strict=True)
+    for (spec, group_ids), drop, memo in types:
+        extend = drop and not spec.holds_state
+        max_len = min(max_length + spec.block_size, num_hashed) if extend else max_length
+        found = type_hit(s, spec, memo, max_len, drop, s.layout.block_size)
+        for group_id, blocks in zip(group_ids, found, strict=True):
+            hits[group_id] = blocks
+            lengths[group_id] = len(found[0]) * spec.block_size
+    return hits, tuple(lengths)
 
 
 def type_hit(

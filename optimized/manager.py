@@ -48,10 +48,10 @@ from hybridkv.reference.snapshot import PoolSnapshot
 from hybridkv.reference.validation import (
     check_block_hashes,
     check_cache_blocks,
+    hit_length_limit,
     validate_manager_config,
 )
 from hybridkv.spec import KVCacheConfig
-from hybridkv.spec.errors import check_non_negative
 
 __all__ = ["BlockIds", "TorchKVCacheManager", "Tuning"]
 
@@ -167,10 +167,7 @@ class TorchKVCacheManager(ConnectorCalls, TuningKnobs, PrefixCacheStatsCalls):
             return self._no_blocks, 0, 0
         self._s.settle()
         check_block_hashes(request, self.hash_block_size, self.lookahead, allow_fewer=True)
-        max_length = request.num_tokens - 1
-        if max_cache_hit_length is not None:
-            check_non_negative("max_cache_hit_length", max_cache_hit_length)
-            max_length = min(max_cache_hit_length, max_length)
+        max_length = hit_length_limit(request, max_cache_hit_length)
         found, hit_length, boundary = hits.longest_hit(self._s, request, max_length)
         self._issued = found
         return found, hit_length, boundary

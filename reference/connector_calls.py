@@ -17,12 +17,20 @@ load is done ``cache_blocks`` enters them into the prefix cache. Three more call
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.block_pool import BlockPool
-from hybridkv.reference.coordinator import KVCacheCoordinator
-from hybridkv.reference.validation import check_block_ids, check_deferred_blocks, check_group_ids
+from hybridkv.reference.coordinator import HybridCoordinator, KVCacheCoordinator
+from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
+from hybridkv.reference.request import RequestLike
+from hybridkv.reference.validation import (
+    check_block_hashes,
+    check_block_ids,
+    check_deferred_blocks,
+    check_group_ids,
+    hit_length_limit,
+)
 from hybridkv.spec.errors import check_non_negative
 
 
@@ -34,6 +42,28 @@ class ConnectorCalls:
     in_flight_tokens: dict[str, int]
     deferred_holders: Counter[int]
     num_groups: int
+    # The manager's own calls, which these build on.
+    get_computed_blocks: Callable[..., tuple[KVCacheBlocks, int, int]]
+    prefix_cache_lookup_enabled: Callable[[RequestLike], bool]
+
+    def get_computed_blocks_per_group(
+        self, request: RequestLike, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, tuple[int, ...]]:
+        """Each attention type's own longest hit, not intersected: the blocks and the hit
+        length per group. A KV connector that can supply a lagging type's state (a Mamba
+        group's, say) reads it to load only what is missing; with one group it is the hit."""
+        coordinator = self.coordinator
+        if not isinstance(coordinator, HybridCoordinator):
+            blocks, hit, _ = self.get_computed_blocks(request, max_cache_hit_length)
+            return blocks, (hit,) * self.num_groups
+        if not self.prefix_cache_lookup_enabled(request):
+            return KVCacheBlocks.empty(self.num_groups), (0,) * self.num_groups
+        lookahead = coordinator.settings.num_hash_lookahead_tokens
+        check_block_hashes(request, coordinator.hash_block_size, lookahead, allow_fewer=True)
+        hits, lengths = coordinator.find_longest_cache_hit_per_group(
+            request.block_hashes, hit_length_limit(request, max_cache_hit_length)
+        )
+        return KVCacheBlocks(tuple(tuple(b.block_id for b in blocks) for blocks in hits)), lengths
 
     def pop_blocks_for_free(self, request_id: str) -> list[int]:
         """Forget the request without releasing its blocks: its blocks, every group's table in

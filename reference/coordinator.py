@@ -295,25 +295,7 @@ class HybridCoordinator(KVCacheCoordinator):
         hits: list[list[KVCacheBlock]] = [[] for _ in self.managers]
 
         def lookup(index: int, length: int, drop: bool) -> int:
-            attention_type = self.attention_types[index]
-            manager = self.managers[attention_type.group_ids[0]]
-            max_length = length
-            if drop and not attention_type.spec.holds_state:
-                # Match one block beyond the candidate, then drop it (a state type drops its
-                # checkpoint instead).
-                max_length = min(
-                    length + manager.block_size, len(block_hashes) * self.hash_block_size
-                )
-            found, found_length = manager.find_longest_cache_hit(
-                block_hashes,
-                max_length,
-                attention_type.group_ids,
-                drop_eagle_block=drop,
-                alignment_tokens=self.scheduler_block_size,
-            )
-            for group_id, blocks in zip(attention_type.group_ids, found, strict=True):
-                hits[group_id] = blocks
-            return found_length
+            return self._type_hit(hits, block_hashes, index, length, drop)
 
         hit_length, longest = rules.hybrid_hit_length(
             lookup,
@@ -327,6 +309,50 @@ class HybridCoordinator(KVCacheCoordinator):
                 for group_id in attention_type.group_ids:
                     del hits[group_id][rules.cdiv(hit_length, block_size) :]
         return tuple(hits), hit_length, longest - hit_length
+
+    def find_longest_cache_hit_per_group(
+        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+    ) -> tuple[BlocksPerGroup, tuple[int, ...]]:
+        """Each attention type's own longest hit, not intersected: the blocks and the hit
+        length per group (a KV connector's lookup, which may supply what a lagging type lacks,
+        as vLLM's ``find_longest_cache_hit_per_group``)."""
+        hits: list[list[KVCacheBlock]] = [[] for _ in self.managers]
+        lengths = [0] * len(self.managers)
+        for index, attention_type in enumerate(self.attention_types):
+            length = self._type_hit(
+                hits, block_hashes, index, max_cache_hit_length, attention_type.use_eagle
+            )
+            for group_id in attention_type.group_ids:
+                lengths[group_id] = length
+        return tuple(hits), tuple(lengths)
+
+    def _type_hit(
+        self,
+        hits: list[list[KVCacheBlock]],
+        block_hashes: Sequence[BlockHash],
+        index: int,
+        length: int,
+        drop: bool,
+    ) -> int:
+        """One attention type's longest hit of at most ``length`` tokens, its blocks written
+        into ``hits``; with ``drop`` (EAGLE) one block shorter."""
+        attention_type = self.attention_types[index]
+        manager = self.managers[attention_type.group_ids[0]]
+        max_length = length
+        if drop and not attention_type.spec.holds_state:
+            # Match one block beyond the candidate, then drop it (a state type drops its
+            # checkpoint instead).
+            max_length = min(length + manager.block_size, len(block_hashes) * self.hash_block_size)
+        found, found_length = manager.find_longest_cache_hit(
+            block_hashes,
+            max_length,
+            attention_type.group_ids,
+            drop_eagle_block=drop,
+            alignment_tokens=self.scheduler_block_size,
+        )
+        for group_id, blocks in zip(attention_type.group_ids, found, strict=True):
+            hits[group_id] = blocks
+        return found_length
 
 
 def make_coordinator(

@@ -34,6 +34,7 @@ from hybridkv.reference.validation import (
     check_allocation,
     check_block_hashes,
     check_cache_blocks,
+    hit_length_limit,
     validate_manager_config,
 )
 from hybridkv.spec import KVCacheConfig
@@ -160,13 +161,8 @@ class KVCacheManager(ConnectorCalls, PrefixCacheStatsCalls):
             self.settings.num_hash_lookahead_tokens,
             allow_fewer=True,
         )
-        if max_cache_hit_length is None:
-            max_cache_hit_length = request.num_tokens - 1
-        else:
-            check_non_negative("max_cache_hit_length", max_cache_hit_length)
-            max_cache_hit_length = min(max_cache_hit_length, request.num_tokens - 1)
         hits, num_hit_tokens, num_uncached = self.coordinator.find_longest_cache_hit(
-            request.block_hashes, max_cache_hit_length
+            request.block_hashes, hit_length_limit(request, max_cache_hit_length)
         )
         block_ids = tuple(tuple(block.block_id for block in blocks) for blocks in hits)
         boundary = num_hit_tokens + num_uncached if num_uncached else 0

@@ -225,8 +225,17 @@ def check_allocation(
     _check_hit_group_count(hits.num_groups, config)
     for group_id, ids in enumerate(hits.block_ids):
         block_size = config.groups[group_id].spec.block_size
+        # A connector's per-group lookup may hand a lagging state group a shorter hit: its
+        # external tokens supply the state, and the group adopts none of the hit.
+        shorter = num_external_computed_tokens > 0 and config.groups[group_id].spec.holds_state
         _check_hit_ids(
-            group_id, ids, num_new_computed_tokens, block_size, config.num_blocks, issued
+            group_id,
+            ids,
+            num_new_computed_tokens,
+            block_size,
+            config.num_blocks,
+            issued,
+            shorter,
         )
     _check_admitted(request, any(hits.block_ids), holds_blocks)
     return hits.block_ids
@@ -326,11 +335,17 @@ def _check_counts(
 
 
 def _check_hit_count(
-    group_id: int, size: int, num_new_computed_tokens: int, block_size: int
+    group_id: int,
+    size: int,
+    num_new_computed_tokens: int,
+    block_size: int,
+    shorter: bool = False,
 ) -> None:
-    """One group's hit holds exactly the blocks of ``num_new_computed_tokens``."""
+    """One group's hit holds exactly the blocks of ``num_new_computed_tokens`` (at most, with
+    ``shorter``)."""
     expected = num_new_computed_tokens // block_size
-    if num_new_computed_tokens % block_size or size != expected:
+    wrong = size > expected if shorter else size != expected
+    if num_new_computed_tokens % block_size or wrong:
         raise ValueError(
             f"num_new_computed_tokens={num_new_computed_tokens} must be the "
             f"{size} blocks of new_computed_blocks group {group_id} "
@@ -345,10 +360,11 @@ def _check_hit_ids(
     block_size: int,
     num_blocks: int,
     issued: bool = False,
+    shorter: bool = False,
 ) -> None:
     """One group's hit: exactly the blocks of ``num_new_computed_tokens``, each a pool block
     (known to be, when the manager ``issued`` them)."""
-    _check_hit_count(group_id, len(ids), num_new_computed_tokens, block_size)
+    _check_hit_count(group_id, len(ids), num_new_computed_tokens, block_size, shorter)
     if issued:
         return
     if ids and set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < num_blocks:
@@ -362,6 +378,15 @@ def check_block_ids(block_ids: Iterable[object], num_blocks: int) -> list[int]:
     """``block_ids`` as a list, each a plain int in ``0 … num_blocks − 1`` (``ValueError``
     naming the first that is not, before anything changes)."""
     return _check_ids("block_ids", "block", block_ids, num_blocks)
+
+
+def hit_length_limit(request: RequestLike, max_cache_hit_length: int | None) -> int:
+    """The longest hit a lookup of ``request`` may return: ``num_tokens − 1`` (the last token
+    is always recomputed), lowered to ``max_cache_hit_length`` when given (checked)."""
+    if max_cache_hit_length is None:
+        return request.num_tokens - 1
+    check_non_negative("max_cache_hit_length", max_cache_hit_length)
+    return min(max_cache_hit_length, request.num_tokens - 1)
 
 
 def check_deferred_blocks(

@@ -192,3 +192,49 @@ def test_external_tokens_whose_mamba_state_does_not_fit_change_nothing(backend: 
     assert manager.block_pool.get_num_free_blocks() == 4
     assert manager.get_block_ids("c") == ([], [])
     assert manager.take_events() == []
+
+
+def _divergent_session(manager: Any) -> list[Any]:
+    """A 64-token prefix cached a block per step (a Mamba state at every block), then every
+    state but the first evicted: full attention hits deeper than Mamba. The connector's
+    lookup, then an admission whose external tokens supply the missing state."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256_cbor)
+    hasher = get_request_block_hasher(16, sha256_cbor)
+    fill = Request(
+        "fill", list(range(1, 65)), SamplingParams(max_tokens=1), None, block_hasher=hasher
+    )
+    for _ in range(4):
+        manager.new_step_starts()
+        manager.allocate_slots(fill, 16)
+        fill.num_computed_tokens += 16
+    states = manager.get_block_ids("fill")[1]
+    manager.free(fill)
+    manager.evict_blocks(set(states[1:4]))
+    seen: list[Any] = [manager.take_events()]
+    replay = Request(
+        "replay", list(range(1, 97)), SamplingParams(max_tokens=1), None, block_hasher=hasher
+    )
+    manager.new_step_starts()
+    blocks, local, boundary, diverged = manager.get_computed_blocks_for_connector(replay)
+    seen.append((blocks.get_block_ids(), local, boundary, diverged))
+    new = manager.allocate_slots(replay, 16, local, blocks, num_external_computed_tokens=16)
+    seen.append((new.get_block_ids(), manager.get_block_ids("replay"), manager.take_events()))
+    seen.append(manager.block_pool.get_num_free_blocks())
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["reference", "optimized"])
+def test_a_connectors_lookup_on_a_mamba_hybrid_reads_each_groups_own_hit(backend: Backend) -> None:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmManager
+
+    if backend == "optimized":
+        pytest.importorskip("torch")
+    config = kv_cache_config_for("jamba", 64, retention=None)
+    expected = _divergent_session(VllmManager(config, **SETTINGS))
+    assert expected[1][1:] == (64, 0, True)  # full attention's 64 tokens, Mamba's 16
+    assert _divergent_session(KVCacheManager(config, backend=backend, **SETTINGS)) == expected

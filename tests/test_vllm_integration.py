@@ -120,12 +120,10 @@ def test_settings_it_cannot_honour_are_refused_by_name(setting: str, value: obje
         _manager(**overrides)
 
 
-def test_encoder_calls_and_mamba_connector_lookups_are_refused_by_name() -> None:
+def test_encoder_calls_are_refused_by_name() -> None:
     manager = _manager()
     with pytest.raises(UnsupportedSetting, match="num_encoder_tokens"):
         manager.allocate_slots(object(), 1, num_encoder_tokens=4)
-    with pytest.raises(UnsupportedSetting, match="get_computed_blocks_for_connector"):
-        _manager("jamba").get_computed_blocks_for_connector(object())
     with pytest.raises(ValueError, match="backend"):
         _manager(backend="other")
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hybridkv.integrations.vllm.errors import refuse
 from hybridkv.integrations.vllm.views import BlockPoolView, BlockView
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.spec import KVCacheConfig, rules
@@ -49,6 +48,12 @@ class ConnectorCalls:
         self._state_groups = frozenset(
             i for i, group in enumerate(config.groups) if group.spec.holds_state
         )
+        # vLLM's per-group lookup for a connector: Mamba hybrids whose first attention type
+        # is full attention (its group is the reference the other groups' hits are read by).
+        types = config.attention_types()
+        self._full_attention_group: int | None = None
+        if self._state_groups and len(config.groups) > 1 and types[0][0].hit_is_prefix:
+            self._full_attention_group = types[0][1][0]
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return tuple(list(group) for group in self.core.get_block_ids(request_id))
@@ -61,14 +66,20 @@ class ConnectorCalls:
     def get_computed_blocks_for_connector(
         self, request: Any, max_cache_hit_length: int | None = None
     ) -> tuple[KVCacheBlocks, int, int, bool]:
-        """The local hit for a request scheduled with a KV connector, and whether one group's
-        hit ran deeper than another's (vLLM's per-group lookup of Mamba hybrids)."""
-        refuse(
-            bool(self._state_groups) and len(self.config.groups) > 1,
-            "get_computed_blocks_for_connector on a Mamba hybrid",
-            "per-group hits of a connector lookup are not modelled yet",
-        )
-        return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+        """The local hit for a request scheduled with a KV connector that can supply a lagging
+        group's state, and whether one group's hit ran deeper than another's. On a Mamba
+        hybrid with full attention, full attention's own hit is the local prefix (the
+        connector loads the rest, the Mamba state included); a group hitting deeper than full
+        attention means its blocks were evicted, and the agreed hit is taken instead."""
+        if self._full_attention_group is None:
+            return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+        if not self.core.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0, False
+        blocks, lengths = self.core.get_computed_blocks_per_group(request, max_cache_hit_length)
+        num_local = lengths[self._full_attention_group]
+        if any(length > num_local for length in lengths):
+            return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+        return self._blocks(blocks), num_local, 0, min(lengths) < num_local
 
     def truncate_computed_blocks(
         self, blocks: KVCacheBlocks, num_computed_tokens: int
