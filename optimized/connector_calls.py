@@ -19,13 +19,10 @@ from hybridkv.optimized import admission, cached_keys, hits, mamba, step
 from hybridkv.optimized.lookup import HitBlocks
 from hybridkv.optimized.state import ManagerState
 from hybridkv.reference.block_hash import BlockHash
+from hybridkv.reference.connector_calls import check_deferred_blocks
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import Request, RequestLike
-from hybridkv.reference.validation import (
-    check_block_hashes,
-    check_deferred_blocks,
-    hit_length_limit,
-)
+from hybridkv.reference.validation import check_block_hashes, hit_length_limit
 from hybridkv.spec.errors import check_non_negative
 
 

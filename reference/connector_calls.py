@@ -17,7 +17,7 @@ load is done ``cache_blocks`` enters them into the prefix cache. Three more call
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.block_pool import BlockPool
@@ -27,7 +27,6 @@ from hybridkv.reference.request import RequestLike
 from hybridkv.reference.validation import (
     check_block_hashes,
     check_block_ids,
-    check_deferred_blocks,
     check_group_ids,
     hit_length_limit,
 )
@@ -132,3 +131,20 @@ class ConnectorCalls:
         their place): vLLM's ``BlockPool.evict_blocks``, a KV connector's after a failed load."""
         for block_id in check_block_ids(block_ids, self.block_pool.num_blocks):
             self.block_pool.maybe_evict_cached_block(self.block_pool.blocks[block_id])
+
+
+def check_deferred_blocks(
+    block_ids: Iterable[object], num_blocks: int, handed_out: Mapping[int, int]
+) -> list[int]:
+    """``block_ids`` of a deferred free (``free_blocks``): block ids, each freed no more often
+    than ``pop_blocks_for_free`` handed it out (``handed_out``: block id → times)."""
+    ids = check_block_ids(block_ids, num_blocks)
+    freed: dict[int, int] = {}
+    for block_id in ids:
+        freed[block_id] = freed.get(block_id, 0) + 1
+        if freed[block_id] > handed_out.get(block_id, 0):
+            raise ValueError(
+                f"block_ids: block {block_id} is freed {freed[block_id]} times but "
+                f"pop_blocks_for_free handed it out {handed_out.get(block_id, 0)} times"
+            )
+    return ids

@@ -8,7 +8,7 @@ refuse the same calls with the same words; each is called before the first state
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from hybridkv.reference.engine_settings import EngineSettings
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
@@ -213,7 +213,7 @@ def check_allocation(
         allow_fewer_hashes,
         num_external_computed_tokens,
     )
-    _check_admitted_external(request, num_external_computed_tokens, holds_blocks)
+    _check_admitted(request, False, holds_blocks, num_external_computed_tokens)
     if new_computed_blocks is None:
         if num_new_computed_tokens:
             raise ValueError(
@@ -268,7 +268,7 @@ def check_issued_allocation(
         allow_fewer_hashes,
         num_external_computed_tokens,
     )
-    _check_admitted_external(request, num_external_computed_tokens, holds_blocks)
+    _check_admitted(request, False, holds_blocks, num_external_computed_tokens)
     _check_hit_group_count(len(hit_sizes), config)
     for group_id, size in enumerate(hit_sizes):
         block_size = config.groups[group_id].spec.block_size
@@ -286,25 +286,19 @@ def _check_hit_group_count(num_groups: int, config: KVCacheConfig) -> None:
 
 
 def _check_admitted(
-    request: RequestLike, adopts: bool, holds_blocks: Callable[[str], bool]
+    request: RequestLike, adopts: bool, holds_blocks: Callable[[str], bool], external: int = 0
 ) -> None:
-    """Only a request being admitted adopts a cache hit (a running one would hold two tables)."""
-    if adopts and holds_blocks(request.request_id):
-        raise ValueError(
-            f"request {request.request_id!r} already holds blocks; only a request being "
-            "admitted adopts a cache hit (new_computed_blocks must be empty)"
+    """Only a request being admitted adopts a cache hit or tokens a KV connector supplies (a
+    running one would hold two tables)."""
+    if (adopts or external) and holds_blocks(request.request_id):
+        what = (
+            "a cache hit (new_computed_blocks must be empty)"
+            if adopts
+            else f"external tokens (num_external_computed_tokens={external} must be 0)"
         )
-
-
-def _check_admitted_external(
-    request: RequestLike, num_external_computed_tokens: int, holds_blocks: Callable[[str], bool]
-) -> None:
-    """Tokens a KV connector supplies are adopted at admission only, as a hit is."""
-    if num_external_computed_tokens and holds_blocks(request.request_id):
         raise ValueError(
             f"request {request.request_id!r} already holds blocks; only a request being "
-            "admitted adopts external tokens (num_external_computed_tokens="
-            f"{num_external_computed_tokens} must be 0)"
+            f"admitted adopts {what}"
         )
 
 
@@ -387,23 +381,6 @@ def hit_length_limit(request: RequestLike, max_cache_hit_length: int | None) -> 
         return request.num_tokens - 1
     check_non_negative("max_cache_hit_length", max_cache_hit_length)
     return min(max_cache_hit_length, request.num_tokens - 1)
-
-
-def check_deferred_blocks(
-    block_ids: Iterable[object], num_blocks: int, handed_out: Mapping[int, int]
-) -> list[int]:
-    """``block_ids`` of a deferred free (``free_blocks``): block ids, each freed no more often
-    than ``pop_blocks_for_free`` handed it out (``handed_out``: block id → times)."""
-    ids = check_block_ids(block_ids, num_blocks)
-    freed: dict[int, int] = {}
-    for block_id in ids:
-        freed[block_id] = freed.get(block_id, 0) + 1
-        if freed[block_id] > handed_out.get(block_id, 0):
-            raise ValueError(
-                f"block_ids: block {block_id} is freed {freed[block_id]} times but "
-                f"pop_blocks_for_free handed it out {handed_out.get(block_id, 0)} times"
-            )
-    return ids
 
 
 def check_group_ids(group_ids: Iterable[object], num_groups: int) -> list[int]:

@@ -108,3 +108,20 @@ def test_external_tokens_give_both_backends_the_same_blocks(
         elif op == "defer" and running:
             held = both.call("pop_blocks_for_free", running.pop(which % len(running)).request_id)
             both.call("free_blocks", held[::-1])
+
+
+@pytest.mark.parametrize("manager_class", [KVCacheManager, TorchKVCacheManager])
+def test_external_tokens_for_a_running_request_are_refused_and_change_nothing(
+    manager_class: type[Any],
+) -> None:
+    manager = manager_class(document_config(), max_model_len=96)
+    request = Request("r", list(range(20)), hash_block_size=4)
+    manager.allocate_slots(request, 20)
+    request.num_computed_tokens = 20
+    before = manager.snapshot()
+    with pytest.raises(ValueError, match=r"num_external_computed_tokens=8 must be 0"):
+        manager.allocate_slots(request, 1, num_external_computed_tokens=8)
+    with pytest.raises(ValueError, match=r"num_external_computed_tokens must be a non-neg"):
+        manager.allocate_slots(request, 1, num_external_computed_tokens=-1)
+    assert manager.snapshot() == before
+    manager.check_invariants()
