@@ -290,16 +290,17 @@ def _check_admitted(
 ) -> None:
     """Only a request being admitted adopts a cache hit or tokens a KV connector supplies (a
     running one would hold two tables)."""
-    if (adopts or external) and holds_blocks(request.request_id):
-        what = (
-            "a cache hit (new_computed_blocks must be empty)"
-            if adopts
-            else f"external tokens (num_external_computed_tokens={external} must be 0)"
-        )
+    if not (adopts or external) or not holds_blocks(request.request_id):
+        return
+    if adopts:
         raise ValueError(
             f"request {request.request_id!r} already holds blocks; only a request being "
-            f"admitted adopts {what}"
+            "admitted adopts a cache hit (new_computed_blocks must be empty)"
         )
+    raise ValueError(
+        f"request {request.request_id!r} already holds blocks; only a request being "
+        f"admitted adopts external tokens (num_external_computed_tokens={external} must be 0)"
+    )
 
 
 def _check_counts(
