@@ -89,6 +89,17 @@ class ConnectorCalls:
         s.pool.free_blocks(ids)
         s.raise_policy_error()
 
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """The reference's: Mamba ``"align"`` states cached since the last call, per request
+        as (group id, block id, tokens), group after group."""
+        offloads: dict[str, list[tuple[int, int, int]]] = {}
+        pending = self.state.mamba.offloads
+        for g in sorted(pending):
+            for request_id, block_id, tokens in pending[g]:
+                offloads.setdefault(request_id, []).append((g, block_id, tokens))
+        pending.clear()
+        return offloads
+
     def get_num_blocks_to_allocate(
         self,
         request_id: str,

@@ -178,10 +178,12 @@ def cache_mamba_group(
     key = _cache_partial_tail(s, request, row, g, num_tokens)
     if key is not None:
         this_step.add(key)
+    offloads = s.mamba.offloads.setdefault(g, [])
     for pos in range(start, after):
         found = primary_key(s, tab[base + pos])
         if found is not None:
             this_step.add(found)
+            offloads.append((request.request_id, tab[base + pos], (pos + 1) * b))
 
 
 def _cache_partial_tail(

@@ -115,12 +115,17 @@ class MambaState:
     # The positions of the real blocks of each Mamba table as of its last allocation
     # (``state_positions`` of the reference): where its longest cached prefix can sit.
     positions: dict[tuple[str, int], list[int]] = field(default_factory=dict)
-    # Tokens in flight at each request's last allocation (the reference's ``_in_flight``):
+    # Tokens in flight at each request's last allocation (the reference's ``in_flight_tokens``):
     # a table may hold their states' blocks too until that step is processed.
     in_flight: dict[str, int] = field(default_factory=dict)
+    # Per group, the states cached since the last ``take_boundary_state_offloads``: (request
+    # id, block id, tokens), for a KV connector.
+    offloads: dict[int, list[tuple[str, int, int]]] = field(default_factory=dict)
 
     def forget(self, request_id: str, groups: Sequence[int]) -> None:
         self.in_flight.pop(request_id, None)
+        for g, entries in self.offloads.items():
+            self.offloads[g] = [entry for entry in entries if entry[0] != request_id]
         for g in groups:
             self.allocated.discard((request_id, g))
             self.last_state.pop((request_id, g), None)

@@ -87,6 +87,15 @@ class ConnectorCalls:
         blocks = self.block_pool.blocks
         self.block_pool.free_blocks([blocks[block_id] for block_id in ids])
 
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """The Mamba ``"align"`` states cached since the last call, per request as (group id,
+        block id, tokens): a KV connector offloads them so a later request can hit there."""
+        offloads: dict[str, list[tuple[int, int, int]]] = {}
+        for manager in self.coordinator.managers:
+            for request_id, block_id, tokens in manager.take_boundary_state_offloads():
+                offloads.setdefault(request_id, []).append((manager.group_id, block_id, tokens))
+        return offloads
+
     def get_num_blocks_to_allocate(
         self,
         request_id: str,

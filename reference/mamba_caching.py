@@ -32,6 +32,7 @@ class MambaStateCaching(SingleTypeKVCacheManager):
     drop_eagle_checkpoint_block: bool
     cached_blocks_this_step: set[BlockHashWithGroupId]
     checkpoints: dict[str, tuple[int, int]]
+    boundary_offloads: list[tuple[str, int, int]]
 
     # --- Caching ----------------------------------------------------------------------------
 
@@ -56,6 +57,10 @@ class MambaStateCaching(SingleTypeKVCacheManager):
         for block in table[before:after]:
             if not block.is_null and block.block_hash is not None:
                 self.cached_blocks_this_step.add(block.block_hash)
+                if self.align:
+                    # Offered to a KV connector, which may offload it for later hits.
+                    tokens = block.block_hash_num_tokens or 0
+                    self.boundary_offloads.append((request_id, block.block_id, tokens))
 
     def _cache_partial_tail(
         self, request: RequestLike, num_tokens: int, retention_interval: int | None

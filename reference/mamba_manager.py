@@ -58,6 +58,9 @@ class MambaManager(MambaStateCaching):
         self.drop_eagle_checkpoint_block = False
         # States cached since the scheduler's last ``new_step_starts`` (the same-step rule).
         self.cached_blocks_this_step: set[BlockHashWithGroupId] = set()
+        # "align" states cached since the last ``take_boundary_state_offloads``: (request id,
+        # block id, tokens), for a KV connector.
+        self.boundary_offloads: list[tuple[str, int, int]] = []
         # Align mode: the position of the previous state, released once the next one exists.
         self.last_state_block_idx: dict[str, int] = {}
         # Align mode: positions below this were released already.
@@ -330,7 +333,13 @@ class MambaManager(MambaStateCaching):
         self.num_retired_blocks.pop(request_id, None)
         self.checkpoints.pop(request_id, None)
         self.state_positions.pop(request_id, None)
+        # Its blocks go back to the pool: a connector must not read them later.
+        self.boundary_offloads = [o for o in self.boundary_offloads if o[0] != request_id]
         return super().pop_blocks_for_free(request_id)
+
+    def take_boundary_state_offloads(self) -> list[tuple[str, int, int]]:
+        offloads, self.boundary_offloads = self.boundary_offloads, []
+        return offloads
 
     def new_step_starts(self) -> None:
         self.cached_blocks_this_step.clear()

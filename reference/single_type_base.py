@@ -351,5 +351,10 @@ class SingleTypeKVCacheManager(ABC):
         """Release the whole table, last position first, so the tail is evicted first."""
         self.block_pool.free_blocks(self.pop_blocks_for_free(request_id)[::-1])
 
+    def take_boundary_state_offloads(self) -> list[tuple[str, int, int]]:
+        """States cached since the last call that a KV connector may offload, as (request id,
+        block id, tokens): only a Mamba ``"align"`` group has any."""
+        return []
+
     def new_step_starts(self) -> None:  # noqa: B027 (a hook: only Mamba keeps per-step state)
         """The scheduler begins a step (only Mamba keeps per-step state)."""

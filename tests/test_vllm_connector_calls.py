@@ -62,7 +62,7 @@ def _connector_session(manager: Any) -> list[Any]:
     def note(*values: Any) -> None:
         seen.append(values)
         seen.append((manager.block_pool.get_num_free_blocks(), manager.take_new_block_ids()))
-        seen.append(manager.take_events())
+        seen.append((manager.take_events(), manager.take_boundary_state_offloads()))
 
     # a: no local hit, 48 tokens loaded synchronously, 48 computed.
     blocks, hit, _ = manager.get_computed_blocks(r["a"])
@@ -208,14 +208,16 @@ def _divergent_session(manager: Any) -> list[Any]:
     fill = Request(
         "fill", list(range(1, 65)), SamplingParams(max_tokens=1), None, block_hasher=hasher
     )
+    offloads = []
     for _ in range(4):
         manager.new_step_starts()
         manager.allocate_slots(fill, 16)
         fill.num_computed_tokens += 16
+        offloads.append(manager.take_boundary_state_offloads())
     states = manager.get_block_ids("fill")[1]
     manager.free(fill)
     manager.evict_blocks(set(states[1:4]))
-    seen: list[Any] = [manager.take_events()]
+    seen: list[Any] = [manager.take_events(), offloads]
     replay = Request(
         "replay", list(range(1, 97)), SamplingParams(max_tokens=1), None, block_hasher=hasher
     )
@@ -236,5 +238,6 @@ def test_a_connectors_lookup_on_a_mamba_hybrid_reads_each_groups_own_hit(backend
         pytest.importorskip("torch")
     config = kv_cache_config_for("jamba", 64, retention=None)
     expected = _divergent_session(VllmManager(config, **SETTINGS))
-    assert expected[1][1:] == (64, 0, True)  # full attention's 64 tokens, Mamba's 16
+    assert expected[2][1:] == (64, 0, True)  # full attention's 64 tokens, Mamba's 16
+    assert [len(step["fill"]) for step in expected[1]] == [1, 1, 1, 1]  # a state per block
     assert _divergent_session(KVCacheManager(config, backend=backend, **SETTINGS)) == expected

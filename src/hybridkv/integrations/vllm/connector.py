@@ -182,8 +182,10 @@ class ConnectorCalls:
         return [], []
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        """Mamba ``"align"`` states offered to a connector: not modelled yet (none)."""
-        return {}
+        """The Mamba ``"align"`` states cached since the last call, per request as (group id,
+        block id, tokens), for a connector to offload (the core's)."""
+        offloads: dict[str, list[tuple[int, int, int]]] = self.core.take_boundary_state_offloads()
+        return offloads
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         """Forget the cached keys of these blocks (``BlockPool.evict_blocks``): each keeps its
