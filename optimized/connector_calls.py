@@ -16,13 +16,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from hybridkv.optimized import admission, cached_keys, hits, mamba, step
+from hybridkv.optimized.general_caching import primary_key
 from hybridkv.optimized.lookup import HitBlocks
 from hybridkv.optimized.state import ManagerState
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.connector_calls import check_deferred_blocks
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import Request, RequestLike
-from hybridkv.reference.validation import check_block_hashes, hit_length_limit
+from hybridkv.reference.validation import check_block_hashes, check_block_ids, hit_length_limit
 from hybridkv.spec.errors import check_non_negative
 
 
@@ -88,6 +89,13 @@ class ConnectorCalls:
         s.deferred = +s.deferred  # drop the zero counts
         s.pool.free_blocks(ids)
         s.raise_policy_error()
+
+    def block_cache_keys(self, block_ids: Iterable[int]) -> list[tuple[bytes, int] | None]:
+        """The reference's: each block's prefix-cache key, or ``None`` while not cached."""
+        s = self.state
+        s.settle()
+        ids = check_block_ids(block_ids, s.pool.num_blocks)
+        return [primary_key(s, block) for block in ids]
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         """The reference's: Mamba ``"align"`` states cached since the last call, per request

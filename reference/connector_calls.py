@@ -87,6 +87,14 @@ class ConnectorCalls:
         blocks = self.block_pool.blocks
         self.block_pool.free_blocks([blocks[block_id] for block_id in ids])
 
+    def block_cache_keys(self, block_ids: Iterable[int]) -> list[tuple[bytes, int] | None]:
+        """Each block's prefix-cache key, (hash, group id), or ``None`` while it is not cached
+        (vLLM's ``KVCacheBlock.block_hash``, which a KV connector reads of a request's blocks)."""
+        blocks = self.block_pool.blocks
+        return [
+            blocks[i].block_hash for i in check_block_ids(block_ids, self.block_pool.num_blocks)
+        ]
+
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         """The Mamba ``"align"`` states cached since the last call, per request as (group id,
         block id, tokens): a KV connector offloads them so a later request can hit there."""

@@ -20,7 +20,6 @@ with warnings.catch_warnings():
 
 from hybridkv.integrations.vllm import KVCacheManager
 from hybridkv.integrations.vllm.check import kv_cache_config_for
-from hybridkv.integrations.vllm.errors import UnsupportedInternal
 from hybridkv.integrations.vllm.manager import Backend
 from hybridkv.integrations.vllm.views import BlockViews
 
@@ -61,6 +60,9 @@ def _connector_session(manager: Any) -> list[Any]:
 
     def note(*values: Any) -> None:
         seen.append(values)
+        for rid in ("a", "b"):  # what a connector reads of each request's blocks
+            groups = manager.get_blocks(rid).blocks
+            seen.append([[(b.block_id, b.is_null, b.block_hash) for b in g] for g in groups])
         seen.append((manager.block_pool.get_num_free_blocks(), manager.take_new_block_ids()))
         seen.append((manager.take_events(), manager.take_boundary_state_offloads()))
 
@@ -126,7 +128,7 @@ def test_a_connectors_calls_answer_as_vllms_own_manager(layout: str, backend: Ba
     config = kv_cache_config_for(layout, 64, retention=None)
     expected = _connector_session(VllmManager(config, **SETTINGS))
     assert len(expected[0][1][0]) == 3  # full attention: 3 new blocks for a's 48 computed
-    assert bool(expected[1][1]) == (layout == "jamba")  # only the Mamba hybrid zeroes blocks
+    assert bool(expected[3][1]) == (layout == "jamba")  # only the Mamba hybrid zeroes blocks
     actual = _connector_session(KVCacheManager(config, backend=backend, **SETTINGS))
     assert actual == expected
 
@@ -163,15 +165,20 @@ def test_a_deferred_free_of_a_block_not_held_changes_nothing() -> None:
     assert manager.block_pool.get_num_free_blocks() == 63
 
 
-def test_a_connectors_block_hash_read_is_refused_by_name() -> None:
+def test_a_blocks_hash_reads_as_vllms_block_hash_once_cached() -> None:
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
     manager = KVCacheManager(kv_cache_config_for("gemma3", 64, retention=None), **SETTINGS)
-    manager.allocate_slots(_requests()["a"], 96)
+    request = _requests()["a"]
+    manager.allocate_slots(request, 96, delay_cache_blocks=True)
     blocks = manager.get_blocks("a")
     assert isinstance(blocks, BlockViews)
-    block = blocks.blocks[0][0]
-    assert (block.block_id, block.is_null) == (1, False)
-    with pytest.raises(UnsupportedInternal, match="block_hash"):
-        _ = block.block_hash
+    assert [b.block_hash for b in blocks.blocks[0]] == [None] * 6  # not cached yet
+    request.num_computed_tokens = 96
+    manager.cache_blocks(request, 96)
+    first = manager.get_blocks("a").blocks[0][0]  # a BlockViews
+    assert (first.block_id, first.is_null) == (1, False)
+    assert first.block_hash == make_block_hash_with_group_id(request.block_hashes[0], 0)
 
 
 @pytest.mark.parametrize("backend", ["reference", "optimized"])

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hybridkv.integrations.vllm.views import BlockPoolView, BlockView
+from hybridkv.integrations.vllm.views import BlockPoolView, BlockView, BlockViews
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.spec import KVCacheConfig, rules
 
@@ -33,7 +33,7 @@ class ConnectorCalls:
     core: Any
     config: KVCacheConfig
     block_pool: BlockPoolView
-    empty_kv_cache_blocks: KVCacheBlocks
+    empty_kv_cache_blocks: BlockViews
 
     def init_connector_calls(self, config: KVCacheConfig, zeroing: bool) -> None:
         """Set up for ``config``; ``zeroing``: the worker zeroes new attention blocks (vLLM's
@@ -80,6 +80,16 @@ class ConnectorCalls:
         if any(length > num_local for length in lengths):
             return (*self.get_computed_blocks(request, max_cache_hit_length), False)
         return self._blocks(blocks), num_local, 0, min(lengths) < num_local
+
+    def vllm_block_hashes(self, block_ids: list[int]) -> list[bytes | None]:
+        """Each block's ``block_hash`` as vLLM's ``KVCacheBlock`` holds it: its cache key's hash
+        and group id packed (``make_block_hash_with_group_id``), ``None`` while not cached."""
+        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+        return [
+            None if key is None else make_block_hash_with_group_id(key[0], key[1])
+            for key in self.core.block_cache_keys(block_ids)
+        ]
 
     def truncate_computed_blocks(
         self, blocks: KVCacheBlocks, num_computed_tokens: int

@@ -218,7 +218,7 @@ class KVCacheManager(ConnectorCalls):
             for group in kv_cache_config.kv_cache_groups
         )
         self.scheduler_block_size = scheduler_block_size
-        self.empty_kv_cache_blocks = BlockViews.empty(self.num_kv_cache_groups)
+        self.empty_kv_cache_blocks = BlockViews(tuple(() for _ in range(self.num_kv_cache_groups)))
         self.init_connector_calls(
             self.config, bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
         )
@@ -346,11 +346,11 @@ class KVCacheManager(ConnectorCalls):
         if self.enable_caching:
             self.core.cache_blocks(request, num_computed_tokens)
 
-    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+    def get_blocks(self, request_id: str) -> BlockViews:
         ids = self.core.get_block_ids(request_id)
         if not any(ids):
             return self.empty_kv_cache_blocks
-        return BlockViews(tuple(tuple(group) for group in ids))
+        return BlockViews(tuple(tuple(group) for group in ids), self.vllm_block_hashes)
 
     def reset_prefix_cache(self) -> bool:
         if not self.core.reset_prefix_cache():

@@ -17,8 +17,8 @@ its blocks. Each answers from the core manager's public API; any other name rais
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from hybridkv.integrations.vllm.errors import UnsupportedInternal, refuse
@@ -36,25 +36,31 @@ class BlockView:
 
 @dataclass(frozen=True)
 class ConnectorBlockView:
-    """A block of ``KVCacheBlocks.blocks`` as a KV connector reads it: its id and null flag
-    (its ``block_hash`` is not offered yet: reading it raises ``UnsupportedInternal``)."""
+    """A block of ``KVCacheBlocks.blocks`` as a KV connector reads it: its id, null flag and
+    ``block_hash`` (vLLM's ``BlockHashWithGroupId`` bytes, ``None`` until cached)."""
 
     block_id: int
     is_null: bool
-
-    @property
-    def block_hash(self) -> Any:
-        raise _internals("KVCacheBlocks.blocks[i][j]", "block_hash")
+    block_hash: bytes | None = None
 
 
 @dataclass(frozen=True)
 class BlockViews(KVCacheBlocks):
     """``KVCacheBlocks`` with vLLM's ``blocks``: per group, its blocks as a connector reads
-    them (the scheduler reads ``empty_kv_cache_blocks.blocks``)."""
+    them, their hashes read from the core when asked (``block_hashes``: block ids → vLLM's
+    ``block_hash`` of each; the scheduler reads ``empty_kv_cache_blocks.blocks``)."""
+
+    block_hashes: Callable[[list[int]], list[bytes | None]] | None = field(
+        default=None, compare=False, repr=False
+    )
 
     @property
     def blocks(self) -> tuple[list[ConnectorBlockView], ...]:
-        return tuple([ConnectorBlockView(i, i == 0) for i in ids] for ids in self.block_ids)
+        ids = [i for group in self.block_ids for i in group]
+        hashes = iter(self.block_hashes(ids) if self.block_hashes else [None] * len(ids))
+        return tuple(
+            [ConnectorBlockView(i, i == 0, next(hashes)) for i in group] for group in self.block_ids
+        )
 
 
 @dataclass(frozen=True)
