@@ -57,10 +57,14 @@ class TraceReplay:
     """Plays one trace's operations on an implementation through its ``ManagerAdapter``,
     yielding (recorded, observed) per operation.
 
-    The adapter is built by ``factory(config, max_model_len, enable_caching, False, engine)``
-    (events off: the traces record none). The replay keeps the scheduler's counters itself and
-    tells the adapter (``set_num_computed_tokens``), as the differential machine does.
+    The adapter is built by ``factory(config, max_model_len, enable_caching, events, engine)``
+    (``events`` off: the packaged traces record none). The replay keeps the scheduler's counters
+    itself and tells the adapter (``set_num_computed_tokens``), as the differential machine
+    does. A subclass may pass more keywords to ``new_request`` (``request_options``).
     """
+
+    events = False
+    """Whether the adapter's manager publishes KV events (a subclass that observes them)."""
 
     def __init__(self, trace: Json, factory: AdapterFactory) -> None:
         scenario = trace["scenario"]
@@ -72,7 +76,7 @@ class TraceReplay:
             scenario_config(scenario),
             self.max_model_len,
             scenario["enable_caching"],
-            False,
+            self.events,
             scenario_engine(scenario),
         )
         self.requests: dict[str, _RequestState] = {}
@@ -90,6 +94,10 @@ class TraceReplay:
         """Perform one operation; its observation as the trace records it."""
         return {"op": op["op"], "rid": op.get("rid"), **self.apply(op)}
 
+    def request_options(self, op: Json) -> dict[str, Any]:
+        """More ``new_request`` keywords for an ``add`` operation (none here)."""
+        return {}
+
     def _set_computed(self, state: _RequestState, value: int) -> None:
         state.num_computed_tokens = value
         self.adapter.set_num_computed_tokens(state.handle, value)
@@ -103,7 +111,8 @@ class TraceReplay:
             skip = (
                 {"skip_reading_prefix_cache": True} if op.get("skip_reading_prefix_cache") else {}
             )
-            handle = a.new_request(op["rid"], op["prompt"], op.get("cache_salt"), **skip)
+            options = self.request_options(op)
+            handle = a.new_request(op["rid"], op["prompt"], op.get("cache_salt"), **skip, **options)
             self.requests[op["rid"]] = _RequestState(handle, len(op["prompt"]))
             return {}
         if kind == "new_step":

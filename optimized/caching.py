@@ -77,6 +77,7 @@ def hashed_by_memo(s: ManagerState, request: RequestLike) -> bool:
     return (
         isinstance(request, Request)
         and request.block_hasher is s.block_hasher
+        and request.request_keys is None  # keyed hashes are not the tokens' alone
         and not s.layout.lookahead
         and not request.num_hash_lookahead_tokens
         and request.hash_block_size == s.layout.hash_block_size

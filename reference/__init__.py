@@ -18,6 +18,7 @@ from hybridkv.reference.kv_cache_manager import KVCacheManager
 from hybridkv.reference.plan_report import GroupPlan, PlanReport, plan_report
 from hybridkv.reference.planner import plan_groups, plan_kv_cache
 from hybridkv.reference.request import Request, RequestLike
+from hybridkv.reference.request_keys import LoRA, MultiModalFeature, PromptEmbeds
 from hybridkv.reference.snapshot import PoolSnapshot
 
 __all__ = [
@@ -29,9 +30,12 @@ __all__ = [
     "KVCacheBlocks",
     "KVCacheEvent",
     "KVCacheManager",
+    "LoRA",
+    "MultiModalFeature",
     "PlanReport",
     "PoolSnapshot",
     "PrefixCacheStats",
+    "PromptEmbeds",
     "Request",
     "RequestLike",
     "hash_block_tokens",

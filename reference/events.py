@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hybridkv.reference.block_hash import BlockHash
-from hybridkv.reference.request import RequestLike
+from hybridkv.reference.request import Request, RequestLike
 from hybridkv.spec import KVCacheConfig, event_metadata
 
 MEDIUM_GPU = "GPU"
@@ -78,14 +78,15 @@ class EventBuilder:
     ``get_kv_cache_spec_kind`` / ``get_kv_cache_spec_sliding_window`` of the group's spec) and
     the lookahead hashing setting. Why each field has its value:
 
-    - ``lora_id``, ``lora_name``: ``None``: the core has no LoRA (vLLM sets them from the
-      request's LoRA adapter: ``lora``, which an engine's builder overrides).
+    - ``lora_id``, ``lora_name``: the id and name of the request's ``lora`` adapter, else
+      ``None`` (vLLM's ``adapter_id`` and ``name`` of its ``lora_request``; ``lora``, which an
+      engine's builder overrides for its own requests).
     - ``medium``: ``MEDIUM_GPU``: the pool is the device tier (vLLM's block pool default).
     - ``extra_keys``: one entry per stored block, as vLLM's ``to_event_extra_keys`` publishes the
-      keys of each block's hash: ``(cache_salt,)`` for the block starting at token 0 of a
-      request with a (non-empty) salt, ``None`` for every other block (the core hashes no LoRA,
-      multimodal or prompt-embedding keys; ``extra_keys``, which an engine's builder overrides
-      with its requests' keys); ``None`` when no block was stored.
+      keys of each block's hash, untagged: the LoRA name, ``(identifier, offset)`` of each
+      multimodal item, the salt on the block starting at token 0, the prompt-embedding digest
+      (``RequestKeys.event_keys``); ``None`` for a block without keys; ``None`` when no block
+      was stored (``extra_keys``, which an engine's builder overrides for its own requests).
     - ``group_idx``: the KV cache group of the blocks.
     - ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``: the group's (see above; vLLM's
       manager annotates them in ``take_events``).
@@ -127,18 +128,26 @@ class EventBuilder:
     def extra_keys(
         self, request: Any, positions: Sequence[int], block_size: int
     ) -> Sequence[tuple[Any, ...] | None] | None:
-        """One entry per stored block (at ``positions``), ``None`` when none was stored: the
-        salt on the block starting at token 0, as the core hashes it. An engine whose requests
-        carry more keys (LoRA, multimodal inputs, prompt embeddings) overrides this."""
+        """One entry per stored block (at ``positions``), ``None`` when none was stored: a
+        ``Request``'s keys as it hashes them (``request_keys``), else the salt on the block
+        starting at token 0. An engine whose requests carry their keys in other fields
+        overrides this."""
         if not positions:
             return None
+        keys = request.request_keys if isinstance(request, Request) else None
+        if keys is not None:
+            return self.sequence(
+                keys.event_keys(positions, block_size, self.num_hash_lookahead_tokens)
+            )
         salt = request.cache_salt
         first = (salt,) if salt and positions[0] == 0 else None
         return self.sequence((first,) + (None,) * (len(positions) - 1))
 
     def lora(self, request: Any) -> tuple[int | None, str | None]:
-        """``lora_id`` and ``lora_name`` of ``request``'s events: the core has no LoRA."""
-        return None, None
+        """``lora_id`` and ``lora_name`` of ``request``'s events: its ``lora`` adapter's id and
+        name (a ``Request``'s), else ``None``."""
+        lora = request.lora if isinstance(request, Request) else None
+        return (None, None) if lora is None else (lora.id, lora.name)
 
     def stored(
         self,

@@ -22,6 +22,7 @@ from operator import countOf
 from typing import Protocol, cast
 
 from hybridkv.reference.block_hash import BlockHash, hash_full_blocks, hash_full_blocks_lookahead
+from hybridkv.reference.request_keys import LoRA, MultiModalFeature, PromptEmbeds, RequestKeys
 from hybridkv.spec.errors import check_non_negative, check_positive
 
 
@@ -185,7 +186,17 @@ class Request:
     so that the prefix-cache statistics count a readmission apart. ``session_id`` names the
     session the request belongs to; the manager only reports it in the KV events of the blocks
     the request stores (``BlockStored.session_id``, as vLLM's).
+
+    Keys besides the tokens (``hybridkv.reference.request_keys``), as vLLM's: ``lora`` (a
+    ``LoRA`` adapter: on every block's hash, ``lora_id``/``lora_name`` in its events),
+    ``mm_features`` (``MultiModalFeature`` items, sorted and not overlapping: on each block
+    they overlap, with their offset) and ``prompt_embeds`` (``PromptEmbeds``, one row per prompt
+    token: each block's digest). A request with any of them (``request_keys``) is hashed by
+    their definition, never by ``block_hasher``.
     """
+
+    request_keys: RequestKeys | None = None
+    """LoRA, multimodal items and embeddings with the salt; ``None`` without the first three."""
 
     def __init__(
         self,
@@ -198,6 +209,9 @@ class Request:
         num_hash_lookahead_tokens: int = 0,
         block_hasher: BlockHasher | None = None,
         session_id: str | None = None,
+        lora: LoRA | None = None,
+        mm_features: Sequence[MultiModalFeature] | None = (),
+        prompt_embeds: PromptEmbeds | None = None,
     ) -> None:
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str, got {request_id!r}")
@@ -215,6 +229,9 @@ class Request:
         self.session_id = session_id
         prompt, packed = pack_token_ids("prompt_token_ids", prompt_token_ids)
         self._num_prompt_tokens = len(prompt)
+        if lora is not None or prompt_embeds is not None or mm_features != ():
+            keys = RequestKeys.of(lora, mm_features, prompt_embeds, cache_salt, len(prompt))
+            self.request_keys = keys  # else the class's None: no store on the plain path
         self._prompt_token_ids: tuple[int, ...] | None = None
         self.hash_block_size = hash_block_size
         # An empty salt is no salt (vLLM salts the first block only when the salt is truthy).
@@ -244,6 +261,18 @@ class Request:
             prompt = tuple(self._all_token_ids[: self._num_prompt_tokens])
             self._prompt_token_ids = prompt
         return prompt
+
+    @property
+    def lora(self) -> LoRA | None:
+        return None if self.request_keys is None else self.request_keys.lora
+
+    @property
+    def mm_features(self) -> tuple[MultiModalFeature, ...]:
+        return () if self.request_keys is None else self.request_keys.mm_features
+
+    @property
+    def prompt_embeds(self) -> PromptEmbeds | None:
+        return None if self.request_keys is None else self.request_keys.prompt_embeds
 
     @property
     def all_token_ids(self) -> Sequence[int]:
@@ -311,6 +340,17 @@ class Request:
         if hashable <= len(self._block_hashes):
             return  # no block filled (most decode steps): the hasher is not called
         parent = self._block_hashes[-1] if self._block_hashes else None
+        if self.request_keys is not None:
+            self._block_hashes.extend(
+                self.request_keys.hash_blocks(
+                    self._all_token_ids,
+                    self.hash_block_size,
+                    start_block=len(self._block_hashes),
+                    parent_hash=parent,
+                    num_lookahead_tokens=self.num_hash_lookahead_tokens,
+                )
+            )
+            return
         if self.num_hash_lookahead_tokens:
             self._block_hashes.extend(
                 hash_full_blocks_lookahead(

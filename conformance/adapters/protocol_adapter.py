@@ -80,7 +80,10 @@ class ProtocolAdapter:
         cache_salt: str | None,
         *,
         skip_reading_prefix_cache: bool = False,
+        **keys: Any,
     ) -> Request:
+        """A ``Request``; ``keys``: its ``lora``, ``mm_features`` and ``prompt_embeds``, which
+        the extra-key traces pass when set (``hybridkv.conformance.golden_keyed``)."""
         return Request(
             request_id,
             prompt,
@@ -88,6 +91,7 @@ class ProtocolAdapter:
             cache_salt=cache_salt,
             skip_reading_prefix_cache=skip_reading_prefix_cache,
             num_hash_lookahead_tokens=self.num_hash_lookahead_tokens,
+            **keys,
         )
 
     def append_tokens(self, request: Request, tokens: Sequence[int]) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hybridkv.reference.events import EventBuilder
+from hybridkv.reference.request import Request
 
 _LOW_64 = (1 << 64) - 1
 
@@ -35,7 +36,7 @@ def vllm_event_builder_class() -> type[EventBuilder]:
         def extra_keys(
             self, request: Any, positions: Sequence[int], block_size: int
         ) -> Sequence[tuple[Any, ...] | None] | None:
-            if (
+            if isinstance(request, Request) or (  # the core's own: its keys as it hashes them
                 request.lora_request is None
                 and not request.mm_features
                 and request.prompt_embeds is None
@@ -44,6 +45,8 @@ def vllm_event_builder_class() -> type[EventBuilder]:
             return event_extra_keys(request, positions, block_size, self.num_hash_lookahead_tokens)
 
         def lora(self, request: Any) -> tuple[int | None, str | None]:
+            if isinstance(request, Request):
+                return super().lora(request)
             lora = request.lora_request
             return (None, None) if lora is None else (lora.adapter_id, lora.name)
 
