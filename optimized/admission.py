@@ -5,7 +5,9 @@ to ``hybridkv.optimized.step``); ``whole_sequence_fits`` is a full-prompt admiss
 check. Both count, per group, the positions a window or
 chunk skips (nulls), the hit's blocks adopted past them (those in the free queue leave it) and
 the new blocks the rest needs, all before changing anything, so a request that does not fit
-leaves the state as it was.
+leaves the state as it was. A cross-attention group needs the positions of the encoder tokens
+(``required_positions``) instead of the decoder's, at admission or, should a scheduler pass
+them then, at a running request's step (``step_with_encoder``).
 
 Data layout
 -----------
@@ -27,12 +29,13 @@ import numpy.typing as npt
 
 from hybridkv.optimized import general_caching, step
 from hybridkv.optimized import path_counts as paths
-from hybridkv.optimized.layout import BlockIds
+from hybridkv.optimized.layout import BlockIds, GroupLayout
 from hybridkv.optimized.lookup import GroupHit
 from hybridkv.optimized.state import ManagerState
 from hybridkv.policies.protocol import PolicyError
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import RequestLike
+from hybridkv.spec import rules
 
 
 def allocate(
@@ -45,10 +48,11 @@ def allocate(
     delay_cache_blocks: bool,
     kept_free: int = 0,
     num_external: int = 0,
+    num_encoder: int = 0,
 ) -> KVCacheBlocks | None:
     """``allocate_slots`` after validation, ``hits`` each group's adopted hit; ``kept_free``
     blocks (reserved and watermark) must stay free; ``num_external`` tokens a KV connector
-    supplies follow the hit."""
+    supplies follow the hit; ``num_encoder`` tokens size the cross-attention tables."""
     pool = s.pool
     request_id = request.request_id
     row = s.rows.row_of(request_id)
@@ -59,10 +63,12 @@ def allocate(
     if s.layout.caching and not delay_cache_blocks:
         cache_up_to = min(computed + num_new_tokens, request.num_tokens)
     if row is not None:
+        if num_encoder and s.layout.cross_groups:
+            return step_with_encoder(s, request, row, computed, need, num_encoder, kept_free)
         return step.step(s, request, row, computed, need, cache_up_to, kept_free)
     # Admission: skipped positions, then the adopted hits, then the external tokens' blocks,
     # then new blocks.
-    required = [rule.blocks_for_tokens(need) for rule in s.layout.rules]
+    required = required_positions(s.layout, need, num_encoder)
     skipped = [rule.skipped_positions(local + num_external) for rule in s.layout.rules]
     adopted = adopted_blocks(hits, skipped)
     total = int(np.count_nonzero(pool.ref.n[adopted] == 0))  # hits in the free queue
@@ -85,6 +91,43 @@ def allocate(
     return KVCacheBlocks(admitted)
 
 
+def required_positions(layout: GroupLayout, num_tokens: int, num_encoder: int) -> list[int]:
+    """The positions each group's table needs: ``num_tokens`` decoder tokens' by its rule, a
+    cross-attention group's ``num_encoder`` encoder tokens' instead (vLLM's coordinator hands
+    its ``CrossAttentionManager`` the encoder tokens alone)."""
+    required = [rule.blocks_for_tokens(num_tokens) for rule in layout.rules]
+    for g in layout.cross_groups:
+        required[g] = rules.attention_blocks_for_tokens(num_encoder, layout.rules[g].block_size)
+    return required
+
+
+def step_with_encoder(
+    s: ManagerState,
+    request: RequestLike,
+    row: int,
+    computed: int,
+    need: int,
+    num_encoder: int,
+    kept_free: int,
+) -> KVCacheBlocks | None:
+    """``step.step`` of a running request that also brings encoder tokens: the same release,
+    then one take for every group, group 0 first, the cross-attention tables sized by
+    ``num_encoder``. Nothing is cached: a layout with a cross-attention group has caching off
+    (``CrossAttentionSpec.check_prefix_caching``)."""
+    processed = max(0, computed - request.num_in_flight_tokens)
+    if processed >= s.rows.release_at[row]:
+        step.release_skipped(s, row, processed)
+    required = required_positions(s.layout, need, num_encoder)
+    length, at = s.rows.length, row * s.layout.num_groups
+    total = sum(max(count - length[at + g], 0) for g, count in enumerate(required))
+    try:
+        if not step.fits(s, total + kept_free):
+            return None
+        return KVCacheBlocks(step.extend(s, row, required))
+    finally:
+        s.thresholds.refresh(row)
+
+
 def take_external(s: ManagerState, row: int, local: int, num_external: int) -> BlockIds:
     """Blocks for the ``num_external`` tokens a KV connector supplies after the ``local``
     computed ones, every group's hit adopted first (``allocate_external_computed_blocks``):
@@ -98,15 +141,22 @@ def take_external(s: ManagerState, row: int, local: int, num_external: int) -> B
 
 
 def blocks_to_allocate(
-    s: ManagerState, request_id: str, num_tokens: int, total_computed: int, apply_cap: bool
+    s: ManagerState,
+    request_id: str,
+    num_tokens: int,
+    total_computed: int,
+    apply_cap: bool,
+    num_encoder: int = 0,
 ) -> int:
     """``KVCacheCoordinator.get_num_blocks_to_allocate`` with no hit to adopt, on a layout
     without a Mamba ``"align"`` group: a request holding a row needs the positions it lacks,
-    one being admitted those past its skipped positions."""
+    one being admitted those past its skipped positions (a cross-attention group: those of
+    ``num_encoder`` tokens)."""
     row = s.rows.row_of(request_id)
     total = 0
+    positions = required_positions(s.layout, num_tokens, num_encoder)
     for g, rule in enumerate(s.layout.rules):
-        required = rule.blocks_for_tokens(num_tokens)
+        required = positions[g]
         cap = s.layout.admission_caps[g]
         if apply_cap and cap is not None:
             required = min(required, cap)
@@ -124,10 +174,11 @@ def whole_sequence_fits(
     hits: Sequence[GroupHit],
     watermark_blocks: int = 0,
     num_external: int = 0,
+    num_encoder: int = 0,
 ) -> bool:
-    """A full-prompt admission's first check: the whole sequence, a window counting only
-    what it ever holds at once, fits in the free blocks less the watermark (before anything
-    is released)."""
+    """A full-prompt admission's first check: the whole sequence (and the ``num_encoder``
+    tokens of a cross-attention group), a window counting only what it ever holds at once,
+    fits in the free blocks less the watermark (before anything is released)."""
     computed = min(
         request.num_computed_tokens + num_new_computed_tokens + num_external,
         s.layout.max_model_len,
@@ -137,8 +188,9 @@ def whole_sequence_fits(
     length = s.rows.length
     total = 0
     skipped = [rule.skipped_positions(computed) for rule in s.layout.rules]
-    for g, rule in enumerate(s.layout.rules):
-        required = rule.blocks_for_tokens(full_length)
+    positions = required_positions(s.layout, full_length, num_encoder)
+    for g in range(s.layout.num_groups):
+        required = positions[g]
         cap = s.layout.admission_caps[g]
         if cap is not None:
             required = min(required, cap)

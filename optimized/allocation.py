@@ -19,12 +19,13 @@ from collections.abc import Sequence
 
 from hybridkv.optimized import admission, mamba
 from hybridkv.optimized import path_counts as paths
-from hybridkv.optimized.layout import BlockIds
+from hybridkv.optimized.layout import BlockIds, GroupLayout
 from hybridkv.optimized.lookup import GroupHit, HitBlocks
 from hybridkv.optimized.state import ManagerState
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import Request, RequestLike
 from hybridkv.reference.validation import check_allocation, check_issued_allocation
+from hybridkv.spec import rules
 from hybridkv.spec.errors import check_non_negative
 
 
@@ -43,10 +44,12 @@ def allocate(
     checked: bool,
     issued: bool,
     num_external: int = 0,
+    num_encoder: int = 0,
 ) -> KVCacheBlocks | None:
     """``allocate_slots`` of a call its quiet exit did not answer (``checked``: no hit and
     plain counts, already checked; ``issued``: the hit is the manager's last lookup result;
-    ``num_external``: tokens a KV connector supplies after the hit)."""
+    ``num_external``: tokens a KV connector supplies after the hit; ``num_encoder``: tokens
+    that size the cross-attention tables)."""
     s.pool.paths.ran(paths.ALLOCATE)
     if type(request) is Request:
         request.offer_block_hasher(s.block_hasher)  # a request met here first
@@ -62,6 +65,9 @@ def allocate(
         issued=issued,
         num_external=num_external,
     )
+    check_non_negative("num_encoder_tokens", num_encoder)
+    if num_encoder:
+        check_encoder_width(s.layout, num_encoder)
     s.settle()
     try:
         if s.layout.has_align:
@@ -79,7 +85,13 @@ def allocate(
                 num_external,
             )
         if full_sequence_must_fit and not admission.whole_sequence_fits(
-            s, request, num_new_computed_tokens, group_hits, watermark_blocks, num_external
+            s,
+            request,
+            num_new_computed_tokens,
+            group_hits,
+            watermark_blocks,
+            num_external,
+            num_encoder,
         ):
             return None
         return admission.allocate(
@@ -92,9 +104,23 @@ def allocate(
             delay_cache_blocks,
             reserved_blocks + watermark_blocks,
             num_external,
+            num_encoder,
         )
     finally:
         s.tables.flush()
+
+
+def check_encoder_width(layout: GroupLayout, num_encoder: int) -> None:
+    """The encoder tokens fit a cross-attention table of ``max_blocks_per_req`` positions (the
+    reference's lists have no such bound: a ``ValueError`` before anything changes)."""
+    for g in layout.cross_groups:
+        block_size = layout.rules[g].block_size
+        if rules.cdiv(num_encoder, block_size) > layout.max_blocks_per_req:
+            raise ValueError(
+                f"num_encoder_tokens must fit cross-attention group {g}'s table of "
+                f"max_blocks_per_req={layout.max_blocks_per_req} blocks of {block_size} tokens, "
+                f"got {num_encoder!r}: build the manager with a larger max_blocks_per_req"
+            )
 
 
 def checked_hits(

@@ -117,10 +117,13 @@ class ConnectorCalls:
         *,
         apply_admission_cap: bool = False,
         prefill_end: int = 0,
+        num_encoder_tokens: int = 0,
     ) -> int:
-        """The reference's: free blocks the request would consume, with no hit to adopt."""
+        """The reference's: free blocks the request would consume, with no hit to adopt (a
+        cross-attention group: those of ``num_encoder_tokens``)."""
         check_non_negative("num_tokens", num_tokens)
         check_non_negative("total_computed_tokens", total_computed_tokens)
+        check_non_negative("num_encoder_tokens", num_encoder_tokens)
         s = self.state
         s.settle()
         if s.layout.has_align:
@@ -135,7 +138,12 @@ class ConnectorCalls:
                 prefill_end,
             )
         return admission.blocks_to_allocate(
-            s, request_id, num_tokens, total_computed_tokens, apply_admission_cap
+            s,
+            request_id,
+            num_tokens,
+            total_computed_tokens,
+            apply_admission_cap,
+            num_encoder_tokens,
         )
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:

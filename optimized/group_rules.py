@@ -5,7 +5,9 @@ hooks say how many blocks a number of tokens needs and which leading blocks a re
 reads (a sliding window's, a chunk's, a Mamba group's older states). The optimized backend reads
 the same rules (``hybridkv.spec.rules``) through one frozen value per group, so that its flat
 per-row state can be updated without a call through a manager object per group: ``kind`` says
-which rule applies, ``span`` is the window or chunk size.
+which rule applies, ``span`` is the window or chunk size. A cross-attention group's table is
+sized by the encoder tokens (``hybridkv.optimized.admission.required_positions``), never by the
+decoder's: its rule needs no position for them and none for a KV connector's tokens.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from hybridkv.spec import KVCacheSpec, MambaSpec, rules
 
-FULL, SLIDING, CHUNKED, MAMBA = range(4)  # MAMBA: a Mamba group in "align" mode
+FULL, SLIDING, CHUNKED, MAMBA, CROSS = range(5)  # MAMBA: a Mamba group in "align" mode
 NEVER = 1 << 50
 """Stands for "never" in the row thresholds (and the window of a group that never releases)."""
 
@@ -55,6 +57,8 @@ class GroupRule:
         """Positions a table holds once it has blocks for ``num_external`` tokens a KV
         connector supplies after ``num_local_computed`` (0: none needed, every one is skipped;
         ``allocate_external_computed_blocks`` of the reference)."""
+        if self.kind == CROSS:
+            return 0
         total = num_local_computed + num_external
         skipped = self.skipped_tokens(total)
         if skipped > 0:
@@ -64,6 +68,9 @@ class GroupRule:
         return rules.cdiv(total, self.block_size)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
+        """Positions ``num_tokens`` decoder tokens need (none in a cross-attention table)."""
+        if self.kind == CROSS:
+            return 0
         blocks = rules.attention_blocks_for_tokens(num_tokens, self.block_size)
         return blocks + self.spec_blocks
 
@@ -84,6 +91,7 @@ GROUP_RULES: dict[str, Callable[[Any], GroupRule]] = {
     "full": lambda spec: GroupRule(FULL, spec.block_size),
     "sliding_window": lambda spec: GroupRule(SLIDING, spec.block_size, spec.sliding_window),
     "chunked_local": lambda spec: GroupRule(CHUNKED, spec.block_size, spec.attention_chunk_size),
+    "cross_attention": lambda spec: GroupRule(CROSS, spec.block_size),
     "mamba": _mamba_rule,
 }
 """Each attention type's hooks, by ``spec.kind``: the one place this backend dispatches on it."""

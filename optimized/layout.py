@@ -23,12 +23,14 @@ Data layout (G groups, R = ``max_num_reqs`` rows, W = ``max_blocks_per_req`` pos
                            (``KVCacheConfig.attention_types``); type_eagle per type,
                            group_eagle per group: does it take the EAGLE drop
     admission_caps[G]      the blocks a group ever holds at once (``None``: no cap)
+    cross_groups           the cross-attention groups, whose tables the encoder tokens size
     columns                ``GroupColumns``, the same facts as numpy columns
 
 and the flags that choose a path: ``uniform`` (one block size, the hash block size too),
 ``has_align`` (a Mamba ``"align"`` group), ``general`` (either of the two calls for the
 request-by-request caching) and ``uniform_columns`` (every allocation extends all of a row's
-tables to one length).
+tables to one length; never with a cross-attention group, whose table the encoder sizes: such a
+layout takes the per-group paths, one request at a time).
 """
 
 from __future__ import annotations
@@ -40,7 +42,15 @@ import numpy as np
 import numpy.typing as npt
 
 from hybridkv.optimized.group_columns import GroupColumns
-from hybridkv.optimized.group_rules import CHUNKED, MAMBA, NEVER, SLIDING, GroupRule, one_window
+from hybridkv.optimized.group_rules import (
+    CHUNKED,
+    CROSS,
+    MAMBA,
+    NEVER,
+    SLIDING,
+    GroupRule,
+    one_window,
+)
 from hybridkv.optimized.lookup import GroupHit
 from hybridkv.reference.engine_settings import EngineSettings
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
@@ -75,6 +85,7 @@ class GroupLayout:
     general: bool
     uniform_columns: bool
     admission_caps: tuple[int | None, ...] = field(init=False)
+    cross_groups: tuple[int, ...] = field(init=False)
     eagle_groups: frozenset[int]
     types: tuple[tuple[KVCacheSpec, list[int]], ...]
     type_eagle: tuple[bool, ...]
@@ -106,7 +117,7 @@ class GroupLayout:
         check_positive("max_num_reqs", max_num_reqs)
         group_rules = tuple(GroupRule.of(group.spec) for group in config.groups)
         g_count, r = len(group_rules), max_num_reqs
-        w = _table_width(group_rules, settings.max_model_len, max_blocks_per_req)
+        w = _table_width(group_rules, settings, max_blocks_per_req)
         block_size, hash_block_size = settings.scheduler_block_size, settings.hash_block_size
         # One block size (the hash block size too): the vectorised paths and the one-key-per-
         # block caching apply. Otherwise tables differ in width, each group sees the hashes at
@@ -116,7 +127,14 @@ class GroupLayout:
         # Multi-module MTP caches behind the computed tokens: every call looks (no threshold).
         general = not uniform or has_align or settings.num_reprefillable_tokens > 0
         spec_blocks = any(rule.spec_blocks for rule in group_rules)
-        uniform_columns = uniform and not has_align and not spec_blocks
+        # A cross-attention table's length follows the encoder, not the row's other tables.
+        cross = any(rule.kind == CROSS for rule in group_rules)
+        if cross and has_align:
+            raise ValueError(
+                "config: a cross-attention group beside a Mamba 'align' group is not supported "
+                "by the optimized backend (the reference's KVCacheManager serves it)"
+            )
+        uniform_columns = uniform and not has_align and not spec_blocks and not cross
         types = tuple(config.attention_types())
         eagle = _eagle_groups(config, settings.use_eagle)
         type_eagle, group_eagle = _eagle_by_type(types, eagle, g_count)
@@ -128,7 +146,7 @@ class GroupLayout:
         # no deferred pool work and no whole-step vectorised batches.
         defers = uniform_columns and not general and caching and not events and not sparse_groups
         defers = defers and not immediate
-        vectorisable = not general and not spec_blocks and not immediate
+        vectorisable = not general and not spec_blocks and not immediate and not cross
         columns = _columns(r, group_rules, sparse_groups, vectorisable, defers)
         return cls(
             config=config,
@@ -172,6 +190,7 @@ class GroupLayout:
                 group.spec.admission_cap(settings.max_model_len, settings.max_in_flight_tokens)
                 for group in self.config.groups
             ),
+            "cross_groups": tuple(g for g, rule in enumerate(self.rules) if rule.kind == CROSS),
             "group_bases": bases,
             "group_base_column": np.array(bases, dtype=np.int64)[:, None],
             "no_blocks": KVCacheBlocks(empty),
@@ -184,13 +203,20 @@ class GroupLayout:
 
 
 def _table_width(
-    group_rules: tuple[GroupRule, ...], max_model_len: int, max_blocks_per_req: int | None
+    group_rules: tuple[GroupRule, ...], settings: EngineSettings, max_blocks_per_req: int | None
 ) -> int:
-    """W: ``max_blocks_per_req``, by default the positions ``max_model_len`` needs; a
-    ``ValueError`` naming it unless positive and at least that."""
+    """W: ``max_blocks_per_req``, by default the positions ``max_model_len`` needs (and a
+    cross-attention table the longest encoder input's, at most ``max_in_flight_tokens``: one
+    step's tokens, as ``CrossAttentionSpec.max_blocks_per_request`` counts); a ``ValueError``
+    naming it unless positive and at least what ``max_model_len`` needs."""
+    max_model_len = settings.max_model_len
     needed = max(rule.blocks_for_tokens(max_model_len) for rule in group_rules)
     if max_blocks_per_req is None:
-        return needed
+        encoder = settings.max_in_flight_tokens
+        return max(
+            [needed]
+            + [rules.cdiv(encoder, rule.block_size) for rule in group_rules if rule.kind == CROSS]
+        )
     check_positive("max_blocks_per_req", max_blocks_per_req)
     if max_blocks_per_req < needed:
         raise ValueError(

@@ -193,10 +193,12 @@ class TorchKVCacheManager(ConnectorCalls, TuningKnobs, PrefixCacheStatsCalls):
         reserved_blocks: int = 0,
         watermark_blocks: int = 0,
         num_external_computed_tokens: int = 0,
+        num_encoder_tokens: int = 0,
     ) -> KVCacheBlocks | None:
         """Slots for ``num_new_tokens`` more tokens (and lookahead), or ``None`` if they do not fit
         (``KVCacheManager.allocate_slots``, also for ``num_external_computed_tokens`` a KV
-        connector supplies): ``reserved_blocks`` free blocks stay untouched and
+        connector supplies and the ``num_encoder_tokens`` that size a cross-attention group's
+        table): ``reserved_blocks`` free blocks stay untouched and
         ``watermark_blocks`` more stay free (the full-sequence check keeps the watermark only).
         Window and chunk blocks are released on the processed count, ``num_computed_tokens``
         less the request's ``num_in_flight_tokens`` (async scheduling)."""
@@ -213,6 +215,8 @@ class TorchKVCacheManager(ConnectorCalls, TuningKnobs, PrefixCacheStatsCalls):
             and type(watermark_blocks) is int
             and watermark_blocks >= 0
             and num_external_computed_tokens == 0
+            and type(num_encoder_tokens) is int
+            and num_encoder_tokens == 0
         ):
             # A step of a running request (no hit to adopt, plain counts): what
             # ``check_allocation`` checks reduces to the request's hash count (more hashes
@@ -273,6 +277,7 @@ class TorchKVCacheManager(ConnectorCalls, TuningKnobs, PrefixCacheStatsCalls):
             checked=checked,
             issued=new_computed_blocks is not None and new_computed_blocks is self._issued,
             num_external=num_external_computed_tokens,
+            num_encoder=num_encoder_tokens,
         )
         self._s.raise_policy_error()
         return allocated

@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from hybridkv.optimized.group_columns import GroupColumns
-from hybridkv.optimized.group_rules import NEVER, GroupRule, one_window, release_columns
+from hybridkv.optimized.group_rules import CROSS, NEVER, GroupRule, one_window, release_columns
 from hybridkv.optimized.rows import RowTables
 
 
@@ -34,6 +34,7 @@ class RowThresholds:
     __slots__ = (
         "_block_size",
         "_caching",
+        "_capacity_rules",
         "_columns",
         "_general",
         "_num_groups",
@@ -57,6 +58,9 @@ class RowThresholds:
     ) -> None:
         self._rows = rows
         self._rules = list(rules)
+        # The groups whose tables hold decoder tokens (a cross-attention table holds the
+        # encoder's, taken once: it never bounds a step).
+        self._capacity_rules = [(g, rule) for g, rule in enumerate(rules) if rule.kind != CROSS]
         self._columns = columns
         self._num_groups = len(self._rules)
         self._block_size = block_size
@@ -84,7 +88,7 @@ class RowThresholds:
                 capacity = min(length[at : at + g_count]) * self._block_size
             else:
                 capacity = NEVER
-                for g, rule in enumerate(self._rules):
+                for g, rule in self._capacity_rules:
                     capacity = min(capacity, (length[at + g] - rule.spec_blocks) * rule.block_size)
             rows.capacity[row] = capacity
         if released:

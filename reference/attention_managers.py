@@ -1,9 +1,12 @@
-"""The attention types' managers: full attention, sliding window and chunked local attention.
+"""The attention types' managers: full attention, sliding window, chunked local attention and
+cross-attention.
 
 Each differs from ``SingleTypeKVCacheManager`` only in its hooks: which cache hits are valid
 (``find_longest_cache_hit``: Prefix caching, Cases 0–2) and, for a sliding window, which full
 blocks are worth caching (``reachable_block_mask``); full attention also caches the prompt's
-last partial boundary when EAGLE drops a block. ``mamba_manager`` holds Mamba's.
+last partial boundary when EAGLE drops a block. Cross-attention adopts, caches and skips
+nothing (the coordinator sizes its table by the encoder tokens). ``mamba_manager`` holds
+Mamba's.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from collections.abc import Sequence
 
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.block_pool import BlockPool
+from hybridkv.reference.kv_cache_block import KVCacheBlock
 from hybridkv.reference.lazy_flags import LazyFlags
 from hybridkv.reference.request import RequestLike
 from hybridkv.reference.single_type_base import (
@@ -215,3 +219,49 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
             for group_hits, block in zip(hits, found, strict=True):
                 group_hits.append(block)
         return hits, len(hits[0]) * self.block_size
+
+
+class CrossAttentionManager(SingleTypeKVCacheManager):
+    """Cross-attention (encoder-decoder models): vLLM 0.33's ``CrossAttentionManager``.
+
+    The coordinator hands it the request's encoder tokens where the other types get decoder
+    tokens (one static allocation, sized by the encoder input). Encoder states are unique per
+    request, so it adopts no hit, takes nothing for a KV connector's tokens and caches nothing
+    (prefix caching is refused with it: ``CrossAttentionSpec.check_prefix_caching``).
+    """
+
+    def find_longest_cache_hit(
+        self,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        group_ids: Sequence[int],
+        *,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+    ) -> tuple[BlocksPerGroup, int]:
+        """Never a hit: no prefix of one request's encoder input is another's."""
+        return tuple([] for _ in group_ids), 0
+
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_computed_tokens: int,
+        num_external_computed_tokens: int = 0,
+    ) -> None:
+        """Nothing to adopt (vLLM's is a no-op too: the request stays unadmitted here)."""
+
+    def allocate_external_computed_blocks(
+        self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int
+    ) -> list[KVCacheBlock]:
+        """A KV connector supplies decoder tokens only: no block here."""
+        return []
+
+    def cache_blocks(
+        self,
+        request: RequestLike,
+        num_tokens: int,
+        retention_interval: int | None,
+        reachable_boundaries: Sequence[int],
+    ) -> None:
+        """Nothing is cached (prefix caching is off with a cross-attention group)."""

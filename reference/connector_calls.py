@@ -113,11 +113,14 @@ class ConnectorCalls:
         *,
         apply_admission_cap: bool = False,
         prefill_end: int = 0,
+        num_encoder_tokens: int = 0,
     ) -> int:
-        """Free blocks the request would consume to hold ``num_tokens`` tokens, with no hit to
-        adopt (the coordinator's count, as ``allocate_slots`` makes it)."""
+        """Free blocks the request would consume to hold ``num_tokens`` tokens (a
+        cross-attention group: ``num_encoder_tokens``), with no hit to adopt (the
+        coordinator's count, as ``allocate_slots`` makes it)."""
         check_non_negative("num_tokens", num_tokens)
         check_non_negative("total_computed_tokens", total_computed_tokens)
+        check_non_negative("num_encoder_tokens", num_encoder_tokens)
         return self.coordinator.get_num_blocks_to_allocate(
             request_id,
             num_tokens,
@@ -126,6 +129,7 @@ class ConnectorCalls:
             num_tokens_main_model,
             apply_admission_cap=apply_admission_cap,
             prefill_end=prefill_end,
+            num_encoder_tokens=num_encoder_tokens,
         )
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:

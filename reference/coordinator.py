@@ -28,6 +28,7 @@ from hybridkv.reference.kv_cache_block import KVCacheBlock
 from hybridkv.reference.request import RequestLike
 from hybridkv.reference.single_type_managers import (
     BlocksPerGroup,
+    CrossAttentionManager,
     MambaManager,
     SingleTypeKVCacheManager,
     manager_class,
@@ -121,29 +122,32 @@ class KVCacheCoordinator(ABC):
         apply_admission_cap: bool = False,
         prefill_end: int = 0,
         num_external_computed_tokens: int = 0,
+        num_encoder_tokens: int = 0,
     ) -> int:
         """Free blocks the allocation would consume, summed over groups (all checked together).
 
         Only under the engine's sparse retention (interval 0) does Mamba reserve its prefill
         checkpoint on the prefill's last chunk alone; otherwise every chunk publishes a state.
         ``total_computed_tokens`` includes the ``num_external_computed_tokens`` a KV
-        connector supplies at admission.
+        connector supplies at admission. A cross-attention group counts the
+        ``num_encoder_tokens`` alone, with nothing computed (vLLM's single static allocation).
         """
         if self.retention_interval != 0:
             prefill_end = 0
-        return sum(
-            manager.get_num_blocks_to_allocate(
+        total = 0
+        for manager, blocks in zip(self.managers, new_computed_blocks, strict=True):
+            encoder = isinstance(manager, CrossAttentionManager)
+            total += manager.get_num_blocks_to_allocate(
                 request_id,
-                num_tokens,
+                num_encoder_tokens if encoder else num_tokens,
                 blocks,
-                total_computed_tokens,
-                num_tokens_main_model,
+                0 if encoder else total_computed_tokens,
+                num_encoder_tokens if encoder else num_tokens_main_model,
                 apply_admission_cap=apply_admission_cap,
                 prefill_end=prefill_end,
                 num_external_computed_tokens=num_external_computed_tokens,
             )
-            for manager, blocks in zip(self.managers, new_computed_blocks, strict=True)
-        )
+        return total
 
     def allocate_new_computed_blocks(
         self,
@@ -172,10 +176,18 @@ class KVCacheCoordinator(ABC):
         )
 
     def allocate_new_blocks(
-        self, request_id: str, num_tokens: int, num_tokens_main_model: int
+        self,
+        request_id: str,
+        num_tokens: int,
+        num_tokens_main_model: int,
+        num_encoder_tokens: int = 0,
     ) -> BlocksPerGroup:
+        """Each group's new blocks, group 0 first; a cross-attention group's for the
+        ``num_encoder_tokens``."""
         return tuple(
-            manager.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+            manager.allocate_new_blocks(request_id, num_encoder_tokens, num_encoder_tokens)
+            if isinstance(manager, CrossAttentionManager)
+            else manager.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
             for manager in self.managers
         )
 

@@ -24,7 +24,7 @@ from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.prefix_stats import PrefixCacheCounter, PrefixCacheStatsCalls
 from hybridkv.reference.request import Request, RequestLike
 from hybridkv.reference.single_type_managers import BlocksPerGroup, prompt_tokens
-from hybridkv.reference.snapshot import PoolSnapshot
+from hybridkv.reference.snapshot import PoolSnapshot, pool_snapshot
 from hybridkv.reference.table_invariants import (
     cached_tokens_by_scan,
     check_ref_counts,
@@ -186,6 +186,7 @@ class KVCacheManager(ConnectorCalls, PrefixCacheStatsCalls):
         reserved_blocks: int = 0,
         watermark_blocks: int = 0,
         num_external_computed_tokens: int = 0,
+        num_encoder_tokens: int = 0,
     ) -> KVCacheBlocks | None:
         """Slots for ``num_new_tokens`` more tokens (and lookahead), or ``None`` if they do not fit.
 
@@ -205,6 +206,10 @@ class KVCacheManager(ConnectorCalls, PrefixCacheStatsCalls):
         only where their type still reads them; with ``delay_cache_blocks`` nothing is cached
         until the load is done (``cache_blocks``).
 
+        ``num_encoder_tokens`` size a cross-attention group's table (an encoder-decoder
+        model's encoder input, scheduled in this step; 0 otherwise, as vLLM's scheduler passes
+        it): that group ignores the decoder tokens, and the other groups ignore these.
+
         Token regions, as the scheduler sees them::
 
             | computed | new computed (hit) | external | new | lookahead |
@@ -221,6 +226,7 @@ class KVCacheManager(ConnectorCalls, PrefixCacheStatsCalls):
         )
         check_non_negative("reserved_blocks", reserved_blocks)
         check_non_negative("watermark_blocks", watermark_blocks)
+        check_non_negative("num_encoder_tokens", num_encoder_tokens)
         request_id = request.request_id
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
         num_computed = num_local_computed + num_external_computed_tokens
@@ -237,6 +243,7 @@ class KVCacheManager(ConnectorCalls, PrefixCacheStatsCalls):
                 apply_admission_cap=True,
                 prefill_end=prefill_end,
                 num_external_computed_tokens=num_external_computed_tokens,
+                num_encoder_tokens=num_encoder_tokens,
             )
             if needed + watermark_blocks > self.block_pool.num_free_blocks:
                 return None
@@ -258,6 +265,7 @@ class KVCacheManager(ConnectorCalls, PrefixCacheStatsCalls):
             num_tokens_main_model,
             prefill_end=prefill_end,
             num_external_computed_tokens=num_external_computed_tokens,
+            num_encoder_tokens=num_encoder_tokens,
         )
         if needed + watermark_blocks > self.block_pool.num_free_blocks - reserved_blocks:
             return None
@@ -266,7 +274,7 @@ class KVCacheManager(ConnectorCalls, PrefixCacheStatsCalls):
                 request_id, hits, num_local_computed, num_external_computed_tokens
             )
         new_blocks = self.coordinator.allocate_new_blocks(
-            request_id, num_tokens_need_slot, num_tokens_main_model
+            request_id, num_tokens_need_slot, num_tokens_main_model, num_encoder_tokens
         )
         if not delay_cache_blocks:
             # Lookahead slots hold tokens that may be rejected: cache only real tokens.
@@ -339,16 +347,7 @@ class KVCacheManager(ConnectorCalls, PrefixCacheStatsCalls):
 
     def snapshot(self) -> PoolSnapshot:
         """The pool's observable state as one comparable value."""
-        pool = self.block_pool
-        cached: list[set[int]] = [set() for _ in range(self.num_groups)]
-        for (_, group_id), blocks in pool.cached_block_hash_to_block.items():
-            cached[group_id].update(blocks)
-        return PoolSnapshot(
-            free_block_ids=tuple(block.block_id for block in pool.free_block_queue),
-            ref_counts={b.block_id: b.ref_cnt for b in pool.blocks[1:] if b.ref_cnt > 0},
-            cached_block_ids=tuple(tuple(sorted(ids)) for ids in cached),
-            num_cached_keys=len(pool.cached_block_hash_to_block),
-        )
+        return pool_snapshot(self.block_pool, self.num_groups)
 
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` if the pool and the managers disagree (tests call it after

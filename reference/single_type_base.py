@@ -54,6 +54,7 @@ SKIPPED_TOKENS: dict[str, Callable[[Any, int], int]] = {
     "chunked_local": lambda spec, n: rules.chunked_local_skipped_tokens(
         n, spec.attention_chunk_size
     ),
+    "cross_attention": lambda spec, n: rules.full_attention_skipped_tokens(n),
     "mamba": lambda spec, n: rules.mamba_skipped_tokens(n),
 }
 """Each attention type's ``skipped_tokens`` rule, by ``spec.kind`` (the one dispatch of the

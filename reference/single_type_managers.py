@@ -3,8 +3,8 @@
 The layer below the coordinator, as the design document draws it: ``SingleTypeKVCacheManager``
 (``single_type_base``: the life cycle every type shares, and the hooks a type overrides), the
 attention types' managers (``attention_managers``: full attention, sliding window, chunked
-local) and Mamba's (``mamba_manager``, its caching half in ``mamba_caching``). ``MANAGERS``
-maps a spec's ``kind`` to its manager; this module re-exports the layer's names.
+local, cross-attention) and Mamba's (``mamba_manager``, its caching half in ``mamba_caching``).
+``MANAGERS`` maps a spec's ``kind`` to its manager; this module re-exports the layer's names.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from hybridkv.reference.attention_managers import (
     CachedFlags,
     ChunkedLocalAttentionManager,
+    CrossAttentionManager,
     FullAttentionManager,
     SlidingWindowManager,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "BlocksPerGroup",
     "CachedFlags",
     "ChunkedLocalAttentionManager",
+    "CrossAttentionManager",
     "FullAttentionManager",
     "MambaManager",
     "SingleTypeKVCacheManager",
@@ -44,6 +46,7 @@ MANAGERS: dict[str, type[SingleTypeKVCacheManager]] = {
     "full": FullAttentionManager,
     "sliding_window": SlidingWindowManager,
     "chunked_local": ChunkedLocalAttentionManager,
+    "cross_attention": CrossAttentionManager,
     "mamba": MambaManager,
 }
 """The manager of each attention type, by ``spec.kind``."""

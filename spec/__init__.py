@@ -5,6 +5,7 @@ from hybridkv.spec.kv_cache_config import KVCacheConfig, KVCacheGroup, KVCacheTe
 from hybridkv.spec.kv_cache_spec import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
@@ -16,6 +17,7 @@ from hybridkv.spec.kv_cache_spec import (
 __all__ = [
     "AttentionSpec",
     "ChunkedLocalAttentionSpec",
+    "CrossAttentionSpec",
     "FullAttentionSpec",
     "KVCacheConfig",
     "KVCacheGroup",

@@ -32,7 +32,7 @@ from hybridkv.spec.errors import check_non_negative, check_positive
 class AttentionSpec:
     """The fields shared by every attention layer: a paged KV cache, one slot per token.
 
-    Not used directly: a layer is full attention, sliding window or chunked local attention.
+    Not used directly: a layer is full, sliding-window, chunked local or cross-attention.
     """
 
     block_size: int
@@ -193,6 +193,58 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         )
 
 
+@dataclass(frozen=True, kw_only=True)
+class CrossAttentionSpec(AttentionSpec):
+    """Cross-attention of an encoder-decoder model (Whisper): the decoder reads the KV of the
+    encoder's output, one slot per encoder token, written once when the encoder runs.
+
+    vLLM 0.33's ``CrossAttentionSpec`` and ``CrossAttentionManager``: a request's table is
+    sized by its encoder tokens (``num_encoder_tokens`` of ``allocate_slots``), in one static
+    allocation, not by its decoder tokens; nothing is skipped, looked up or cached (encoder
+    states are unique per request, so vLLM disables prefix caching for encoder-decoder models).
+    """
+
+    kind = "cross_attention"
+    event_kind = "cross_attention"
+    """vLLM's ``KVCacheSpecKind`` value of the type (``BlockStored.kv_cache_spec_kind``)."""
+    title = "cross-attention"
+    """The type in words, for messages."""
+    sparse_retention = False
+
+    @property
+    def null_positions(self) -> Literal["none", "leading", "anywhere"]:
+        return "none"
+
+    def skipped_tokens(self, num_computed_tokens: int) -> int:
+        """The encoder's KV is read by every decoder token: nothing is skipped."""
+        return rules.full_attention_skipped_tokens(num_computed_tokens)
+
+    def max_blocks_per_request(
+        self, max_model_len: int, max_in_flight_tokens: int, *, enable_prefix_caching: bool
+    ) -> int:
+        """The blocks of the longest encoder input, scheduled in one step: vLLM's
+        ``max_memory_usage_bytes`` reads ``max_num_encoder_input_tokens``, the engine's
+        ``max_num_batched_tokens`` (``max_in_flight_tokens`` here), not the decoder's length."""
+        return rules.attention_blocks_for_tokens(max_in_flight_tokens, self.block_size)
+
+    def max_memory_usage_bytes(self, max_num_encoder_input_tokens: int) -> int:
+        """vLLM's rule for one layer: ``cdiv(max_encoder_len, block_size) × page_size_bytes``."""
+        blocks = rules.attention_blocks_for_tokens(max_num_encoder_input_tokens, self.block_size)
+        return blocks * self.page_size_bytes
+
+    def admission_cap(self, max_model_len: int, max_in_flight_tokens: int) -> int | None:
+        """A full-prompt admission reserves every encoder block (vLLM caps only windows)."""
+        return None
+
+    def check_prefix_caching(self) -> None:
+        """vLLM disables prefix caching for encoder-decoder models, and its cross-attention
+        manager can neither look a hit up nor cache a block: refused, not guessed at."""
+        raise ValueError(
+            "enable_caching must be False with a cross-attention group: vLLM disables prefix "
+            "caching for encoder-decoder models, got enable_caching=True"
+        )
+
+
 MAMBA_CACHE_MODES = ("none", "align")
 """``"none"``: one running state per request, no prefix caching. ``"align"``: the states at block
 boundaries are kept as prefix-cache entries (the mode an engine selects with prefix caching)."""
@@ -324,7 +376,13 @@ class MambaSpec:
         return None
 
 
-KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | ChunkedLocalAttentionSpec | MambaSpec
+KVCacheSpec = (
+    FullAttentionSpec
+    | SlidingWindowSpec
+    | ChunkedLocalAttentionSpec
+    | CrossAttentionSpec
+    | MambaSpec
+)
 """Any layer spec the planner and the manager understand."""
 
 

@@ -120,10 +120,7 @@ def test_settings_it_cannot_honour_are_refused_by_name(setting: str, value: obje
         _manager(**overrides)
 
 
-def test_encoder_calls_are_refused_by_name() -> None:
-    manager = _manager()
-    with pytest.raises(UnsupportedSetting, match="num_encoder_tokens"):
-        manager.allocate_slots(object(), 1, num_encoder_tokens=4)
+def test_an_unknown_backend_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="backend"):
         _manager(backend="other")
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from hybridkv.integrations.vllm.views import BlockPoolView, BlockView, BlockViews
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
-from hybridkv.spec import KVCacheConfig, rules
+from hybridkv.spec import CrossAttentionSpec, KVCacheConfig, rules
 
 
 class ConnectorCalls:
@@ -48,6 +48,10 @@ class ConnectorCalls:
         self._state_groups = frozenset(
             i for i, group in enumerate(config.groups) if group.spec.holds_state
         )
+        # Left whole too: cross-attention groups, whose tables hold encoder tokens (vLLM's).
+        self._whole_groups = self._state_groups | {
+            i for i, group in enumerate(config.groups) if isinstance(group.spec, CrossAttentionSpec)
+        }
         # vLLM's per-group lookup for a connector: Mamba hybrids whose first attention type
         # is full attention (its group is the reference the other groups' hits are read by).
         types = config.attention_types()
@@ -160,10 +164,11 @@ class ConnectorCalls:
         self, request_id: str, num_computed_tokens: int
     ) -> tuple[list[int], ...]:
         """The request's tables, each attention group's clipped to the blocks of its
-        ``num_computed_tokens`` (a Mamba group's whole): what a finished request hands over."""
+        ``num_computed_tokens`` (a Mamba or cross-attention group's whole): what a finished
+        request hands over."""
         tables = self.get_block_ids(request_id)
         return tuple(
-            ids if g in self._state_groups else ids[: rules.cdiv(num_computed_tokens, size)]
+            ids if g in self._whole_groups else ids[: rules.cdiv(num_computed_tokens, size)]
             for g, (ids, size) in enumerate(zip(tables, self._block_sizes, strict=True))
         )
 

@@ -9,6 +9,7 @@ from typing import Any
 from hybridkv.integrations.vllm.errors import refuse
 from hybridkv.spec import (
     ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroup,
@@ -47,6 +48,9 @@ def spec_from_vllm(spec: Any, where: str = "kv_cache_spec") -> KVCacheSpec:
         ChunkedLocalAttentionSpec as VChunked,
     )
     from vllm.v1.kv_cache_interface import (
+        CrossAttentionSpec as VCross,
+    )
+    from vllm.v1.kv_cache_interface import (
         FullAttentionSpec as VFull,
     )
     from vllm.v1.kv_cache_interface import (
@@ -69,9 +73,10 @@ def spec_from_vllm(spec: Any, where: str = "kv_cache_spec") -> KVCacheSpec:
             prefill_checkpoint_alignment=spec.prefill_checkpoint_alignment,
         )
     refuse(
-        kind not in (VFull, VSliding, VChunked),
+        kind not in (VFull, VSliding, VChunked, VCross),
         f"{where}: {kind.__name__}",
-        "hybridkv models full attention, sliding window, chunked local attention and Mamba",
+        "hybridkv models full attention, sliding window, chunked local attention, "
+        "cross-attention and Mamba",
     )
     refuse(
         getattr(spec, "kv_quant_mode", 0) != 0 and int(spec.kv_quant_mode) != 0,
@@ -92,6 +97,8 @@ def spec_from_vllm(spec: Any, where: str = "kv_cache_spec") -> KVCacheSpec:
         )
         refuse(bool(spec.non_causal), f"{where}: non_causal", "encoder layers are not modelled")
         return FullAttentionSpec(**common)
+    if kind is VCross:
+        return CrossAttentionSpec(**common)
     if kind is VSliding:
         refuse(
             bool(spec.extra_retained_tokens),
@@ -149,11 +156,11 @@ def _torch_dtype(dtype_bytes: int) -> Any:
 def to_vllm_config(config: KVCacheConfig) -> Any:
     """hybridkv's ``KVCacheConfig`` of attention groups as vLLM 0.33's, built with vLLM's
     ``KVCacheConfig``, ``KVCacheGroupSpec``, ``FullAttentionSpec``, ``SlidingWindowSpec``,
-    ``ChunkedLocalAttentionSpec``, ``MambaSpec`` and ``KVCacheTensor``: the same groups (layer
-    names, specs, EAGLE flags), the same number of blocks and retention interval, and one
-    layer-outermost tensor per group as vLLM's planner lays them out (groups alias from byte 0;
-    each block of the pool is as large as the largest group's page). A dtype of 2 bytes becomes
-    bfloat16.
+    ``ChunkedLocalAttentionSpec``, ``CrossAttentionSpec``, ``MambaSpec`` and ``KVCacheTensor``:
+    the same groups (layer names, specs, EAGLE flags), the same number of blocks and retention
+    interval, and one layer-outermost tensor per group as vLLM's planner lays them out (groups
+    alias from byte 0; each block of the pool is as large as the largest group's page). A dtype
+    of 2 bytes becomes bfloat16.
 
     hybridkv knows a Mamba state by its size only, so a Mamba group's state becomes one flat
     ``uint8`` tensor of ``state_bytes``: vLLM's manager reads the state's bytes, the padded page,
@@ -189,6 +196,7 @@ def to_vllm_config(config: KVCacheConfig) -> Any:
 def _vllm_spec(spec: KVCacheSpec) -> Any:
     """One hybridkv layer spec as vLLM 0.33's (a Mamba state as one flat byte tensor)."""
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec as VChunked
+    from vllm.v1.kv_cache_interface import CrossAttentionSpec as VCross
     from vllm.v1.kv_cache_interface import FullAttentionSpec as VFull
     from vllm.v1.kv_cache_interface import SlidingWindowSpec as VSliding
 
@@ -204,6 +212,8 @@ def _vllm_spec(spec: KVCacheSpec) -> Any:
         return VSliding(**common, sliding_window=spec.sliding_window)
     if isinstance(spec, ChunkedLocalAttentionSpec):
         return VChunked(**common, attention_chunk_size=spec.attention_chunk_size)
+    if isinstance(spec, CrossAttentionSpec):
+        return VCross(**common)
     return VFull(**common)
 
 

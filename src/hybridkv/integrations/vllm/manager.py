@@ -43,7 +43,7 @@ from hybridkv.integrations.vllm.views import (
     BlockPoolView,
     BlockViews,
     CoordinatorView,
-    GroupView,
+    group_view,
 )
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.spec import KVCacheConfig
@@ -203,7 +203,7 @@ class KVCacheManager(ConnectorCalls):
         self.coordinator = CoordinatorView(
             self.core,
             [
-                GroupView(i, group.kv_cache_spec.block_size, group.kv_cache_spec, self.block_pool)
+                group_view(i, group.kv_cache_spec, self.block_pool)
                 for i, group in enumerate(kv_cache_config.kv_cache_groups)
             ],
         )
@@ -293,12 +293,8 @@ class KVCacheManager(ConnectorCalls):
         has_scheduled_reqs: bool = True,
         skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> KVCacheBlocks | None:
-        """Slots for new tokens (vLLM's full keyword set; see the README's picture)."""
-        refuse(
-            num_encoder_tokens != 0,
-            f"num_encoder_tokens={num_encoder_tokens} (cross-attention)",
-            "encoder-decoder models are not modelled",
-        )
+        """Slots for new tokens (vLLM's full keyword set; see the README's picture); the
+        ``num_encoder_tokens`` size a cross-attention group's table (encoder-decoder models)."""
         if (
             num_new_tokens == 0
             and num_new_computed_tokens == 0
@@ -315,6 +311,8 @@ class KVCacheManager(ConnectorCalls):
         external: dict[str, int] = {}
         if num_external_computed_tokens:
             external["num_external_computed_tokens"] = num_external_computed_tokens
+        if num_encoder_tokens:
+            external["num_encoder_tokens"] = num_encoder_tokens
         new_blocks = self.core.allocate_slots(
             request,
             num_new_tokens,

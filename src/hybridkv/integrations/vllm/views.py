@@ -6,7 +6,9 @@ its blocks. Each answers from the core manager's public API; any other name rais
 - ``coordinator.single_type_managers[i]``: ``block_size``, ``kv_cache_spec``, ``block_pool``;
   ``req_to_blocks`` (request id → its table's blocks) and ``num_cached_block`` (request id →
   its blocks entered into the prefix cache), built per read from the core's
-  ``cached_block_counts`` and ``get_block_ids``; ``coordinator.get_num_blocks_to_allocate``,
+  ``cached_block_counts`` and ``get_block_ids``. A cross-attention group's view passes
+  ``isinstance(view, CrossAttentionManager)`` (a virtual subclass of vLLM's class), the test
+  vLLM's scheduler tests make to find that group. ``coordinator.get_num_blocks_to_allocate``,
   which the scheduler asks for requests waiting on a KV connector's load, is the core's.
 - ``block_pool``: free blocks, usage, ``num_gpu_blocks``, ``hash_block_size``,
   ``get_cached_block``, ``evict_blocks``, ``free_blocks`` (a deferred free of the blocks
@@ -95,6 +97,22 @@ class GroupView:
         return {rid: count[self.kv_cache_group_id] for rid, count in counts.items()}
 
 
+class CrossAttentionGroupView(GroupView):
+    """A cross-attention group's ``GroupView``: registered with vLLM's
+    ``CrossAttentionManager`` as a virtual subclass (``group_view``)."""
+
+
+def group_view(group_id: int, spec: Any, block_pool: BlockPoolView) -> GroupView:
+    """The view of group ``group_id`` of vLLM spec ``spec``."""
+    from vllm.v1.core.single_type_kv_cache_manager import CrossAttentionManager
+    from vllm.v1.kv_cache_interface import CrossAttentionSpec
+
+    if not isinstance(spec, CrossAttentionSpec):
+        return GroupView(group_id, spec.block_size, spec, block_pool)
+    CrossAttentionManager.register(CrossAttentionGroupView)  # idempotent
+    return CrossAttentionGroupView(group_id, spec.block_size, spec, block_pool)
+
+
 @dataclass(frozen=True)
 class CachedBlockView:
     """A block ``BlockPool.get_cached_block`` returns: its id and the hash it is cached under."""
@@ -145,11 +163,6 @@ class CoordinatorView:
             "coordinator.get_num_blocks_to_allocate with new_computed_blocks",
             "the scheduler passes none; allocate_slots adopts a hit",
         )
-        refuse(
-            num_encoder_tokens != 0,
-            f"num_encoder_tokens={num_encoder_tokens} (cross-attention)",
-            "encoder-decoder models are not modelled",
-        )
         del num_local_computed_tokens  # only a partial Mamba hit reads it (refused)
         return int(
             self.core.get_num_blocks_to_allocate(
@@ -159,6 +172,7 @@ class CoordinatorView:
                 num_tokens_main_model,
                 apply_admission_cap=apply_admission_cap,
                 prefill_end=prefill_end,
+                num_encoder_tokens=num_encoder_tokens,
             )
         )
 
