@@ -165,7 +165,12 @@ def num_blocks_to_allocate(
         group_hits = hits[g]
         held = s.rows.length[s.rows.index(row, g)] if row is not None else 0
         if rule.kind == MAMBA:
-            external = num_external > 0 and (row is None or (row, g) not in s.mamba.running)
+            # The full-sequence check counts no external state, as vLLM's does.
+            external = (
+                num_external > 0
+                and not apply_cap
+                and (row is None or (row, g) not in s.mamba.running)
+            )
             total += _mamba_num_blocks(
                 s,
                 request_id,

@@ -189,9 +189,12 @@ class MambaManager(MambaStateCaching):
         required = rules.cdiv(num_tokens, self.block_size) + self.num_speculative_blocks
         num_new = required - len(new_computed_blocks) - len(self.req_to_blocks.get(request_id, ()))
         # External tokens at admission: their last state takes a block of its own before the
-        # new ones (vLLM 0.33 counts none for it and fails inside the allocation instead).
+        # new ones (vLLM 0.33 counts none for it and fails inside the allocation instead). The
+        # full-sequence admission check counts as vLLM's does: it takes nothing.
         admitted = request_id not in self.num_cached_block
-        external_state = int(num_external_computed_tokens > 0 and admitted)
+        external_state = int(
+            num_external_computed_tokens > 0 and admitted and not apply_admission_cap
+        )
         if external_state:
             num_new = required - rules.cdiv(total_computed_tokens, self.block_size)
         checkpoint = self._checkpoint_position(
