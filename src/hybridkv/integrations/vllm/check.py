@@ -17,6 +17,9 @@ Runs: ``sync``, ``async`` (two steps in flight) and ``spec`` (n-gram speculative
 seeded acceptance), each under ``engine`` defaults (retention interval 0, full-prompt
 admission) and ``unit`` defaults (dense retention, first-chunk admission).
 
+``--connector offloading`` attaches vLLM's ``OffloadingConnector`` (CPU tier) instead, with a
+worker stand-in that checks every transferred block's bytes (``connector_check``).
+
 Run it with ``python -m hybridkv.integrations.vllm.check`` or ``hybridkv vllm-check``.
 """
 
@@ -214,12 +217,14 @@ def build_scheduler(
     eviction_policy: str | None = None,
     device: str | None = None,
     policy: str = "priority",
+    kv_transfer_config: Any | None = None,
 ) -> Any:
     """vLLM's scheduler for ``cfg`` with ``manager``'s KV cache manager (or, with
     ``scheduler_cls``, the class ``SchedulerConfig.scheduler_cls`` names, as an engine picks).
 
     ``eviction_policy`` and ``device`` go to a hybridkv manager; ``policy`` is vLLM's
-    scheduling policy (the check's workload has priorities, a replay runs ``"fcfs"``)."""
+    scheduling policy (the check's workload has priorities, a replay runs ``"fcfs"``);
+    ``kv_transfer_config`` attaches a KV connector (``connector_check``)."""
     from vllm.config import (
         CacheConfig,
         KVEventsConfig,
@@ -280,6 +285,7 @@ def build_scheduler(
         parallel_config=ParallelConfig(),
         speculative_config=speculative_config,
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+        kv_transfer_config=kv_transfer_config,
     )
     if kv_cache_config is None:
         kv_cache_config = cfg.kv_cache_config()
@@ -750,6 +756,13 @@ def _parser() -> argparse.ArgumentParser:
         help="blocks in the pool, the null block included [default: 96 for a layout; for a "
         "model, the null block and what one request of the longest length holds in every group]",
     )
+    parser.add_argument(
+        "--connector",
+        choices=("offloading",),
+        help="attach vLLM's OffloadingConnector (CPU tier) with a worker stand-in that checks "
+        "every transferred block's bytes; runs sync and async (connector_check)",
+    )
+    parser.add_argument("--cpu-chunks", type=int, help="with --connector: CPU chunks [128]")
     return parser
 
 
@@ -798,10 +811,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     exit_if_missing("python -m hybridkv.integrations.vllm.check", ["vllm", "torch"])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    configs = _configs(args, parser)
-    for note in _notes(configs):
-        print(f"note: {note}")
-    comparisons = run_check(configs, args.backend or ["reference"])
+    if args.connector is not None:
+        from hybridkv.integrations.vllm.connector_check import connector_comparisons
+
+        comparisons = connector_comparisons(args, parser)
+    else:
+        configs = _configs(args, parser)
+        for note in _notes(configs):
+            print(f"note: {note}")
+        comparisons = run_check(configs, args.backend or ["reference"])
     equal = sum(c.ok for c in comparisons)
     refused = sum(c.refused for c in comparisons)
     different = len(comparisons) - equal - refused
