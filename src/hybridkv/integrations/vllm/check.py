@@ -17,6 +17,9 @@ Runs: ``sync``, ``async`` (two steps in flight) and ``spec`` (n-gram speculative
 seeded acceptance), each under ``engine`` defaults (retention interval 0, full-prompt
 admission) and ``unit`` defaults (dense retention, first-chunk admission).
 
+``--workload multimodal`` sends images (scheduled through vLLM's encoder budget and encoder
+cache), LoRA adapters, salts and prompt embeddings instead (``mm_workload``).
+
 ``--connector offloading`` attaches vLLM's ``OffloadingConnector`` (CPU tier) instead, with a
 worker stand-in that checks every transferred block's bytes (``connector_check``).
 
@@ -109,11 +112,14 @@ class RunConfig:
     ``None``: the defaults' (the engine's)."""
     prefix_caching: bool = True
     """``enable_prefix_caching``; off, Mamba groups run ``"none"``."""
+    workload: str = "tokens"
+    """``"tokens"`` (``make_workload``'s) or ``"multimodal"`` (``mm_workload``'s)."""
 
     @property
     def name(self) -> str:
         layout = self.layout if self.model is None else self.model.name
-        return f"{layout}/{self.run}/{self.defaults}"
+        suffix = "" if self.workload == "tokens" else f"/{self.workload}"
+        return f"{layout}/{self.run}/{self.defaults}{suffix}"
 
     @property
     def block_size(self) -> int:
@@ -239,8 +245,10 @@ def build_scheduler(
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
     from vllm.v1.structured_output import StructuredOutputManager
 
+    from hybridkv.integrations.vllm import mm_workload
     from hybridkv.integrations.vllm.scheduler import install
 
+    multimodal = cfg.workload == "multimodal"
     model_config = ModelConfig(
         model=_tiny_model_dir(cfg.max_model_len),
         skip_tokenizer_init=True,
@@ -286,6 +294,7 @@ def build_scheduler(
         speculative_config=speculative_config,
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
         kv_transfer_config=kv_transfer_config,
+        lora_config=mm_workload.lora_config() if multimodal else None,
     )
     if kv_cache_config is None:
         kv_cache_config = cfg.kv_cache_config()
@@ -312,6 +321,8 @@ def build_scheduler(
         ):
             scheduler = chosen(**kwargs)
     scheduler.use_v2_model_runner = False
+    if multimodal:
+        mm_workload.equip(scheduler)
     return scheduler
 
 
@@ -328,6 +339,7 @@ class Arrival:
     cache_salt: str | None
     abort_after: int | None = None
     continues: str | None = None  # a later turn of this request's conversation
+    request_kwargs: dict[str, Any] = field(default_factory=dict)  # images, LoRA, embeddings
 
 
 @dataclass
@@ -338,7 +350,11 @@ class Workload:
 
 def make_workload(cfg: RunConfig) -> Workload:
     """A seeded mix: shared system prompts, multi-turn continuations, resends, salts, aborts,
-    priorities; prefix-cache resets at a few steps."""
+    priorities; prefix-cache resets at a few steps (``mm_workload``'s under ``multimodal``)."""
+    if cfg.workload == "multimodal":
+        from hybridkv.integrations.vllm import mm_workload
+
+        return mm_workload.make_workload(cfg)
     rng = random.Random(cfg.seed)
     system_prompts = [
         [rng.randrange(VOCAB) for _ in range(rng.choice((32, 48, 80, 100)))] for _ in range(3)
@@ -430,6 +446,8 @@ def _output_record(output: Any) -> dict[str, Any]:
         "preempted": sorted(output.preempted_req_ids or ()),
         "finished": sorted(output.finished_req_ids),
         "zero": getattr(output, "new_block_ids_to_zero", None),
+        "encoder": sorted((r, list(v)) for r, v in output.scheduled_encoder_inputs.items()),
+        "free_encoder": sorted(output.free_encoder_mm_hashes),
     }
 
 
@@ -492,13 +510,13 @@ def drive(cfg: RunConfig, manager: str) -> RunResult:
         params.update_from_generation_config({}, EOS_TOKEN_ID)
         request = Request(
             request_id=arrival.request_id,
-            prompt_token_ids=arrival.prompt,
             sampling_params=params,
             pooling_params=None,
             arrival_time=float(step),
             cache_salt=arrival.cache_salt,
             priority=arrival.priority,
             block_hasher=hasher,
+            **{"prompt_token_ids": arrival.prompt, **arrival.request_kwargs},
         )
         scheduler.add_request(request)
         admitted_at[arrival.request_id] = step
@@ -661,10 +679,15 @@ def summarize(records: Sequence[dict[str, Any]]) -> str:
     resets = sum(1 for r in records if r["reset"])
     drafts = sum(len(tokens) for r in records for _, tokens in r["spec"])
     blocks = sum(len(g) for r in records for _, _, groups in r["new"] for g in groups)
-    return (
+    text = (
         f"{preemptions} preemptions, {hits} hit tokens, {events} events, "
         f"{resets} resets, {drafts} draft tokens, {blocks} new-request block ids"
     )
+    if any(r["encoder"] for r in records):
+        from hybridkv.integrations.vllm import mm_workload
+
+        text += "; " + mm_workload.summarize(records)
+    return text
 
 
 def _is_refusal(error: str) -> bool:
@@ -763,6 +786,14 @@ def _parser() -> argparse.ArgumentParser:
         "every transferred block's bytes; runs sync and async (connector_check)",
     )
     parser.add_argument("--cpu-chunks", type=int, help="with --connector: CPU chunks [128]")
+    parser.add_argument(
+        "--workload",
+        choices=("tokens", "multimodal"),
+        default="tokens",
+        help="multimodal: images through vLLM's encoder budget and cache, LoRA adapters, salts "
+        "and prompt embeddings; layouts gemma3 and llama4, runs sync and async unless given "
+        "(mm_workload) [tokens]",
+    )
     return parser
 
 
@@ -770,6 +801,10 @@ def _configs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[
     """Every run the arguments ask for; a model that cannot be checked is a usage error."""
     from hybridkv.integrations.vllm.model_layout import ModelLayoutError, load_model_layout
 
+    if args.workload == "multimodal":
+        from hybridkv.integrations.vllm.mm_workload import configs
+
+        return configs(args, parser)
     base = RunConfig(seed=args.seed, num_requests=args.requests)
     model = None
     if args.model is not None:
@@ -812,6 +847,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     if args.connector is not None:
+        if args.workload != "tokens":
+            parser.error("argument --connector: runs the tokens workload only")
         from hybridkv.integrations.vllm.connector_check import connector_comparisons
 
         comparisons = connector_comparisons(args, parser)
