@@ -42,6 +42,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hybridkv.extras import exit_if_missing
+from hybridkv.integrations.vllm.step_records import (
+    output_record,
+    recording,
+    runner_output,
+    stats_record,
+)
 
 if TYPE_CHECKING:
     from hybridkv.integrations.vllm.model_layout import ModelLayout
@@ -400,57 +406,6 @@ def _token(request_id: str, position: int) -> int:
     return value % VOCAB
 
 
-# --- Recording -----------------------------------------------------------------------------
-
-
-def _event_record(event: Any) -> Any:
-    import msgspec
-
-    return (type(event).__name__, msgspec.to_builtins(event))
-
-
-def _stats_record(stats: Any) -> Any:
-    if stats is None:
-        return None
-    return (
-        stats.requests,
-        stats.queries,
-        stats.hits,
-        stats.preempted_requests,
-        stats.preempted_queries,
-        stats.preempted_hits,
-        stats.reset,
-    )
-
-
-def _output_record(output: Any) -> dict[str, Any]:
-    cached = output.scheduled_cached_reqs
-    return {
-        "scheduled": sorted(output.num_scheduled_tokens.items()),
-        "new": [
-            (r.req_id, r.num_computed_tokens, [list(g) for g in r.block_ids])
-            for r in output.scheduled_new_reqs
-        ],
-        "cached": [
-            (
-                req_id,
-                cached.num_computed_tokens[i],
-                None
-                if cached.new_block_ids[i] is None
-                else [list(g) for g in cached.new_block_ids[i]],
-                req_id in cached.resumed_req_ids,
-            )
-            for i, req_id in enumerate(cached.req_ids)
-        ],
-        "spec": sorted((k, list(v)) for k, v in output.scheduled_spec_decode_tokens.items()),
-        "preempted": sorted(output.preempted_req_ids or ()),
-        "finished": sorted(output.finished_req_ids),
-        "zero": getattr(output, "new_block_ids_to_zero", None),
-        "encoder": sorted((r, list(v)) for r, v in output.scheduled_encoder_inputs.items()),
-        "free_encoder": sorted(output.free_encoder_mm_hashes),
-    }
-
-
 @dataclass
 class RunResult:
     manager: str
@@ -464,7 +419,7 @@ def drive(cfg: RunConfig, manager: str) -> RunResult:
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+    from vllm.v1.outputs import DraftTokenIds
     from vllm.v1.request import Request, RequestStatus
 
     init_none_hash(sha256)
@@ -476,19 +431,13 @@ def drive(cfg: RunConfig, manager: str) -> RunResult:
     kv = scheduler.kv_cache_manager
     events: list[Any] = []
     take_events = kv.take_events
-
-    def recording_take_events() -> list[Any]:
-        taken = take_events()
-        events.extend(_event_record(e) for e in taken)
-        return list(taken)
-
-    kv.take_events = recording_take_events
+    kv.take_events = recording(take_events, events)
     stats_log: list[Any] = []
     make_stats = kv.make_prefix_cache_stats
 
     def recording_make_stats() -> Any:
         stats = make_stats()
-        stats_log.append(_stats_record(stats))
+        stats_log.append(stats_record(stats))
         return stats
 
     kv.make_prefix_cache_stats = recording_make_stats
@@ -537,14 +486,7 @@ def drive(cfg: RunConfig, manager: str) -> RunResult:
             accepted = rng.randrange(0, len(spec) + 1) if spec else 0
             base = request.num_tokens
             sampled.append([_token(req_id, base + k) for k in range(accepted + 1)])
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
-        )
+        return runner_output(req_ids, sampled)
 
     step = 0
     try:
@@ -561,7 +503,7 @@ def drive(cfg: RunConfig, manager: str) -> RunResult:
                 # Every other reset preempts the running requests first (an RLHF weight update).
                 reset = scheduler.reset_prefix_cache(reset_running_requests=step % 2 == 1)
             output = scheduler.schedule()
-            record = _output_record(output)
+            record = output_record(output)
             record["step"] = step
             record["reset"] = reset
             chunks = {
@@ -573,8 +515,8 @@ def drive(cfg: RunConfig, manager: str) -> RunResult:
             while in_flight and (len(in_flight) >= depth or not output.num_scheduled_tokens):
                 done, done_chunks = in_flight.popleft()
                 # The fake model runs the step now: outputs are computed at processing time.
-                runner_output = model_output(done, done_chunks)
-                engine_outputs = scheduler.update_from_output(done, runner_output)
+                reply = model_output(done, done_chunks)
+                engine_outputs = scheduler.update_from_output(done, reply)
                 for outputs in engine_outputs.values():
                     for out in outputs.outputs:
                         prefill = out.prefill_stats
@@ -597,7 +539,7 @@ def drive(cfg: RunConfig, manager: str) -> RunResult:
                 if cfg.run == "spec":
                     draft_ids = [
                         r
-                        for r in runner_output.req_ids
+                        for r in reply.req_ids
                         if r in scheduler.requests and not scheduler.requests[r].is_finished()
                     ]
                     scheduler.update_draft_token_ids(

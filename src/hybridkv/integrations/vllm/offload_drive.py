@@ -21,7 +21,6 @@ import mmap
 import random
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +33,7 @@ from hybridkv.integrations.vllm.check import (
     Workload,
     build_scheduler,
 )
+from hybridkv.integrations.vllm.step_records import output_record, recording, runner_output
 
 if TYPE_CHECKING:
     from hybridkv.integrations.vllm.offload_worker import OffloadWorker
@@ -139,28 +139,11 @@ def _jobs(jobs: dict[int, Any], load: bool) -> list[Any]:
 
 
 def _output_record(output: Any) -> dict[str, Any]:
-    cached = output.scheduled_cached_reqs
+    """The check's record of the step (``step_records.output_record``) and the connector's
+    jobs in it: loads, stores and jobs to flush."""
     meta = output.kv_connector_metadata
     return {
-        "scheduled": sorted(output.num_scheduled_tokens.items()),
-        "new": [
-            (r.req_id, r.num_computed_tokens, [list(g) for g in r.block_ids])
-            for r in output.scheduled_new_reqs
-        ],
-        "cached": [
-            (
-                req_id,
-                cached.num_computed_tokens[i],
-                None
-                if cached.new_block_ids[i] is None
-                else [list(g) for g in cached.new_block_ids[i]],
-                req_id in cached.resumed_req_ids,
-            )
-            for i, req_id in enumerate(cached.req_ids)
-        ],
-        "preempted": sorted(output.preempted_req_ids or ()),
-        "finished": sorted(output.finished_req_ids),
-        "zero": output.new_block_ids_to_zero,
+        **output_record(output),
         "loads": _jobs(meta.load_jobs, load=True),
         "stores": _jobs(meta.store_jobs, load=False),
         "flush": sorted(meta.jobs_to_flush or ()),
@@ -169,18 +152,6 @@ def _output_record(output: Any) -> dict[str, Any]:
 
 def _cache_stats(stats: Any) -> Any:
     return None if stats is None else (stats.requests, stats.queries, stats.hits, stats.reset)
-
-
-def _recording(take: Callable[[], Any], log: list[Any]) -> Callable[[], list[Any]]:
-    """``take`` (a ``take_events``), every event it returns noted in ``log``."""
-    import msgspec
-
-    def recording_take() -> list[Any]:
-        taken = list(take() or ())
-        log.extend((type(e).__name__, msgspec.to_builtins(e)) for e in taken)
-        return taken
-
-    return recording_take
 
 
 # --- Driving -------------------------------------------------------------------------------
@@ -214,7 +185,6 @@ def drive_with_worker(
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.kv_cache_interface import MambaSpec
-    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus
 
     from hybridkv.integrations.vllm.offload_worker import OffloadWorker
@@ -230,8 +200,8 @@ def drive_with_worker(
     events: list[Any] = []
     cpu_events: list[Any] = []
     take_events, take_cpu_events = kv.take_events, connector.take_events
-    kv.take_events = _recording(take_events, events)
-    connector.take_events = _recording(take_cpu_events, cpu_events)
+    kv.take_events = recording(take_events, events)
+    connector.take_events = recording(take_cpu_events, cpu_events)
     prompts: dict[str, list[int]] = {}
 
     def token(request_id: str, position: int) -> int:
@@ -290,15 +260,7 @@ def drive_with_worker(
             request = scheduler.requests.get(req_id)
             gone = request is None or req_id in chunks
             sampled.append([] if gone else [sampled_token(req_id, request.num_tokens)])
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
-            kv_connector_output=connector_output,
-        )
+        return runner_output(req_ids, sampled, kv_connector_output=connector_output)
 
     step = 0
     paused: int | None = None  # a reset's step, its arrivals held until the engine is idle
@@ -332,8 +294,8 @@ def drive_with_worker(
             stats: list[Any] = []
             while in_flight and (len(in_flight) >= depth or not output.num_scheduled_tokens):
                 done, done_chunks = in_flight.popleft()
-                runner_output = model_output(done, done_chunks, worker.execute(done))
-                for engine_output in scheduler.update_from_output(done, runner_output).values():
+                reply = model_output(done, done_chunks, worker.execute(done))
+                for engine_output in scheduler.update_from_output(done, reply).values():
                     if engine_output.scheduler_stats is not None:
                         s = engine_output.scheduler_stats
                         stats.append(
