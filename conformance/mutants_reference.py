@@ -13,8 +13,8 @@ REFERENCE_MUTANTS: tuple[Mutant, ...] = (
         "sliding window keeps one token too many (n − window instead of n − window + 1)",
         "spec.rules",
         (
-            "return max(0, num_computed_tokens - sliding_window + 1)",
-            "return max(0, num_computed_tokens - sliding_window)",
+            "return max(0, num_computed_tokens - sliding_window + 1 - extra_retained_tokens)",
+            "return max(0, num_computed_tokens - sliding_window - extra_retained_tokens)",
         ),
     ),
     manager_mutant(

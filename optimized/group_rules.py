@@ -5,7 +5,8 @@ hooks say how many blocks a number of tokens needs and which leading blocks a re
 reads (a sliding window's, a chunk's, a Mamba group's older states). The optimized backend reads
 the same rules (``hybridkv.spec.rules``) through one frozen value per group, so that its flat
 per-row state can be updated without a call through a manager object per group: ``kind`` says
-which rule applies, ``span`` is the window or chunk size. A cross-attention group's table is
+which rule applies, ``span`` is the window (widened by the ``extra_retained_tokens`` a
+multi-module MTP window keeps below it) or chunk size. A cross-attention group's table is
 sized by the encoder tokens (``hybridkv.optimized.admission.required_positions``), never by the
 decoder's: its rule needs no position for them and none for a KV connector's tokens.
 """
@@ -29,7 +30,7 @@ class GroupRule:
 
     kind: int
     block_size: int
-    span: int = 0  # sliding window or attention chunk size
+    span: int = 0  # sliding window (plus its extra retained tokens) or attention chunk size
     spec_blocks: int = 0  # a Mamba group's speculative blocks, after its state
 
     @staticmethod
@@ -89,7 +90,11 @@ def _mamba_rule(spec: MambaSpec) -> GroupRule:
 
 GROUP_RULES: dict[str, Callable[[Any], GroupRule]] = {
     "full": lambda spec: GroupRule(FULL, spec.block_size),
-    "sliding_window": lambda spec: GroupRule(SLIDING, spec.block_size, spec.sliding_window),
+    # A window's trailing edge extended by ``extra_retained_tokens`` releases as a wider window
+    # (``rules.sliding_window_skipped_tokens``): the span is the tokens it keeps.
+    "sliding_window": lambda spec: GroupRule(
+        SLIDING, spec.block_size, spec.sliding_window + spec.extra_retained_tokens
+    ),
     "chunked_local": lambda spec: GroupRule(CHUNKED, spec.block_size, spec.attention_chunk_size),
     "cross_attention": lambda spec: GroupRule(CROSS, spec.block_size),
     "mamba": _mamba_rule,

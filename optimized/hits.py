@@ -23,14 +23,17 @@ from hybridkv.optimized.lookup import NO_HIT, GroupHit, HitBlocks, Lookup, TypeP
 from hybridkv.optimized.state import ManagerState
 from hybridkv.optimized.type_hits import TYPE_HITS, HitProbe, TypeHit
 from hybridkv.reference.request import RequestLike
+from hybridkv.reference.reused_events import reused_block_events
 from hybridkv.spec import KVCacheSpec, rules
 
 
 def longest_hit(
-    s: ManagerState, request: RequestLike, max_length: int
+    s: ManagerState, request: RequestLike, max_length: int, report: bool = False
 ) -> tuple[HitBlocks, int, int]:
     """The request's longest hit of at most ``max_length`` tokens: its blocks per group, its
-    length, and the shared-prefix boundary (the longest one type found alone, when longer)."""
+    length, and the shared-prefix boundary (the longest one type found alone, when longer);
+    with ``report`` (``kv_cache_report_mode="full"``) and events on, a non-empty hit's blocks
+    are reported as stored (``hybridkv.reference.reused_events``)."""
     memos = type_probes(s, request, max_length)
     hits: Sequence[GroupHit]
     boundary = 0
@@ -43,6 +46,11 @@ def longest_hit(
             s.pool.paths.ran(paths.HYBRID_WITH_FULL)
         hits, hit_length, longest = hybrid_hit(s, memos, max_length)
         boundary = longest if longest > hit_length else 0
+    if report and hit_length:
+        pool, sizes = s.pool, [len(hit) for hit in hits]
+        pool.events += reused_block_events(
+            pool.event_builder, request, sizes, s.layout.config, s.layout.hash_block_size
+        )
     return HitBlocks(hits), hit_length, boundary
 
 

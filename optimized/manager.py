@@ -156,21 +156,25 @@ class TorchKVCacheManager(ConnectorCalls, TuningKnobs, PrefixCacheStatsCalls):
         return self._row_of(request_id)
 
     def get_computed_blocks(
-        self, request: RequestLike, max_cache_hit_length: int | None = None
+        self,
+        request: RequestLike,
+        max_cache_hit_length: int | None = None,
+        *,
+        report_reused_blocks: bool = False,
     ) -> tuple[KVCacheBlocks, int, int]:
         """The request's longest cache hit: its blocks per group, its length in tokens, and the
-        shared-prefix boundary (``KVCacheManager.get_computed_blocks``), at most
-        ``max_cache_hit_length`` tokens; over its hashed blocks only if it has fewer hashes."""
+        shared-prefix boundary, at most ``max_cache_hit_length`` tokens; over its hashed blocks
+        only if it has fewer hashes (``KVCacheManager.get_computed_blocks``: the same keywords)."""
         if type(request) is Request:
             request.offer_block_hasher(self.block_hasher)
         if not self.prefix_cache_lookup_enabled(request):
             return self._no_blocks, 0, 0
         self._s.settle()
         check_block_hashes(request, self.hash_block_size, self.lookahead, allow_fewer=True)
-        max_length = hit_length_limit(request, max_cache_hit_length)
-        found, hit_length, boundary = hits.longest_hit(self._s, request, max_length)
+        limit = hit_length_limit(request, max_cache_hit_length)
+        found, length, boundary = hits.longest_hit(self._s, request, limit, report_reused_blocks)
         self._issued = found
-        return found, hit_length, boundary
+        return found, length, boundary
 
     def new_step_starts(self) -> None:
         """The scheduler begins a step: a Mamba state cached in the previous step may now be
@@ -218,11 +222,10 @@ class TorchKVCacheManager(ConnectorCalls, TuningKnobs, PrefixCacheStatsCalls):
             and type(num_encoder_tokens) is int
             and num_encoder_tokens == 0
         ):
-            # A step of a running request (no hit to adopt, plain counts): what
-            # ``check_allocation`` checks reduces to the request's hash count (more hashes
-            # than full blocks: another hash block size; the checker says so). A ``Request``
-            # hashed at this block size, with at least this lookahead, has no more by
-            # construction.
+            # A step of a running request (no hit to adopt, plain counts): what ``check_allocation``
+            # checks reduces to the request's hash count (more hashes than full blocks: another
+            # hash block size; the checker says so). A ``Request`` hashed at this block size,
+            # with at least this lookahead, has no more by construction.
             row = self._row_of(request.request_id)
             sound = not self.enable_caching or (
                 type(request) is Request

@@ -23,6 +23,7 @@ from hybridkv.reference.events import EventBuilder, KVCacheEvent
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.prefix_stats import PrefixCacheCounter, PrefixCacheStatsCalls
 from hybridkv.reference.request import Request, RequestLike
+from hybridkv.reference.reused_events import reused_block_events
 from hybridkv.reference.single_type_managers import BlocksPerGroup, prompt_tokens
 from hybridkv.reference.snapshot import PoolSnapshot, pool_snapshot
 from hybridkv.reference.table_invariants import (
@@ -138,7 +139,11 @@ class KVCacheManager(ConnectorCalls, PrefixCacheStatsCalls):
     # --- The scheduler's calls --------------------------------------------------------------
 
     def get_computed_blocks(
-        self, request: RequestLike, max_cache_hit_length: int | None = None
+        self,
+        request: RequestLike,
+        max_cache_hit_length: int | None = None,
+        *,
+        report_reused_blocks: bool = False,
     ) -> tuple[KVCacheBlocks, int, int]:
         """The request's longest cache hit: its blocks per group, its length in tokens, and the
         shared-prefix boundary.
@@ -151,19 +156,22 @@ class KVCacheManager(ConnectorCalls, PrefixCacheStatsCalls):
         It is 0 when there is no such prefix, and always with one group.
 
         ``max_cache_hit_length`` caps the hit below ``num_tokens − 1`` (vLLM's argument: an
-        external connector that knows a shorter valid prefix).
+        external connector that knows a shorter valid prefix). ``report_reused_blocks`` (vLLM's
+        ``kv_cache_report_mode="full"``): with events on, a ``BlockStored`` event per group for
+        the blocks of a non-empty hit (``reused_events``).
         """
         if not self.prefix_cache_lookup_enabled(request):
             return KVCacheBlocks.empty(self.num_groups), 0, 0
-        check_block_hashes(
-            request,
-            self.hash_block_size,
-            self.settings.num_hash_lookahead_tokens,
-            allow_fewer=True,
-        )
+        lookahead = self.settings.num_hash_lookahead_tokens
+        check_block_hashes(request, self.hash_block_size, lookahead, allow_fewer=True)
         hits, num_hit_tokens, num_uncached = self.coordinator.find_longest_cache_hit(
             request.block_hashes, hit_length_limit(request, max_cache_hit_length)
         )
+        if report_reused_blocks and num_hit_tokens:
+            pool, sizes = self.block_pool, [len(blocks) for blocks in hits]
+            pool.events += reused_block_events(
+                pool.event_builder, request, sizes, self.config, self.hash_block_size
+            )
         block_ids = tuple(tuple(block.block_id for block in blocks) for blocks in hits)
         boundary = num_hit_tokens + num_uncached if num_uncached else 0
         return KVCacheBlocks(block_ids), num_hit_tokens, boundary
@@ -292,12 +300,8 @@ class KVCacheManager(ConnectorCalls, PrefixCacheStatsCalls):
         (for callers that delayed caching, e.g. while KV arrives from another engine)."""
         check_cache_blocks(request, num_computed_tokens)
         if self.enable_caching:
-            check_block_hashes(
-                request,
-                self.hash_block_size,
-                self.settings.num_hash_lookahead_tokens,
-                allow_fewer=True,
-            )
+            lookahead = self.settings.num_hash_lookahead_tokens
+            check_block_hashes(request, self.hash_block_size, lookahead, allow_fewer=True)
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:

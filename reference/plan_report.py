@@ -24,10 +24,8 @@ from hybridkv.reference.planner import own_layer_names, plan_kv_cache
 from hybridkv.spec import rules
 from hybridkv.spec.errors import check_positive
 from hybridkv.spec.kv_cache_config import KVCacheConfig, KVCacheGroup
-from hybridkv.spec.kv_cache_spec import (
-    KVCacheSpec,
-    spec_kind,
-)
+from hybridkv.spec.kv_cache_spec import KVCacheSpec
+from hybridkv.spec.spec_metadata import spec_kind
 
 _NO_SHARING: Mapping[str, str] = MappingProxyType({})
 

@@ -50,7 +50,9 @@ BlocksPerGroup = tuple[list[KVCacheBlock], ...]
 
 SKIPPED_TOKENS: dict[str, Callable[[Any, int], int]] = {
     "full": lambda spec, n: rules.full_attention_skipped_tokens(n),
-    "sliding_window": lambda spec, n: rules.sliding_window_skipped_tokens(n, spec.sliding_window),
+    "sliding_window": lambda spec, n: rules.sliding_window_skipped_tokens(
+        n, spec.sliding_window, spec.extra_retained_tokens
+    ),
     "chunked_local": lambda spec, n: rules.chunked_local_skipped_tokens(
         n, spec.attention_chunk_size
     ),

@@ -10,9 +10,8 @@ from hybridkv.spec.kv_cache_spec import (
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
-    event_metadata,
-    spec_kind,
 )
+from hybridkv.spec.spec_metadata import event_metadata, spec_kind
 
 __all__ = [
     "AttentionSpec",

@@ -130,6 +130,9 @@ class SlidingWindowSpec(AttentionSpec):
     """Sliding-window attention: a token attends to itself and the ``sliding_window − 1`` before."""
 
     sliding_window: int
+    extra_retained_tokens: int = 0
+    """Tokens kept below the window, never attended (vLLM 0.33's field, ``num_prefill_lookahead
+    − 1``: multi-module MTP prefills those again, so their blocks leave that much later)."""
     kind = "sliding_window"
     event_kind = "sliding_window"
     """vLLM's ``KVCacheSpecKind`` value of the type (``BlockStored.kv_cache_spec_kind``)."""
@@ -140,15 +143,22 @@ class SlidingWindowSpec(AttentionSpec):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_positive("sliding_window", self.sliding_window)
+        check_non_negative("extra_retained_tokens", self.extra_retained_tokens)
 
     def skipped_tokens(self, num_computed_tokens: int) -> int:
-        return rules.sliding_window_skipped_tokens(num_computed_tokens, self.sliding_window)
+        return rules.sliding_window_skipped_tokens(
+            num_computed_tokens, self.sliding_window, self.extra_retained_tokens
+        )
 
     def max_blocks_per_request(
         self, max_model_len: int, max_in_flight_tokens: int, *, enable_prefix_caching: bool
     ) -> int:
         return rules.max_blocks_sliding_window(
-            max_model_len, self.block_size, self.sliding_window, max_in_flight_tokens
+            max_model_len,
+            self.block_size,
+            self.sliding_window,
+            max_in_flight_tokens,
+            self.extra_retained_tokens,
         )
 
     def admission_cap(self, max_model_len: int, max_in_flight_tokens: int) -> int | None:
@@ -384,17 +394,3 @@ KVCacheSpec = (
     | MambaSpec
 )
 """Any layer spec the planner and the manager understand."""
-
-
-def spec_kind(spec: KVCacheSpec) -> str:
-    """A short stable name of the attention type, used in reports and error messages."""
-    return spec.kind
-
-
-def event_metadata(spec: KVCacheSpec) -> tuple[str, int | None]:
-    """``(kv_cache_spec_kind, kv_cache_spec_sliding_window)`` of a group of ``spec`` in KV cache
-    events: what vLLM 0.33's ``get_kv_cache_spec_kind`` (its ``KVCacheSpecKind`` value) and
-    ``get_kv_cache_spec_sliding_window`` give for the same spec in vLLM's classes. Only a
-    sliding window has a window."""
-    window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-    return spec.event_kind, window

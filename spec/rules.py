@@ -62,18 +62,26 @@ def full_attention_skipped_tokens(num_computed_tokens: int) -> int:
     return 0
 
 
-def sliding_window_skipped_tokens(num_computed_tokens: int, sliding_window: int) -> int:
-    """Tokens before the window of the next token: ``max(0, n − window + 1)``.
+def sliding_window_skipped_tokens(
+    num_computed_tokens: int, sliding_window: int, extra_retained_tokens: int = 0
+) -> int:
+    """Tokens before the window of the next token: ``max(0, n − window + 1 − extra)``.
 
     The next token (index n) attends to tokens n − window + 1 … n, so every earlier token can
-    give its slot back (Prefix caching, Case 1: "free blocks outside the sliding window").
+    give its slot back (Prefix caching, Case 1: "free blocks outside the sliding window"), but
+    the ``extra_retained_tokens`` just below the window: multi-module MTP prefills the last
+    ``num_prefill_lookahead − 1`` tokens again, so vLLM 0.33 extends the window's trailing edge
+    by that many (``SlidingWindowManager.get_num_skipped_tokens``). The extension is a wider
+    window for this rule: the skip of ``(window, extra)`` is the skip of ``(window + extra, 0)``.
 
     pre: 0 <= num_computed_tokens <= 10_000
     pre: 0 < sliding_window <= 1_000
+    pre: 0 <= extra_retained_tokens <= 100
     post: 0 <= __return__ <= num_computed_tokens
-    post: num_computed_tokens - __return__ == min(num_computed_tokens, sliding_window - 1)
-    """
-    return max(0, num_computed_tokens - sliding_window + 1)
+    post: num_computed_tokens - __return__ == min(num_computed_tokens, sliding_window - 1 + extra_retained_tokens)
+    post: __return__ == max(0, num_computed_tokens - (sliding_window + extra_retained_tokens) + 1)
+    """  # noqa: E501
+    return max(0, num_computed_tokens - sliding_window + 1 - extra_retained_tokens)
 
 
 def chunked_local_skipped_tokens(num_computed_tokens: int, attention_chunk_size: int) -> int:
@@ -299,20 +307,28 @@ def max_blocks_full_attention(max_model_len: int, block_size: int) -> int:
 
 
 def max_blocks_sliding_window(
-    max_model_len: int, block_size: int, sliding_window: int, max_num_batched_tokens: int
+    max_model_len: int,
+    block_size: int,
+    sliding_window: int,
+    max_num_batched_tokens: int,
+    extra_retained_tokens: int = 0,
 ) -> int:
     """Most real blocks one sliding-window request holds at once.
 
     One step computes up to ``max_num_batched_tokens`` tokens that attend ``window − 1`` tokens
-    back, and those tokens need not start on a block boundary: one block more.
+    back (and ``extra_retained_tokens`` more are kept below the window, multi-module MTP's),
+    and those tokens need not start on a block boundary: one block more (vLLM 0.33's
+    ``SlidingWindowSpec.max_admission_blocks_per_request``).
 
     pre: 0 < max_model_len <= 10_000
     pre: 0 < block_size <= 64
     pre: 0 < sliding_window <= 1_000
     pre: 0 < max_num_batched_tokens <= 1_000
+    pre: 0 <= extra_retained_tokens <= 100
     post: __return__ >= 1
+    post: __return__ <= cdiv(max_model_len, block_size) + 1
     """
-    tokens = min(sliding_window - 1 + max_num_batched_tokens, max_model_len)
+    tokens = min(sliding_window - 1 + extra_retained_tokens + max_num_batched_tokens, max_model_len)
     return cdiv(tokens, block_size) + 1
 
 
