@@ -111,7 +111,6 @@ def test_to_vllm_config_keeps_a_mamba_groups_state_size_and_mode() -> None:
     [
         ("dcp_world_size", 2),
         ("pcp_world_size", 2),
-        ("metrics_collector", object()),
     ],
 )
 def test_settings_it_cannot_honour_are_refused_by_name(setting: str, value: object) -> None:

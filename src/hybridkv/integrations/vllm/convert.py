@@ -42,6 +42,33 @@ def _check_common(spec: Any, where: str) -> None:
     )
 
 
+def _mla_page(spec: Any, where: str) -> dict[str, int]:
+    """An MLA group's (``MLAAttentionSpec``, ``SlidingWindowMLASpec``) attention fields for
+    hybridkv: vLLM runs it as full attention (sliding window), only its page differs: one
+    latent vector per token (no separate V), any ``cache_dtype_str`` (``fp8_ds_mla``), packing
+    or alignment padding, ``page_size_bytes``. hybridkv's page is ``block_size × 2 × heads ×
+    head_size × dtype`` (K and V), so the group becomes one head of half the per-token bytes:
+    the same page, memory and blocks. A page that is not a multiple of ``2 × block_size`` bytes
+    cannot be written so and is refused. (Its events keep vLLM's kind, ``mla_attention`` or
+    ``sliding_window_mla``: the manager hands the core vLLM's event metadata.)"""
+    page = int(spec.page_size_bytes)
+    per_token, odd = divmod(page, 2 * spec.block_size)
+    refuse(
+        odd != 0 or per_token == 0,
+        f"{where}: {type(spec).__name__} with a {page}-byte page of {spec.block_size} tokens",
+        "hybridkv's page is block_size × 2 × heads × head_size × dtype bytes",
+    )
+    dtype_bytes = _dtype_bytes(spec.dtype)
+    if per_token % dtype_bytes:
+        dtype_bytes = 1
+    return {
+        "block_size": spec.block_size,
+        "num_kv_heads": 1,
+        "head_size": per_token // dtype_bytes,
+        "dtype_bytes": dtype_bytes,
+    }
+
+
 def spec_from_vllm(spec: Any, where: str = "kv_cache_spec") -> KVCacheSpec:
     """One vLLM layer spec as hybridkv's, or ``UnsupportedSetting`` naming its kind."""
     from vllm.v1.kv_cache_interface import (
@@ -55,6 +82,12 @@ def spec_from_vllm(spec: Any, where: str = "kv_cache_spec") -> KVCacheSpec:
     )
     from vllm.v1.kv_cache_interface import (
         MambaSpec as VMamba,
+    )
+    from vllm.v1.kv_cache_interface import (
+        MLAAttentionSpec as VMLA,
+    )
+    from vllm.v1.kv_cache_interface import (
+        SlidingWindowMLASpec as VSlidingMLA,
     )
     from vllm.v1.kv_cache_interface import (
         SlidingWindowSpec as VSliding,
@@ -73,10 +106,10 @@ def spec_from_vllm(spec: Any, where: str = "kv_cache_spec") -> KVCacheSpec:
             prefill_checkpoint_alignment=spec.prefill_checkpoint_alignment,
         )
     refuse(
-        kind not in (VFull, VSliding, VChunked, VCross),
+        kind not in (VFull, VSliding, VChunked, VCross, VMLA, VSlidingMLA),
         f"{where}: {kind.__name__}",
         "hybridkv models full attention, sliding window, chunked local attention, "
-        "cross-attention and Mamba",
+        "cross-attention, Mamba and MLA (full or sliding window)",
     )
     refuse(
         getattr(spec, "kv_quant_mode", 0) != 0 and int(spec.kv_quant_mode) != 0,
@@ -89,7 +122,9 @@ def spec_from_vllm(spec: Any, where: str = "kv_cache_spec") -> KVCacheSpec:
         "head_size": spec.head_size,
         "dtype_bytes": _dtype_bytes(spec.dtype),
     }
-    if kind is VFull:
+    if kind in (VMLA, VSlidingMLA):
+        common = _mla_page(spec, where)
+    if kind in (VFull, VMLA):
         refuse(
             spec.sliding_window is not None or spec.attention_chunk_size is not None,
             f"{where}: FullAttentionSpec with sliding_window/attention_chunk_size",
@@ -99,13 +134,12 @@ def spec_from_vllm(spec: Any, where: str = "kv_cache_spec") -> KVCacheSpec:
         return FullAttentionSpec(**common)
     if kind is VCross:
         return CrossAttentionSpec(**common)
-    if kind is VSliding:
-        refuse(
-            bool(spec.extra_retained_tokens),
-            f"{where}: extra_retained_tokens",
-            "multi-module MTP re-prefill retention is not modelled",
+    if kind in (VSliding, VSlidingMLA):
+        return SlidingWindowSpec(
+            **common,
+            sliding_window=spec.sliding_window,
+            extra_retained_tokens=spec.extra_retained_tokens,
         )
-        return SlidingWindowSpec(**common, sliding_window=spec.sliding_window)
     return ChunkedLocalAttentionSpec(**common, attention_chunk_size=spec.attention_chunk_size)
 
 
@@ -209,7 +243,11 @@ def _vllm_spec(spec: KVCacheSpec) -> Any:
         "dtype": _torch_dtype(spec.dtype_bytes),
     }
     if isinstance(spec, SlidingWindowSpec):
-        return VSliding(**common, sliding_window=spec.sliding_window)
+        return VSliding(
+            **common,
+            sliding_window=spec.sliding_window,
+            extra_retained_tokens=spec.extra_retained_tokens,
+        )
     if isinstance(spec, ChunkedLocalAttentionSpec):
         return VChunked(**common, attention_chunk_size=spec.attention_chunk_size)
     if isinstance(spec, CrossAttentionSpec):

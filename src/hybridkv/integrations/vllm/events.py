@@ -9,17 +9,23 @@ from typing import Any
 
 from hybridkv.reference.events import EventBuilder
 from hybridkv.reference.request import Request
+from hybridkv.spec import KVCacheConfig
 
 _LOW_64 = (1 << 64) - 1
 
 
-def vllm_event_builder_class() -> type[EventBuilder]:
+def vllm_event_builder_class(
+    groups: Sequence[tuple[str, int | None]] | None = None,
+) -> type[EventBuilder]:
     """An ``EventBuilder`` whose events are vLLM 0.33's own msgspec structs (``BlockStored``,
     ``BlockRemoved``, ``AllBlocksCleared``): lists for list fields, and hashes as vLLM's
     ``maybe_convert_block_hash`` gives them (their low 64 bits as an int under
     ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, a switch read here, once per manager; vLLM reads
     it per event). The core builds each event once, in the engine's type, as vLLM's manager
-    does, instead of its own dataclass converted at every step."""
+    does, instead of its own dataclass converted at every step. ``groups``: each group's
+    ``(kv_cache_spec_kind, kv_cache_spec_sliding_window)`` as vLLM's manager publishes them
+    (``get_kv_cache_spec_kind``: ``mla_attention`` for an MLA group, which hybridkv runs as
+    full attention); ``None``: hybridkv's spec's own."""
     from vllm import envs
     from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -32,6 +38,12 @@ def vllm_event_builder_class() -> type[EventBuilder]:
         cleared_type = AllBlocksCleared
         sequence = list
         convert_hash = staticmethod(to_int) if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES else None
+
+        @classmethod
+        def of(cls, config: KVCacheConfig, num_hash_lookahead_tokens: int = 0) -> EventBuilder:
+            if groups is None:
+                return super().of(config, num_hash_lookahead_tokens)
+            return cls(groups, num_hash_lookahead_tokens)
 
         def extra_keys(
             self, request: Any, positions: Sequence[int], block_size: int

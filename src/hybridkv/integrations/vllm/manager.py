@@ -19,6 +19,9 @@ What the scheduler reads and where it comes from:
 - ``take_new_block_ids``: new attention blocks of each step (zeroing, Mamba hybrids), group
   by group as vLLM's managers hand them over; ``record_blocks_for_zeroing`` adds a table's
   tail again (a failed load left it unwritten).
+- ``metrics_collector`` (``--kv-cache-metrics``): vLLM's collector, told of each block taken,
+  touched and evicted and of each reset as vLLM's block pool tells it, through an observing
+  eviction policy around the configured one (``hybridkv.integrations.vllm.metrics``).
 - ``coordinator`` and ``block_pool``: read-only views (``hybridkv.integrations.vllm.views``)
   of what the scheduler, vLLM's aux-output connector and its tests read.
 - A KV connector's calls: ``allocate_slots(num_external_computed_tokens=…,
@@ -33,18 +36,21 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from hybridkv.integrations.vllm.connector import ConnectorCalls
 from hybridkv.integrations.vllm.convert import from_vllm_config
 from hybridkv.integrations.vllm.errors import UnsupportedSetting, refuse
 from hybridkv.integrations.vllm.events import vllm_event_builder_class
+from hybridkv.integrations.vllm.metrics import observed_policy
 from hybridkv.integrations.vllm.views import (
     BlockPoolView,
     BlockViews,
     CoordinatorView,
     group_view,
 )
+from hybridkv.policies import EvictionPolicy
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.spec import KVCacheConfig
 
@@ -66,18 +72,19 @@ def make_core(
     device: str | None,
     max_num_reqs: int | None = None,
     log_stats: bool = True,
-    eviction_policy: str | None = None,
+    eviction_policy: str | EvictionPolicy | None = None,
     num_prefill_lookahead: int = 0,
+    event_metadata: Sequence[tuple[str, int | None]] | None = None,
 ) -> Any:
-    """The core manager of ``backend`` with vLLM's settings, under ``eviction_policy`` (when
-    ``None``, the one ``HYBRIDKV_EVICTION`` names; ``lru``, vLLM's own order, when unset)."""
+    """The core manager of ``backend`` with vLLM's settings and events' group metadata, under
+    ``eviction_policy`` (``None``: ``HYBRIDKV_EVICTION``'s; ``lru``, vLLM's order, if unset)."""
     settings: dict[str, Any] = {
         "hash_block_size": hash_block_size,
         "max_in_flight_tokens": max_in_flight_tokens,
         "use_eagle": use_eagle,
         "num_hash_lookahead_tokens": num_hash_lookahead_tokens,
         "log_stats": log_stats,
-        "event_builder_class": vllm_event_builder_class(),
+        "event_builder_class": vllm_event_builder_class(event_metadata),
         "num_prefill_lookahead": num_prefill_lookahead,
     }
     eviction = eviction_policy or os.environ.get("HYBRIDKV_EVICTION", "lru")
@@ -138,15 +145,10 @@ class KVCacheManager(ConnectorCalls):
         backend: Backend = "reference",
         device: str | None = None,
         max_num_reqs: int | None = None,
-        eviction_policy: str | None = None,
+        eviction_policy: str | EvictionPolicy | None = None,
     ) -> None:
         refuse(dcp_world_size != 1, f"dcp_world_size={dcp_world_size}", "no context parallelism")
         refuse(pcp_world_size != 1, f"pcp_world_size={pcp_world_size}", "no context parallelism")
-        refuse(
-            metrics_collector is not None,
-            "metrics_collector (--kv-cache-metrics)",
-            "block residency sampling is not implemented",
-        )
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
         from vllm.v1.core.kv_cache_utils import partial_hash_hits_enabled
@@ -162,6 +164,9 @@ class KVCacheManager(ConnectorCalls):
             "sub-block Mamba hits with copy-on-write are not modelled",
         )
         self.config = from_vllm_config(kv_cache_config)
+        policy = eviction_policy
+        if metrics_collector is not None:  # vLLM's --kv-cache-metrics
+            policy = observed_policy(policy, metrics_collector, self.config, enable_caching)
         self.kv_cache_config = kv_cache_config
         self.backend = backend
         self.max_model_len = max_model_len
@@ -169,7 +174,14 @@ class KVCacheManager(ConnectorCalls):
         self.enable_kv_cache_events = enable_kv_cache_events
         self.use_eagle = use_eagle
         self.log_stats = log_stats
-        self.metrics_collector = None
+        self.metrics_collector = metrics_collector
+        self.kv_cache_event_metadata = tuple(
+            (
+                get_kv_cache_spec_kind(group.kv_cache_spec).value,
+                get_kv_cache_spec_sliding_window(group.kv_cache_spec),
+            )
+            for group in kv_cache_config.kv_cache_groups
+        )
         self.core = make_core(
             backend,
             self.config,
@@ -185,8 +197,9 @@ class KVCacheManager(ConnectorCalls):
             log_stats=log_stats,
             device=device,
             max_num_reqs=max_num_reqs,
-            eviction_policy=eviction_policy,
+            eviction_policy=policy,
             num_prefill_lookahead=num_prefill_lookahead,
+            event_metadata=self.kv_cache_event_metadata,
         )
         core_block_size = int(getattr(self.core, "scheduler_block_size", scheduler_block_size))
         refuse(
@@ -199,7 +212,7 @@ class KVCacheManager(ConnectorCalls):
         self._stats_class = PrefixCacheStats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.num_kv_cache_groups = len(self.config.groups)
-        self.block_pool = BlockPoolView(self.core, self.config.num_blocks)
+        self.block_pool = BlockPoolView(self.core, self.config.num_blocks, metrics_collector)
         self.coordinator = CoordinatorView(
             self.core,
             [
@@ -210,13 +223,6 @@ class KVCacheManager(ConnectorCalls):
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
-        self.kv_cache_event_metadata = tuple(
-            (
-                get_kv_cache_spec_kind(group.kv_cache_spec).value,
-                get_kv_cache_spec_sliding_window(group.kv_cache_spec),
-            )
-            for group in kv_cache_config.kv_cache_groups
-        )
         self.scheduler_block_size = scheduler_block_size
         self.empty_kv_cache_blocks = BlockViews(tuple(() for _ in range(self.num_kv_cache_groups)))
         self.init_connector_calls(
@@ -264,15 +270,15 @@ class KVCacheManager(ConnectorCalls):
     def get_computed_blocks(
         self, request: Any, max_cache_hit_length: int | None = None
     ) -> tuple[KVCacheBlocks, int, int]:
-        """The longest cache hit: blocks, tokens and the shared-prefix boundary."""
+        """The longest cache hit: blocks, tokens and the shared-prefix boundary (with events on,
+        a ``kv_cache_report_mode="full"`` request's reused blocks reported, as vLLM's)."""
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
-        refuse(
-            request.kv_cache_report_mode == "full" and self.enable_kv_cache_events,
-            "kv_cache_report_mode='full'",
-            "events for reused blocks are not emitted",
-        )
-        if max_cache_hit_length is None:
+        if self.enable_kv_cache_events and request.kv_cache_report_mode == "full":
+            blocks, hit, boundary = self.core.get_computed_blocks(
+                request, max_cache_hit_length, report_reused_blocks=True
+            )
+        elif max_cache_hit_length is None:
             blocks, hit, boundary = self.core.get_computed_blocks(request)
         else:
             blocks, hit, boundary = self.core.get_computed_blocks(request, max_cache_hit_length)

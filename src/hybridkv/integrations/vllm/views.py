@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridkv.integrations.vllm.errors import UnsupportedInternal, refuse
+from hybridkv.integrations.vllm.metrics import report_evicted
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 
 
@@ -180,9 +181,11 @@ class CoordinatorView:
 class BlockPoolView:
     """The block pool as the scheduler and vLLM's tests read it (``core``: the core manager)."""
 
-    def __init__(self, core: Any, num_gpu_blocks: int) -> None:
+    def __init__(self, core: Any, num_gpu_blocks: int, metrics_collector: Any = None) -> None:
         self.core = core
         self.num_gpu_blocks = num_gpu_blocks
+        # vLLM's ``KVCacheMetricsCollector`` (``--kv-cache-metrics``), told of ``evict_blocks``.
+        self.metrics_collector = metrics_collector
 
     def __getattr__(self, name: str) -> Any:
         raise _internals("block_pool", name)
@@ -228,8 +231,10 @@ class BlockPoolView:
         return None if ids is None else [CachedBlockView(i, block_hash) for i in ids]
 
     def evict_blocks(self, block_ids: set[int]) -> None:
-        """Forget the cached keys of these blocks, in the set's order (the core's)."""
+        """Forget the cached keys of these blocks, in the set's order (the core's); each id
+        reported to the metrics collector as evicted, as vLLM's pool reports it."""
         self.core.evict_blocks(block_ids)
+        report_evicted(self.metrics_collector, block_ids)
 
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
         """Drop one holder of each block, in eviction order: the scheduler's deferred free of
