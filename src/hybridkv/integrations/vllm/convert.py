@@ -42,23 +42,33 @@ def _check_common(spec: Any, where: str) -> None:
     )
 
 
-def _mla_page(spec: Any, where: str) -> dict[str, int]:
-    """An MLA group's (``MLAAttentionSpec``, ``SlidingWindowMLASpec``) attention fields for
-    hybridkv: vLLM runs it as full attention (sliding window), only its page differs: one
-    latent vector per token (no separate V), any ``cache_dtype_str`` (``fp8_ds_mla``), packing
-    or alignment padding, ``page_size_bytes``. hybridkv's page is ``block_size × 2 × heads ×
-    head_size × dtype`` (K and V), so the group becomes one head of half the per-token bytes:
-    the same page, memory and blocks. A page that is not a multiple of ``2 × block_size`` bytes
-    cannot be written so and is refused. (Its events keep vLLM's kind, ``mla_attention`` or
+def _page_fields(spec: Any, where: str) -> dict[str, int]:
+    """An attention group's page for hybridkv, whose page is ``block_size × 2 × heads ×
+    head_size × dtype`` bytes (K and V). A plain group is written with its own heads, head size
+    and dtype. Any other page, the same manager's blocks with other bytes in them, becomes one
+    head of half the per-token bytes: the same page, memory and blocks. That covers MLA groups
+    (``MLAAttentionSpec``, ``SlidingWindowMLASpec``: one latent vector per token, no separate V,
+    ``fp8_ds_mla``), quantized KV (``kv_quant_mode``: scales in the page), a V head of another
+    size, packed heads and alignment padding: vLLM's managers read none of these, only
+    ``page_size_bytes``. A page that is not a multiple of ``2 × block_size`` bytes cannot be
+    written so and is refused. (Events keep vLLM's kind, ``mla_attention`` or
     ``sliding_window_mla``: the manager hands the core vLLM's event metadata.)"""
     page = int(spec.page_size_bytes)
+    dtype_bytes = _dtype_bytes(spec.dtype)
+    plain = 2 * spec.block_size * spec.num_kv_heads * spec.head_size * dtype_bytes
+    if page == plain:
+        return {
+            "block_size": spec.block_size,
+            "num_kv_heads": spec.num_kv_heads,
+            "head_size": spec.head_size,
+            "dtype_bytes": dtype_bytes,
+        }
     per_token, odd = divmod(page, 2 * spec.block_size)
     refuse(
         odd != 0 or per_token == 0,
         f"{where}: {type(spec).__name__} with a {page}-byte page of {spec.block_size} tokens",
         "hybridkv's page is block_size × 2 × heads × head_size × dtype bytes",
     )
-    dtype_bytes = _dtype_bytes(spec.dtype)
     if per_token % dtype_bytes:
         dtype_bytes = 1
     return {
@@ -111,19 +121,7 @@ def spec_from_vllm(spec: Any, where: str = "kv_cache_spec") -> KVCacheSpec:
         "hybridkv models full attention, sliding window, chunked local attention, "
         "cross-attention, Mamba and MLA (full or sliding window)",
     )
-    refuse(
-        getattr(spec, "kv_quant_mode", 0) != 0 and int(spec.kv_quant_mode) != 0,
-        f"{where}: kv_quant_mode",
-        "quantized KV pages are not modelled",
-    )
-    common = {
-        "block_size": spec.block_size,
-        "num_kv_heads": spec.num_kv_heads,
-        "head_size": spec.head_size,
-        "dtype_bytes": _dtype_bytes(spec.dtype),
-    }
-    if kind in (VMLA, VSlidingMLA):
-        common = _mla_page(spec, where)
+    common = _page_fields(spec, where)
     if kind in (VFull, VMLA):
         refuse(
             spec.sliding_window is not None or spec.attention_chunk_size is not None,
