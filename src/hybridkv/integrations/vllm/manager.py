@@ -314,11 +314,6 @@ class KVCacheManager(ConnectorCalls):
             watermark_blocks = self.watermark_blocks
         # Both backends release window and chunk blocks on the processed count (the request's
         # ``num_in_flight_tokens``, async scheduling) and keep the reserved and watermark blocks.
-        external: dict[str, int] = {}
-        if num_external_computed_tokens:
-            external["num_external_computed_tokens"] = num_external_computed_tokens
-        if num_encoder_tokens:
-            external["num_encoder_tokens"] = num_encoder_tokens
         new_blocks = self.core.allocate_slots(
             request,
             num_new_tokens,
@@ -329,7 +324,8 @@ class KVCacheManager(ConnectorCalls):
             full_sequence_must_fit=full_sequence_must_fit,
             reserved_blocks=reserved_blocks,
             watermark_blocks=watermark_blocks,
-            **external,
+            num_external_computed_tokens=num_external_computed_tokens,
+            num_encoder_tokens=num_encoder_tokens,
         )
         if new_blocks is None:
             return None
