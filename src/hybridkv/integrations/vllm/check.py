@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from hybridkv.extras import exit_if_missing
 from hybridkv.integrations.vllm.step_records import (
+    engine_output_record,
     output_record,
     recording,
     runner_output,
@@ -519,21 +520,7 @@ def drive(cfg: RunConfig, manager: str) -> RunResult:
                 engine_outputs = scheduler.update_from_output(done, reply)
                 for outputs in engine_outputs.values():
                     for out in outputs.outputs:
-                        prefill = out.prefill_stats
-                        engine_records.append(
-                            (
-                                out.request_id,
-                                list(out.new_token_ids),
-                                None if out.finish_reason is None else int(out.finish_reason),
-                                None
-                                if prefill is None
-                                else (
-                                    prefill.num_cached_tokens,
-                                    prefill.num_local_cached_tokens,
-                                    prefill.num_cache_creation_tokens,
-                                ),
-                            )
-                        )
+                        engine_records.append(engine_output_record(out))
                         if out.finish_reason is not None:
                             finished.append(out.request_id)
                 if cfg.run == "spec":

@@ -33,7 +33,12 @@ from hybridkv.integrations.vllm.check import (
     Workload,
     build_scheduler,
 )
-from hybridkv.integrations.vllm.step_records import output_record, recording, runner_output
+from hybridkv.integrations.vllm.step_records import (
+    engine_output_record,
+    output_record,
+    recording,
+    runner_output,
+)
 
 if TYPE_CHECKING:
     from hybridkv.integrations.vllm.offload_worker import OffloadWorker
@@ -305,22 +310,7 @@ def drive_with_worker(
                             )
                         )
                     for out in engine_output.outputs:
-                        prefill = out.prefill_stats
-                        outputs.append(
-                            (
-                                out.request_id,
-                                list(out.new_token_ids),
-                                None if out.finish_reason is None else int(out.finish_reason),
-                                None
-                                if prefill is None
-                                else (
-                                    prefill.num_cached_tokens,
-                                    prefill.num_local_cached_tokens,
-                                    prefill.num_external_cached_tokens,
-                                    prefill.num_cache_creation_tokens,
-                                ),
-                            )
-                        )
+                        outputs.append(engine_output_record(out))
                         if out.finish_reason is not None:
                             finished.append(out.request_id)
             record["outputs"], record["stats"] = outputs, stats

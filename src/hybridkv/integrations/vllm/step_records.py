@@ -93,3 +93,23 @@ def runner_output(req_ids: list[str], sampled: list[list[int]], **extra: Any) ->
         pooler_output=[],
         **extra,
     )
+
+
+def engine_output_record(out: Any) -> Any:
+    """One request's ``EngineCoreOutput`` of a step: its new tokens, finish reason and, at its
+    first token, how many prompt tokens came from the prefix cache, locally or through a KV
+    connector, and how many were computed."""
+    prefill = out.prefill_stats
+    return (
+        out.request_id,
+        list(out.new_token_ids),
+        None if out.finish_reason is None else int(out.finish_reason),
+        None
+        if prefill is None
+        else (
+            prefill.num_cached_tokens,
+            prefill.num_local_cached_tokens,
+            prefill.num_external_cached_tokens,
+            prefill.num_cache_creation_tokens,
+        ),
+    )
