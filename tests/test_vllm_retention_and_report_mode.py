@@ -283,10 +283,10 @@ def test_vllms_scheduler_steps_equal_with_multi_module_mtp_retention(
     pytest.importorskip("torch")
     from vllm.config import VllmConfig
 
-    from hybridkv.integrations.vllm import check
+    from hybridkv.integrations.vllm import check, run_config
 
     lookahead = 4
-    make_config = check.kv_cache_config_for
+    make_config = run_config.kv_cache_config_for
 
     def retaining(*args: Any, **kwargs: Any) -> Any:
         config = make_config(*args, **kwargs)
@@ -300,7 +300,7 @@ def test_vllms_scheduler_steps_equal_with_multi_module_mtp_retention(
     monkeypatch.setattr(VllmConfig, "num_prefill_lookahead_tokens", property(lambda _: lookahead))
     cfg = check.RunConfig(layout="gemma3", run=run, num_requests=16, num_blocks=64)
     plain = check.drive(cfg, "vllm")
-    monkeypatch.setattr(check, "kv_cache_config_for", retaining)
+    monkeypatch.setattr(run_config, "kv_cache_config_for", retaining)
     scheduler = check.build_scheduler(cfg, "vllm")
     assert scheduler.num_prefill_lookahead == lookahead
     windows = scheduler.kv_cache_manager.kv_cache_config.kv_cache_groups[1:]

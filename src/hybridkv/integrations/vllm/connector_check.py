@@ -21,8 +21,9 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hybridkv.integrations.vllm.check import LAYOUTS, Comparison, RunConfig, RunResult
+from hybridkv.integrations.vllm.comparison import Comparison
 from hybridkv.integrations.vllm.offload_drive import CPU_CHUNKS, NUM_BLOCKS, OffloadRun, drive
+from hybridkv.integrations.vllm.run_config import LAYOUTS, RunConfig, RunResult
 
 CONNECTORS = ("offloading",)
 RUNS = ("sync", "async")

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hybridkv.integrations.vllm.check import DEFAULTS, VOCAB, Arrival, RunConfig, Workload
+from hybridkv.integrations.vllm.run_config import DEFAULTS, VOCAB, Arrival, RunConfig, Workload
 
 WORKLOADS = ("tokens", "multimodal")
 LAYOUTS = ("gemma3", "llama4")

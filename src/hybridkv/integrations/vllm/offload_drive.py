@@ -24,15 +24,15 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hybridkv.integrations.vllm.check import (
+from hybridkv.integrations.vllm.run_config import (
     EOS_TOKEN_ID,
     VOCAB,
     Arrival,
     RunConfig,
     RunResult,
     Workload,
-    build_scheduler,
 )
+from hybridkv.integrations.vllm.scheduler_drive import build_scheduler
 from hybridkv.integrations.vllm.step_records import (
     engine_output_record,
     output_record,
