@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 
 from hybridkv.extras import exit_if_missing
 from hybridkv.integrations.vllm import mm_workload
-from hybridkv.integrations.vllm.comparison import Comparison, compare, summarize
+from hybridkv.integrations.vllm.comparison import Comparison, compare, run_all, summarize
 from hybridkv.integrations.vllm.connector_check import connector_comparisons
 from hybridkv.integrations.vllm.run_config import (
     BLOCK_SIZE,
@@ -88,20 +88,7 @@ def run_check(
     echo: Callable[[str], None] = print,
 ) -> list[Comparison]:
     """Every config on vLLM's manager and on each backend; one comparison per backend."""
-    comparisons: list[Comparison] = []
-    width = max([22] + [len(cfg.name) + 1 for cfg in configs])  # the longest name fits
-    for cfg in configs:
-        expected = drive(cfg, "vllm")
-        for backend in backends:
-            result = compare(cfg.name, expected, drive(cfg, backend))
-            comparisons.append(result)
-            status = result.status
-            echo(
-                f"{cfg.name:<{width}} {backend:<10} "
-                f"{result.equal_steps}/{result.steps} steps {status}"
-                + (f" ({result.summary})" if result.ok else f"\n    {result.divergence}")
-            )
-    return comparisons
+    return run_all(configs, backends, drive, echo=echo)
 
 
 def _parser() -> argparse.ArgumentParser:

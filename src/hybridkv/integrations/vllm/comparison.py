@@ -1,15 +1,28 @@
 """Two ``vllm-check`` runs compared step by step (``compare``: the first step whose records
-differ, or a refusal by name) and what a run exercised (``summarize``).
+differ, or a refusal by name), what a run exercised (``summarize``), and every run on vLLM's
+manager and on each backend, one line each (``run_all``: the token and multimodal runs, and the
+offloading runs with their own driver and summary, ``connector_check``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from hybridkv.integrations.vllm import mm_workload
 from hybridkv.integrations.vllm.run_config import RunResult
+
+Summary = Callable[[Sequence[dict[str, Any]]], str]
+"""What a run's records say it exercised, for its line."""
+
+
+class NamedRun(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+Run = TypeVar("Run", bound=NamedRun)
 
 
 @dataclass
@@ -54,8 +67,11 @@ def _is_refusal(error: str) -> bool:
     return error.startswith("UnsupportedSetting") or "does not implement" in error
 
 
-def compare(run: str, expected: RunResult, actual: RunResult) -> Comparison:
-    """Step by step, the first field that differs (or the error either run raised)."""
+def compare(
+    run: str, expected: RunResult, actual: RunResult, summary: Summary = summarize
+) -> Comparison:
+    """Step by step, the first field that differs (or the error either run raised); equal runs
+    carry ``summary`` of vLLM's records."""
     equal = 0
     for i, (want, got) in enumerate(zip(expected.records, actual.records, strict=False)):
         if want != got:
@@ -86,5 +102,29 @@ def compare(run: str, expected: RunResult, actual: RunResult) -> Comparison:
             f"vllm ran {len(expected.records)} steps, {actual.manager} {len(actual.records)}",
         )
     return Comparison(
-        run, actual.manager, len(expected.records), equal, None, summarize(expected.records)
+        run, actual.manager, len(expected.records), equal, None, summary(expected.records)
     )
+
+
+def run_all(
+    runs: Sequence[Run],
+    backends: Sequence[str],
+    drive: Callable[[Run, str], RunResult],
+    summary: Summary = summarize,
+    echo: Callable[[str], None] = print,
+) -> list[Comparison]:
+    """Every run driven on vLLM's manager and on each backend; one comparison (and one line)
+    per backend."""
+    comparisons: list[Comparison] = []
+    width = max([22] + [len(run.name) + 1 for run in runs])  # the longest name fits
+    for run in runs:
+        expected = drive(run, "vllm")
+        for backend in backends:
+            result = compare(run.name, expected, drive(run, backend), summary)
+            comparisons.append(result)
+            echo(
+                f"{run.name:<{width}} {backend:<10} "
+                f"{result.equal_steps}/{result.steps} steps {result.status}"
+                + (f" ({result.summary})" if result.ok else f"\n    {result.divergence}")
+            )
+    return comparisons

@@ -21,6 +21,7 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from hybridkv.integrations.vllm import comparison
 from hybridkv.integrations.vllm.comparison import Comparison
 from hybridkv.integrations.vllm.offload_drive import CPU_CHUNKS, NUM_BLOCKS, OffloadRun, drive
 from hybridkv.integrations.vllm.run_config import LAYOUTS, RunConfig, RunResult
@@ -53,32 +54,10 @@ def summarize(records: Sequence[dict[str, Any]]) -> str:
     )
 
 
-def _is_refusal(error: str) -> bool:
-    """A setting the backend refuses by name (not a wrong answer)."""
-    return error.startswith("UnsupportedSetting") or "does not implement" in error
-
-
 def compare(name: str, expected: RunResult, actual: RunResult) -> Comparison:
-    """Step by step, the first field that differs (or the error either run raised: a block
-    whose bytes do not check is one)."""
-    steps = len(expected.records)
-    for i, (want, got) in enumerate(zip(expected.records, actual.records, strict=False)):
-        if want != got:
-            keys = [k for k in want if want.get(k) != got.get(k)]
-            detail = "; ".join(
-                f"{k}: vllm={want.get(k)!r} {actual.manager}={got.get(k)!r}" for k in keys
-            )
-            return Comparison(name, actual.manager, steps, i, f"step {i}: {detail}"[:2000])
-    equal = min(steps, len(actual.records))
-    for result in (expected, actual):
-        if result.error is not None:
-            refused = result is actual and _is_refusal(result.error)
-            message = f"{result.manager}: {result.error}"
-            return Comparison(name, actual.manager, steps, equal, message, refused=refused)
-    if steps != len(actual.records):
-        message = f"vllm ran {steps} steps, {actual.manager} {len(actual.records)}"
-        return Comparison(name, actual.manager, steps, equal, message)
-    return Comparison(name, actual.manager, steps, steps, None, summarize(expected.records))
+    """``comparison.compare`` with this check's summary (a block whose bytes do not check is
+    an error of the run, so a difference)."""
+    return comparison.compare(name, expected, actual, summarize)
 
 
 def run_connector_check(
@@ -87,19 +66,7 @@ def run_connector_check(
     echo: Callable[[str], None] = print,
 ) -> list[Comparison]:
     """Every run on vLLM's manager and on each backend; one comparison per backend."""
-    comparisons: list[Comparison] = []
-    width = max([22] + [len(run.name) + 1 for run in runs])
-    for run in runs:
-        expected = drive(run, "vllm")
-        for backend in backends:
-            result = compare(run.name, expected, drive(run, backend))
-            comparisons.append(result)
-            echo(
-                f"{run.name:<{width}} {backend:<10} "
-                f"{result.equal_steps}/{result.steps} steps {result.status}"
-                + (f" ({result.summary})" if result.ok else f"\n    {result.divergence}")
-            )
-    return comparisons
+    return comparison.run_all(runs, backends, drive, summarize, echo)
 
 
 def offload_runs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[OffloadRun]:

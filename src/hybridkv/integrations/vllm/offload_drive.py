@@ -38,6 +38,7 @@ from hybridkv.integrations.vllm.step_records import (
     output_record,
     recording,
     runner_output,
+    sampled_token,
 )
 
 if TYPE_CHECKING:
@@ -67,14 +68,6 @@ def chunk_bytes(kv_cache_config: Any) -> int:
         for group in kv_cache_config.kv_cache_groups
     )
     return -(-per_block // mmap.PAGESIZE) * mmap.PAGESIZE
-
-
-def sampled_token(request_id: str, position: int) -> int:
-    """The fake model's token at ``position`` of a request (the same on every manager)."""
-    value = 0
-    for ch in f"{request_id}:{position}":
-        value = (value * 131 + ord(ch)) % 1_000_003
-    return value % VOCAB
 
 
 def offload_workload(cfg: RunConfig) -> Workload:

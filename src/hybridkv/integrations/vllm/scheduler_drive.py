@@ -28,6 +28,7 @@ from hybridkv.integrations.vllm.step_records import (
     output_record,
     recording,
     runner_output,
+    sampled_token,
     stats_record,
 )
 
@@ -219,14 +220,6 @@ def make_workload(cfg: RunConfig) -> Workload:
     return Workload(arrivals, reset_steps)
 
 
-def _token(request_id: str, position: int) -> int:
-    """The fake model's token at ``position`` of a request (the same on every manager)."""
-    value = 0
-    for ch in f"{request_id}:{position}":
-        value = (value * 131 + ord(ch)) % 1_000_003
-    return value % VOCAB
-
-
 def drive(cfg: RunConfig, manager: str) -> RunResult:
     """Run ``cfg``'s workload through vLLM's scheduler with ``manager``; one record per step."""
     from vllm.sampling_params import SamplingParams
@@ -298,7 +291,7 @@ def drive(cfg: RunConfig, manager: str) -> RunResult:
             spec = output.scheduled_spec_decode_tokens.get(req_id, [])
             accepted = rng.randrange(0, len(spec) + 1) if spec else 0
             base = request.num_tokens
-            sampled.append([_token(req_id, base + k) for k in range(accepted + 1)])
+            sampled.append([sampled_token(req_id, base + k) for k in range(accepted + 1)])
         return runner_output(req_ids, sampled)
 
     step = 0
@@ -345,7 +338,10 @@ def drive(cfg: RunConfig, manager: str) -> RunResult:
                         DraftTokenIds(
                             draft_ids,
                             [
-                                [_token(r, 10_000 + k) for k in range(cfg.num_speculative_tokens)]
+                                [
+                                    sampled_token(r, 10_000 + k)
+                                    for k in range(cfg.num_speculative_tokens)
+                                ]
                                 for r in draft_ids
                             ],
                         )
@@ -363,9 +359,9 @@ def drive(cfg: RunConfig, manager: str) -> RunResult:
                 if arrival is None:
                     continue
                 request_tokens = list(arrival.prompt) + [
-                    _token(request_id, len(arrival.prompt) + k) for k in range(3)
+                    sampled_token(request_id, len(arrival.prompt) + k) for k in range(3)
                 ]
-                turn = [_token(request_id + "u", k) for k in range(rng.randrange(4, 40))]
+                turn = [sampled_token(request_id + "u", k) for k in range(rng.randrange(4, 40))]
                 prompt = (request_tokens + turn)[: cfg.max_model_len // 2]
                 followups.append(
                     Arrival(

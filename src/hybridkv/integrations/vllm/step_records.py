@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from hybridkv.integrations.vllm.run_config import VOCAB
+
 
 def event_record(event: Any) -> Any:
     """A KV event as its class name and its fields in builtins (comparable across managers)."""
@@ -76,6 +78,15 @@ def output_record(output: Any) -> dict[str, Any]:
         "encoder": sorted((r, list(v)) for r, v in output.scheduled_encoder_inputs.items()),
         "free_encoder": sorted(output.free_encoder_mm_hashes),
     }
+
+
+def sampled_token(request_id: str, position: int) -> int:
+    """The fake model's token at ``position`` of a request: a function of the two alone, so the
+    same on every manager and in every step order."""
+    value = 0
+    for ch in f"{request_id}:{position}":
+        value = (value * 131 + ord(ch)) % 1_000_003
+    return value % VOCAB
 
 
 def runner_output(req_ids: list[str], sampled: list[list[int]], **extra: Any) -> Any:
