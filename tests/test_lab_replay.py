@@ -155,7 +155,8 @@ def test_evictions_count_the_cached_keys_new_tokens_took() -> None:
     them; request 1 (other ids) needs 3 blocks: the never-cached free block first, then two
     of request 0's cached blocks, least recently used first (2 evictions). Request 2 repeats
     request 0: only its first block is still cached (a 4-token hit), and its two new blocks
-    take two of request 1's (2 more)."""
+    take two of request 1's (2 more). Of the four evicted keys, request 2 reached request 0's
+    two again (past its cached first block): the hits eviction cost."""
     spec = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype_bytes=2)
     config = KVCacheConfig(5, (KVCacheGroup(("layer",), spec),))
     manager = KVCacheManager(config, max_model_len=64, enable_kv_cache_events=True)
@@ -171,6 +172,8 @@ def test_evictions_count_the_cached_keys_new_tokens_took() -> None:
     )
     result = replay.run()
     assert (result.evictions, result.hit_tokens, result.group_hit_tokens) == (4, 4, [4])
+    assert result.group_reached_again == [2]
+    assert result.summary()["group_reached_again"] == [2]
 
 
 def test_the_bound_counts_every_arrived_request_refused_ones_too() -> None:

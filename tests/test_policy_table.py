@@ -116,7 +116,7 @@ def test_the_profile_counts_each_groups_first_admission_hits_and_evictions() -> 
 
     config = plan_kv_cache(TINY, 7 * 8)
     manager = KVCacheManager(config, max_model_len=64, enable_kv_cache_events=True)
-    profiled = ProfiledManager(manager, [4])
+    profiled = ProfiledManager(manager, [4], 4)
     shared = tuple(range(1, 9))
     requests = [
         RequestSpec("A", (*shared, 50, 51), (90,)),
@@ -128,3 +128,46 @@ def test_the_profile_counts_each_groups_first_admission_hits_and_evictions() -> 
     assert result.first_hit_tokens == 8
     assert profiled.profile.hit_tokens == [8]
     assert profiled.profile.evicted_keys[0] > 0
+
+
+def test_the_profile_counts_evicted_keys_a_later_prompt_reached_again() -> None:
+    """A caches three blocks (two of them a shared prefix); C, with nothing shared, needs the
+    whole pool and evicts all three; D asks for A's prefix again and evicts three of C's
+    keys: six keys evicted, two of them (the shared prefix) reached again. A's third key and
+    C's are not (D's prompt stops before them)."""
+    from hybridkv.lab.hit_profile import ProfiledManager
+
+    config = plan_kv_cache(TINY, 7 * 8)
+    manager = KVCacheManager(config, max_model_len=64, enable_kv_cache_events=True)
+    profiled = ProfiledManager(manager, [4], 4)
+    shared = tuple(range(1, 9))
+    requests = [
+        RequestSpec("A", (*shared, 50, 51, 52, 53), (90,)),
+        RequestSpec("C", tuple(range(200, 224)), (92,), arrival_step=4),
+        RequestSpec("D", (*shared, 70, 71, 72, 73), (93,), arrival_step=10),
+    ]
+    limits = SchedulerConfig(32, 4, 64)
+    result = Scheduler(profiled, requests, block_size=4, config=limits).run()
+    assert result.first_hit_tokens == 0
+    assert profiled.profile.evicted_keys == [6]
+    assert profiled.profile.reached_again == [2]
+
+
+def test_the_eviction_ledger_walks_cached_and_evicted_keys_up_to_a_key_never_cached() -> None:
+    """Keys a, b, c cached; b evicted: a prompt a, b, c, d reaches b (a and c still cached, d
+    never cached). Counting it takes b off the evicted keys: a second prompt reaches nothing."""
+    from hybridkv.lab.hit_profile import EvictionLedger
+    from hybridkv.reference.block_hash import BlockHash
+    from hybridkv.reference.events import BlockRemoved, BlockStored
+
+    a, b, c, d = (BlockHash(bytes([n]) * 32) for n in range(4))
+    ledger = EvictionLedger([4, 16], 4)
+    stored = BlockStored((a, b, c), None, (), 4, None, None, None, group_idx=0)
+    ledger.observe([stored, BlockRemoved((b,), None, group_idx=0)])
+    reached = ledger.reached([a, b, c, d], 4)
+    assert reached == [[b], []]
+    assert ledger.reached([b, a], 1) == [[b], []]
+    assert ledger.reached([d, b], 2) == [[], []]
+    ledger.count(reached)
+    assert ledger.reached_again == [1, 0]
+    assert ledger.reached([a, b, c], 3) == [[], []]

@@ -8,6 +8,13 @@ whose blocks each request's first admission found cached (a sliding window count
 in-window blocks, a Mamba group its state block, as ``hybridkv replay`` does) and the cached
 (hash, group) keys evicted (``BlockRemoved`` events). The policy table's ``--profile`` prints
 them beside the hit rate.
+
+Not every eviction costs a hit: a key no later prompt asks for again is free to lose.
+``EvictionLedger`` splits the evicted keys: at each first admission it walks the prompt's
+blocks from the start, past the keys still cached, counting the evicted ones the prompt
+reaches (*reached again*), up to the first key that was never cached (no cache could hit past
+it). Those are the hits a policy lost; the rest of its evictions cost nothing. ``hybridkv
+replay`` counts them too (``group_reached_again`` in its JSON).
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from hybridkv.reference import KVCacheBlocks, Request
-from hybridkv.reference.events import BlockRemoved, KVCacheEvent
+from hybridkv.reference.block_hash import BlockHash
+from hybridkv.reference.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from hybridkv.scheduling import Manager
 
 
@@ -29,27 +37,92 @@ class EventManager(Manager, Protocol):
 
 @dataclass
 class GroupProfile:
-    """Per group: prompt tokens found cached at first admissions, and cached keys evicted."""
+    """Per group: prompt tokens found cached at first admissions, cached keys evicted, and
+    evicted keys a later first admission reached again (``EvictionLedger``)."""
 
     hit_tokens: list[int] = field(default_factory=list)
     evicted_keys: list[int] = field(default_factory=list)
+    reached_again: list[int] = field(default_factory=list)
+
+
+class EvictionLedger:
+    """Per KV cache group, the keys cached now and the keys evicted since they were last
+    cached, from a manager's events; and per group the evicted keys that later first
+    admissions reached again (``reached_again``).
+
+    Only the groups whose block size is the requests' hash block size are walked (their keys
+    are the request's block hashes); a group of another block size (a Mamba group's state
+    blocks) reports 0.
+    """
+
+    def __init__(self, group_block_sizes: Sequence[int], hash_block_size: int) -> None:
+        self.walked = [size == hash_block_size for size in group_block_sizes]
+        self.cached: list[set[BlockHash]] = [set() for _ in group_block_sizes]
+        self.evicted: list[set[BlockHash]] = [set() for _ in group_block_sizes]
+        self.reached_again = [0] * len(group_block_sizes)
+
+    def observe(self, events: Sequence[object]) -> None:
+        """Follow the cache through a batch of events, in order."""
+        for event in events:
+            if isinstance(event, BlockStored) and event.group_idx is not None:
+                self.cached[event.group_idx].update(event.block_hashes)
+                self.evicted[event.group_idx].difference_update(event.block_hashes)
+            elif isinstance(event, BlockRemoved) and event.group_idx is not None:
+                self.cached[event.group_idx].difference_update(event.block_hashes)
+                self.evicted[event.group_idx].update(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                for keys in (*self.cached, *self.evicted):
+                    keys.clear()
+
+    def reached(self, hashes: Sequence[BlockHash], num_blocks: int) -> list[list[BlockHash]]:
+        """Per group, the evicted keys a prompt with these block hashes reaches (its first
+        ``num_blocks`` blocks, walked from the start past cached and evicted keys up to the
+        first key never cached). Changes nothing: ``count`` commits them."""
+        found: list[list[BlockHash]] = []
+        for g, walked in enumerate(self.walked):
+            keys: list[BlockHash] = []
+            if walked:
+                cached, evicted = self.cached[g], self.evicted[g]
+                for block_hash in hashes[:num_blocks]:
+                    if block_hash in evicted:
+                        keys.append(block_hash)
+                    elif block_hash not in cached:
+                        break
+            found.append(keys)
+        return found
+
+    def count(self, reached: list[list[BlockHash]]) -> None:
+        """Count a first admission's ``reached`` keys (each eviction is reached once)."""
+        for g, keys in enumerate(reached):
+            evicted = self.evicted[g]
+            for key in keys:
+                if key in evicted:
+                    evicted.discard(key)
+                    self.reached_again[g] += 1
 
 
 class ProfiledManager:
     """``manager``'s scheduler-facing calls, counting each group's first-admission hits and
     evictions into ``profile`` (the manager must emit KV cache events)."""
 
-    def __init__(self, manager: EventManager, group_block_sizes: Sequence[int]) -> None:
+    def __init__(
+        self, manager: EventManager, group_block_sizes: Sequence[int], hash_block_size: int
+    ) -> None:
         self.manager = manager
         self.group_block_sizes = tuple(group_block_sizes)
         groups = len(self.group_block_sizes)
-        self.profile = GroupProfile([0] * groups, [0] * groups)
-        self._found: dict[str, KVCacheBlocks] = {}
+        self.profile = GroupProfile([0] * groups, [0] * groups, [0] * groups)
+        self.ledger = EvictionLedger(self.group_block_sizes, hash_block_size)
+        self._found: dict[str, tuple[KVCacheBlocks, list[list[BlockHash]]]] = {}
         self._admitted: set[str] = set()
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
+        self._count_evictions()  # the ledger sees the cache as the lookup does
         blocks, hits, boundary = self.manager.get_computed_blocks(request)
-        self._found[request.request_id] = blocks
+        if request.request_id not in self._admitted:
+            full = request.num_prompt_tokens // request.hash_block_size
+            reached = self.ledger.reached(request.block_hashes, full)
+            self._found[request.request_id] = (blocks, reached)
         return blocks, hits, boundary
 
     def new_step_starts(self) -> None:
@@ -71,11 +144,13 @@ class ProfiledManager:
             new_computed_blocks,
             full_sequence_must_fit=full_sequence_must_fit,
         )
-        self._count_evictions()  # an allocation is what evicts
         found = self._found.pop(request.request_id, None)
         if new is not None and found is not None and request.request_id not in self._admitted:
             self._admitted.add(request.request_id)
-            self._count_hits(found)
+            self._count_hits(found[0])
+            self.ledger.count(found[1])  # before this allocation's events cache them again
+            self.profile.reached_again[:] = self.ledger.reached_again
+        self._count_evictions()  # an allocation is what evicts
         return new
 
     def free(self, request: Request) -> None:
@@ -89,7 +164,9 @@ class ProfiledManager:
         add_group_hit_tokens(self.profile.hit_tokens, blocks, self.group_block_sizes)
 
     def _count_evictions(self) -> None:
-        for event in self.manager.take_events():
+        events = self.manager.take_events()
+        self.ledger.observe(events)
+        for event in events:
             if isinstance(event, BlockRemoved) and event.group_idx is not None:
                 self.profile.evicted_keys[event.group_idx] += len(event.block_hashes)
 

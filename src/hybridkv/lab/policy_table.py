@@ -64,7 +64,8 @@ class Cell:
 class CellResult:
     """What one run measured (a function of the cell alone: no clock). ``group_hit_rates`` and
     ``group_evictions``: per KV cache group, prompt tokens whose blocks first admissions found
-    cached / prompt tokens, and cached keys evicted (``hit_profile``)."""
+    cached / prompt tokens, and cached keys evicted; ``group_reached_again``: of those, the keys
+    a later first admission reached again (``hit_profile``)."""
 
     cell: Cell
     num_blocks: int
@@ -73,6 +74,7 @@ class CellResult:
     rejected: int
     group_hit_rates: tuple[float, ...] = ()
     group_evictions: tuple[int, ...] = ()
+    group_reached_again: tuple[int, ...] = ()
 
 
 def run_cell(cell: Cell) -> CellResult:
@@ -97,7 +99,8 @@ def run_cell(cell: Cell) -> CellResult:
         enable_kv_cache_events=True,
         eviction_policy=cell.policy,
     )
-    manager = ProfiledManager(torch_manager, [g.spec.block_size for g in config.groups])
+    block_sizes = [g.spec.block_size for g in config.groups]
+    manager = ProfiledManager(torch_manager, block_sizes, plan.report.block_size)
     mamba = [g.spec.block_size for g in config.groups if isinstance(g.spec, MambaSpec)]
     requests = make_workload(cell.workload, cell.requests, seed=cell.seed, max_model_len=16384)
     limits = SchedulerConfig(full_prompt_admission=cell.engine)
@@ -118,6 +121,7 @@ def run_cell(cell: Cell) -> CellResult:
         result.num_rejected,
         tuple(tokens / prompt for tokens in manager.profile.hit_tokens),
         tuple(manager.profile.evicted_keys),
+        tuple(manager.profile.reached_again),
     )
 
 
@@ -209,10 +213,12 @@ def markdown(summaries: dict[Key, Summary], policies: Sequence[str]) -> str:
 
 
 def profile_markdown(results: Sequence[CellResult], policies: Sequence[str]) -> str:
-    """Per cell of the table and policy, each group's first-admission hit rate (percent) and
-    cached keys evicted, means over the seeds: where a policy's hits are lost."""
+    """Per cell of the table and policy, each group's first-admission hit rate (percent), cached
+    keys evicted and those of them a later prompt reached again, means over the seeds: where a
+    policy's hits are lost."""
     lines = [
-        "| model | workload | memory | policy | hit rate | per group: hit % / keys evicted |",
+        "| model | workload | memory | policy | hit rate "
+        "| per group: hit % / keys evicted (reached again) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     grouped = {key: group for key, group in by_key(results).items() if key[2]}
@@ -222,7 +228,8 @@ def profile_markdown(results: Sequence[CellResult], policies: Sequence[str]) -> 
         rate = statistics.fmean(100 * r.hit_rate for r in group)
         per_group = [
             f"g{g} {statistics.fmean(100 * r.group_hit_rates[g] for r in group):.1f} / "
-            f"{statistics.fmean(r.group_evictions[g] for r in group):,.0f}"
+            f"{statistics.fmean(r.group_evictions[g] for r in group):,.0f} "
+            f"({statistics.fmean(r.group_reached_again[g] for r in group):,.0f})"
             for g in range(len(group[0].group_hit_rates))
         ]
         model, workload, memory, policy = key

@@ -37,10 +37,11 @@ from hybridkv.block_trace import (
     covered_prefix_tokens,
 )
 from hybridkv.lab.cost_model import CostModel
-from hybridkv.lab.hit_profile import add_group_hit_tokens
+from hybridkv.lab.hit_profile import EvictionLedger, add_group_hit_tokens
 from hybridkv.lab.host_tier import HostTier
 from hybridkv.lab.result import ReplayResult
 from hybridkv.reference import KVCacheBlocks, Request
+from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.events import BlockRemoved
 from hybridkv.scheduling import Manager, mamba_aligned_chunk
 
@@ -134,7 +135,12 @@ class Replay:
         self.group_block_sizes = tuple(group_block_sizes)
         self.events = events
         self.host = host
-        self.result = ReplayResult(group_hit_tokens=[0] * len(self.group_block_sizes))
+        self.result = ReplayResult(
+            group_hit_tokens=[0] * len(self.group_block_sizes),
+            group_reached_again=[0] * len(self.group_block_sizes),
+        )
+        self.ledger = EvictionLedger(self.group_block_sizes, block_size) if events else None
+        """Which evicted keys later first admissions reached again (with ``events`` only)."""
         self.now_ms = 0.0
         self.waiting: deque[_Live] = deque()
         self.running: list[_Live] = []
@@ -198,6 +204,8 @@ class Replay:
         if self.events is not None:
             events = self._call(self.events)
             self._count_evictions(events)
+            if self.ledger is not None:
+                self.ledger.observe(events)
             if host is not None:
                 host.observe(events, lambda: self._block_keys(host, scheduled, starts))
         if host is not None:
@@ -276,6 +284,7 @@ class Replay:
             live = self.waiting[0]
             request = live.request
             reachable = covered_prefix_tokens(live.trace, self._scheduled, self.block_size)
+            reached = self._reached(live)
             blocks, num_hits, boundary = self._call(self.manager.get_computed_blocks, request)
             request.shared_prefix_boundary = boundary
             num_new = self._chunk(request, num_hits, min(request.num_tokens - num_hits, budget))
@@ -298,11 +307,26 @@ class Replay:
             self.running.append(live)
             request.num_computed_tokens = num_hits
             self._host_hit(live, num_hits)
+            if reached is not None:
+                self._count_reached(reached)
             self._count_admission(live, num_hits, blocks, reachable)
             self._cover_scheduled(live, num_new)
             admitted.append((live, num_new))
             budget -= num_new
         return admitted
+
+    def _reached(self, live: _Live) -> list[list[BlockHash]] | None:
+        """The evicted keys ``live``'s first admission would reach (None when re-admitted or
+        without events)."""
+        if self.ledger is None or live.admitted:
+            return None
+        hashes = live.request.block_hashes
+        return self.ledger.reached(hashes, live.trace.input_length // self.block_size)
+
+    def _count_reached(self, reached: list[list[BlockHash]]) -> None:
+        assert self.ledger is not None
+        self.ledger.count(reached)
+        self.result.group_reached_again[:] = self.ledger.reached_again
 
     def _host_hit(self, live: _Live, num_hits: int) -> None:
         """The host tier continues the GPU hit: those tokens are loaded, not prefilled."""

@@ -58,6 +58,10 @@ class ReplayResult:
     group_hit_tokens: list[int] = field(default_factory=list)
     """Per KV cache group, prompt tokens (of first admissions) whose blocks that group found
     cached: the hit's non-null block ids of the group × its block size."""
+    group_reached_again: list[int] = field(default_factory=list)
+    """Per KV cache group, cached keys evicted that a later first admission reached again (its
+    prompt walked from the start past cached and evicted keys, ``hit_profile.EvictionLedger``):
+    the hits eviction cost. Empty without the manager's events."""
 
     def count_arrival(
         self,
@@ -135,6 +139,7 @@ class ReplayResult:
             "hit_rate": round(self.hit_rate, 6),
             "host_hit_tokens": self.host_hit_tokens,
             "group_hit_rates": [round(rate, 6) for rate in self.group_hit_rates],
+            "group_reached_again": list(self.group_reached_again),
             "bound_hit_tokens": self.bound_hit_tokens,
             "arrived_prompt_tokens": self.arrived_prompt_tokens,
             "bound_hit_rate": round(self.bound_hit_rate, 6),
