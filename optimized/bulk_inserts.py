@@ -23,8 +23,8 @@ import numpy as np
 import numpy.typing as npt
 
 from hybridkv.optimized.extra_keys import ExtraKeys
-from hybridkv.optimized.pending import PendingWork
-from hybridkv.optimized.sources import GROUP_MIX, keys_of
+from hybridkv.optimized.pending import InsertRecord, PendingWork
+from hybridkv.optimized.sources import GROUP_MIX, hash_key, keys_of
 from hybridkv.optimized.thresholds import INSERT_MIN, SETTLE_MAX
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.events import EventBuilder
@@ -106,6 +106,27 @@ class BulkInserts(ExtraKeys):
         if behind.shape[0]:
             self.unsettled_many.append(behind)
         if len(self.unsettled_many) >= SETTLE_MAX // INSERT_MIN:
+            self.settle_duplicates()  # long without a lookup: bounded memory
+
+    def chain_records(self, records: Sequence[InsertRecord]) -> None:
+        """``chain_entries`` of pending records, one entry at a time (for fewer entries than
+        ``insert_min``, where numpy's calls cost more than the links): each entry becomes its
+        bucket's head, linked to the one before, as ``insert`` makes it."""
+        heads, hnext, hk, srcs = self.heads.a, self.hnext.a, self.hk.a, self.src.a
+        mask, num_groups, end, unsettled = self.mask, self.num_groups, self.end, self.unsettled
+        for src, pos, block_hash, blocks, group_ids in records:
+            key = hash_key(block_hash)
+            high, base = key << 32, pos * num_groups
+            for block, group_id in zip(blocks, group_ids, strict=True):
+                bucket = (key + group_id * GROUP_MIX) & mask
+                behind = heads[bucket]
+                hnext[block] = behind
+                if behind != end:  # only then can an older twin sit behind it
+                    unsettled.append(block)
+                heads[bucket] = block
+                hk[block] = high | (base + group_id)
+                srcs[block] = src
+        if len(unsettled) >= SETTLE_MAX:
             self.settle_duplicates()  # long without a lookup: bounded memory
 
     def keys_of(self, hashes: Sequence[BlockHash]) -> npt.NDArray[np.int64]:

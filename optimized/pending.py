@@ -36,7 +36,7 @@ Data layout
                by that hash (a decode step's record holds one block of every group)
 
 ``apply`` expands the inserts into numpy columns (one entry per block) and turns the hashes
-into 4-byte keys with one join.
+into 4-byte keys with one join; fewer than ``insert_min`` entries it links one by one.
 """
 
 from __future__ import annotations
@@ -52,11 +52,19 @@ import numpy.typing as npt
 from hybridkv.optimized.sources import keys_of
 from hybridkv.reference.block_hash import BlockHash
 
+InsertRecord = tuple[int, int, BlockHash, Sequence[int], Sequence[int]]
+"""(source, position, hash, blocks, group ids): one call's inserts at one position."""
+
 
 class PendingTarget(Protocol):
-    """What ``apply`` writes back into: the block pool's release and chain passes."""
+    """What ``apply`` writes back into: the block pool's release and chain passes (in numpy
+    calls from ``insert_min`` entries, else one entry at a time)."""
+
+    insert_min: int
 
     def release_cached(self, blocks: npt.NDArray[np.int64]) -> None: ...
+
+    def chain_records(self, records: Sequence[InsertRecord]) -> None: ...
 
     def chain_entries(
         self,
@@ -66,10 +74,6 @@ class PendingTarget(Protocol):
         srcs: npt.NDArray[np.int64],
         keys: npt.NDArray[np.int64],
     ) -> None: ...
-
-
-InsertRecord = tuple[int, int, BlockHash, Sequence[int], Sequence[int]]
-"""(source, position, hash, blocks, group ids): one call's inserts at one position."""
 
 
 class PendingWork:
@@ -130,6 +134,9 @@ class PendingWork:
         if self.inserts:
             records, total = self.inserts, self.num_inserts
             self.inserts, self.num_inserts = [], 0
+            if total < pool.insert_min:  # a few steps' blocks: numpy's calls would cost more
+                pool.chain_records(records)
+                return
             counts = np.fromiter((len(r[3]) for r in records), dtype=np.int64, count=len(records))
             blocks = np.fromiter(chain.from_iterable(r[3] for r in records), np.int64, total)
             groups = np.fromiter(chain.from_iterable(r[4] for r in records), np.int64, total)
