@@ -171,3 +171,15 @@ def test_the_eviction_ledger_walks_cached_and_evicted_keys_up_to_a_key_never_cac
     ledger.count(reached)
     assert ledger.reached_again == [1, 0]
     assert ledger.reached([a, b, c], 3) == [[], []]
+
+
+def test_the_profile_table_gives_each_groups_means_over_the_seeds() -> None:
+    """Two seeds of one cell: group 0's hit %, keys evicted and keys reached again (with
+    their tokens in percent of prompt tokens) are the seeds' means."""
+    cells = [Cell("m", "agent", GIB, "lru", seed) for seed in (0, 1)]
+    results = [
+        CellResult(cells[0], 100, 0.5, 0, 0, (0.5,), (10,), (4,), (0.02,)),
+        CellResult(cells[1], 100, 0.3, 0, 0, (0.3,), (20,), (6,), (0.04,)),
+    ]
+    lines = policy_table.profile_markdown(results, ["lru"]).splitlines()
+    assert lines[2] == "| m | agent | 1 GiB | lru | 40.0 | g0 40.0 / 15 (5, 3.0 %) |"

@@ -75,6 +75,10 @@ class CellResult:
     group_hit_rates: tuple[float, ...] = ()
     group_evictions: tuple[int, ...] = ()
     group_reached_again: tuple[int, ...] = ()
+    group_reached_rates: tuple[float, ...] = ()
+    """Per group, the tokens of the keys reached again (× the group's block size) / prompt
+    tokens: at most what a policy that evicted none of them would have added to the group's
+    hit."""
 
 
 def run_cell(cell: Cell) -> CellResult:
@@ -122,6 +126,10 @@ def run_cell(cell: Cell) -> CellResult:
         tuple(tokens / prompt for tokens in manager.profile.hit_tokens),
         tuple(manager.profile.evicted_keys),
         tuple(manager.profile.reached_again),
+        tuple(
+            keys * size / prompt
+            for keys, size in zip(manager.profile.reached_again, block_sizes, strict=True)
+        ),
     )
 
 
@@ -214,11 +222,11 @@ def markdown(summaries: dict[Key, Summary], policies: Sequence[str]) -> str:
 
 def profile_markdown(results: Sequence[CellResult], policies: Sequence[str]) -> str:
     """Per cell of the table and policy, each group's first-admission hit rate (percent), cached
-    keys evicted and those of them a later prompt reached again, means over the seeds: where a
-    policy's hits are lost."""
+    keys evicted and those of them a later prompt reached again (keys, and their tokens in
+    percent of prompt tokens), means over the seeds: where a policy's hits are lost."""
     lines = [
         "| model | workload | memory | policy | hit rate "
-        "| per group: hit % / keys evicted (reached again) |",
+        "| per group: hit % / keys evicted (reached again: keys, % of prompt tokens) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     grouped = {key: group for key, group in by_key(results).items() if key[2]}
@@ -229,7 +237,8 @@ def profile_markdown(results: Sequence[CellResult], policies: Sequence[str]) -> 
         per_group = [
             f"g{g} {statistics.fmean(100 * r.group_hit_rates[g] for r in group):.1f} / "
             f"{statistics.fmean(r.group_evictions[g] for r in group):,.0f} "
-            f"({statistics.fmean(r.group_reached_again[g] for r in group):,.0f})"
+            f"({statistics.fmean(r.group_reached_again[g] for r in group):,.0f}, "
+            f"{statistics.fmean(100 * r.group_reached_rates[g] for r in group):.1f} %)"
             for g in range(len(group[0].group_hit_rates))
         ]
         model, workload, memory, policy = key
