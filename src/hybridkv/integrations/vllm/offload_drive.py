@@ -12,34 +12,23 @@ group, the preemptions, the blocks to zero, the store and load jobs per group (f
 index, GPU block ids, CPU chunk ids) and the jobs to flush, the engine outputs (local and
 connector hit tokens), the manager's and the connector's KV events, the prefix-cache statistics
 of both and the usage.
+
+The steps run in ``drive_loop``'s loop, shared with ``scheduler_drive.drive``; ``OffloadDrive``
+adds the worker, the held reset and this record.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import mmap
 import random
-import time
-from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hybridkv.integrations.vllm.run_config import (
-    EOS_TOKEN_ID,
-    VOCAB,
-    Arrival,
-    RunConfig,
-    RunResult,
-    Workload,
-)
+from hybridkv.integrations.vllm.drive_loop import DriveLoop, Processed, refusal, request_hasher
+from hybridkv.integrations.vllm.run_config import VOCAB, Arrival, RunConfig, RunResult, Workload
 from hybridkv.integrations.vllm.scheduler_drive import build_scheduler
-from hybridkv.integrations.vllm.step_records import (
-    engine_output_record,
-    output_record,
-    recording,
-    runner_output,
-    sampled_token,
-)
+from hybridkv.integrations.vllm.step_records import output_record, recording, sampled_token
 
 if TYPE_CHECKING:
     from hybridkv.integrations.vllm.offload_worker import OffloadWorker
@@ -179,39 +168,29 @@ def drive_with_worker(
 ) -> tuple[RunResult, OffloadWorker | None]:
     """``drive``, and the worker stand-in as the run left it (its GPU blocks and CPU chunks;
     ``None`` if the scheduler could not be built)."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.kv_cache_interface import MambaSpec
-    from vllm.v1.request import Request, RequestStatus
-
-    from hybridkv.integrations.vllm.offload_worker import OffloadWorker
-
-    cfg = run.cfg
-    init_none_hash(sha256)
-    hasher = get_request_block_hasher(cfg.block_size, sha256)
+    hasher = request_hasher(run.cfg)
     try:
         scheduler = build(run, manager)
     except Exception as error:  # a setting the backend refuses, by name
-        return RunResult(manager, [], 0.0, f"{type(error).__name__}: {error}"), None
-    kv, connector = scheduler.kv_cache_manager, scheduler.connector
-    events: list[Any] = []
-    cpu_events: list[Any] = []
-    take_events, take_cpu_events = kv.take_events, connector.take_events
-    kv.take_events = recording(take_events, events)
-    connector.take_events = recording(take_cpu_events, cpu_events)
-    prompts: dict[str, list[int]] = {}
+        return refusal(manager, error), None
+    loop = OffloadDrive(run, scheduler, workload or offload_workload(run.cfg), hasher)
+    return loop.run(manager), loop.worker
 
-    def token(request_id: str, position: int) -> int:
-        prompt = prompts[request_id]
-        return prompt[position] if position < len(prompt) else sampled_token(request_id, position)
+
+def make_worker(run: OffloadRun, scheduler: Any, token: Callable[[str, int], int]) -> OffloadWorker:
+    """The worker stand-in for ``scheduler``'s groups: its Mamba groups hold a state, the
+    connector's offloaded groups are those its jobs name; ``token`` is a request's token at a
+    position (what computing a block writes)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from hybridkv.integrations.vllm.offload_worker import OffloadWorker
 
     groups = scheduler.kv_cache_config.kv_cache_groups
-    offloaded = connector.connector_scheduler.config.kv_group_configs
-    worker = OffloadWorker(
-        num_blocks=cfg.num_blocks,
+    offloaded = scheduler.connector.connector_scheduler.config.kv_group_configs
+    return OffloadWorker(
+        num_blocks=run.cfg.num_blocks,
         num_chunks=run.cpu_chunks,
-        block_size=cfg.block_size,
+        block_size=run.cfg.block_size,
         state_groups=frozenset(
             i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, MambaSpec)
         ),
@@ -219,121 +198,83 @@ def drive_with_worker(
         token=token,
         num_groups=len(groups),
     )
-    workload = workload or offload_workload(cfg)
-    rng = random.Random(cfg.seed + 1)
-    pending = deque(sorted(workload.arrivals, key=lambda a: a.step))
-    followups: deque[Arrival] = deque()
-    abort_at: dict[str, int] = {}
-    continuations: dict[str, Arrival] = {}
-    in_flight: deque[tuple[Any, set[str]]] = deque()
-    records: list[dict[str, Any]] = []
-    depth = 2 if cfg.run == "async" else 1
-    start = time.perf_counter()
 
-    def add(arrival: Arrival, step: int) -> None:
-        params = SamplingParams(max_tokens=arrival.max_tokens, ignore_eos=True)
-        params.update_from_generation_config({}, EOS_TOKEN_ID)
-        prompts[arrival.request_id] = list(arrival.prompt)
-        scheduler.add_request(
-            Request(
-                request_id=arrival.request_id,
-                prompt_token_ids=arrival.prompt,
-                sampling_params=params,
-                pooling_params=None,
-                arrival_time=float(step),
-                cache_salt=arrival.cache_salt,
-                priority=arrival.priority,
-                block_hasher=hasher,
-            )
-        )
-        if arrival.abort_after is not None:
-            abort_at[arrival.request_id] = step + arrival.abort_after
-        if arrival.continues is not None:
-            continuations[arrival.request_id] = arrival
 
-    def model_output(output: Any, chunks: set[str], connector_output: Any) -> Any:
-        req_ids = list(output.num_scheduled_tokens)
-        sampled: list[list[int]] = []
-        for req_id in req_ids:
-            request = scheduler.requests.get(req_id)
-            gone = request is None or req_id in chunks
-            sampled.append([] if gone else [sampled_token(req_id, request.num_tokens)])
-        return runner_output(req_ids, sampled, kv_connector_output=connector_output)
+class OffloadDrive(DriveLoop):
+    """The offloading run's loop: the worker stand-in executes every step (its connector output
+    goes back with the fake model's reply), a reset waits for an idle engine, and a record holds
+    the connector's jobs, its KV events and the engine's statistics of both tiers."""
 
-    step = 0
-    paused: int | None = None  # a reset's step, its arrivals held until the engine is idle
-    try:
-        while step < cfg.max_steps:
-            reset = None
-            if paused is None and step in workload.reset_steps:
-                paused = step
-            if paused is not None and not in_flight and not scheduler.has_requests():
-                reset = scheduler.reset_prefix_cache()
-                shift = step - paused
-                pending = deque(dataclasses.replace(a, step=a.step + shift) for a in pending)
-                followups = deque(dataclasses.replace(a, step=a.step + shift) for a in followups)
-                paused = None
-            while paused is None and pending and pending[0].step <= step:
-                add(pending.popleft(), step)
-            while paused is None and followups and followups[0].step <= step:
-                add(followups.popleft(), step)
-            to_abort = sorted(r for r, s in abort_at.items() if s == step)
-            if to_abort:
-                scheduler.finish_requests(to_abort, RequestStatus.FINISHED_ABORTED)
-            output = scheduler.schedule()
-            record = _output_record(output)
-            record["step"], record["reset"] = step, reset
-            chunks = {
-                r for r in output.num_scheduled_tokens if scheduler.requests[r].is_prefill_chunk
-            }
-            in_flight.append((output, chunks))
-            finished: list[str] = []
-            outputs: list[Any] = []
-            stats: list[Any] = []
-            while in_flight and (len(in_flight) >= depth or not output.num_scheduled_tokens):
-                done, done_chunks = in_flight.popleft()
-                reply = model_output(done, done_chunks, worker.execute(done))
-                for engine_output in scheduler.update_from_output(done, reply).values():
-                    if engine_output.scheduler_stats is not None:
-                        s = engine_output.scheduler_stats
-                        stats.append(
-                            (
-                                _cache_stats(s.prefix_cache_stats),
-                                _cache_stats(s.connector_prefix_cache_stats),
-                            )
-                        )
-                    for out in engine_output.outputs:
-                        outputs.append(engine_output_record(out))
-                        if out.finish_reason is not None:
-                            finished.append(out.request_id)
-            record["outputs"], record["stats"] = outputs, stats
-            record["events"], record["cpu_events"] = list(events), list(cpu_events)
-            events.clear()
-            cpu_events.clear()
-            record["usage"] = round(float(kv.usage), 9)
-            records.append(record)
-            for request_id in sorted(finished):
-                arrival = continuations.pop(request_id, None)
-                if arrival is None:
-                    continue
-                answer = [sampled_token(request_id, len(arrival.prompt) + k) for k in range(3)]
-                turn = [sampled_token(request_id + "u", k) for k in range(rng.randrange(4, 40))]
-                followups.append(
-                    Arrival(
-                        step=step + 1,
-                        request_id=f"{request_id}.next",
-                        prompt=(arrival.prompt + answer + turn)[: cfg.max_model_len // 2],
-                        max_tokens=rng.randrange(1, 20),
-                        priority=arrival.priority,
-                        cache_salt=arrival.cache_salt,
-                    )
-                )
-            step += 1
-            if not (pending or followups or in_flight or scheduler.has_requests()):
-                break
-    except Exception as error:  # the record so far, and what went wrong
-        elapsed = time.perf_counter() - start
-        return RunResult(manager, records, elapsed, f"{type(error).__name__}: {error}"), worker
-    finally:
-        kv.take_events, connector.take_events = take_events, take_cpu_events
-    return RunResult(manager, records, time.perf_counter() - start), worker
+    def __init__(self, run: OffloadRun, scheduler: Any, workload: Workload, hasher: Any) -> None:
+        super().__init__(run.cfg, scheduler, workload, hasher)
+        self.connector = scheduler.connector
+        self.cpu_events: list[Any] = []
+        self.connector_take_events = self.connector.take_events
+        self.connector.take_events = recording(self.connector_take_events, self.cpu_events)
+        self.prompts: dict[str, list[int]] = {}
+        self.paused: int | None = None  # a reset's step, its arrivals held until the engine is idle
+        self.worker = make_worker(run, scheduler, self.token)
+
+    def token(self, request_id: str, position: int) -> int:
+        """A request's token at ``position``: its prompt's, then the fake model's."""
+        prompt = self.prompts[request_id]
+        return prompt[position] if position < len(prompt) else sampled_token(request_id, position)
+
+    def add(self, arrival: Arrival, step: int) -> None:
+        """The arrival's prompt noted for ``token``, then the request added."""
+        self.prompts[arrival.request_id] = list(arrival.prompt)
+        super().add(arrival, step)
+
+    def request_kwargs(self, arrival: Arrival) -> dict[str, Any]:
+        """None: the worker computes blocks from the prompt's tokens alone."""
+        return {}
+
+    def open_step(self, step: int) -> Any:
+        """At a reset's step, hold the arrivals until nothing runs or waits; then reset the GPU
+        prefix cache (the documents come back from the CPU tier alone) and shift the arrivals
+        by the steps held."""
+        reset = None
+        if self.paused is None and step in self.workload.reset_steps:
+            self.paused = step
+        if self.paused is not None and not self.in_flight and not self.scheduler.has_requests():
+            reset = self.scheduler.reset_prefix_cache()
+            self.delay_arrivals(step - self.paused)
+            self.paused = None
+        if self.paused is None:
+            self.admit_due(step)
+        self.abort_due(step)
+        return reset
+
+    def output_record(self, output: Any) -> dict[str, Any]:
+        return _output_record(output)
+
+    def runner_extra(self, output: Any) -> dict[str, Any]:
+        """The worker runs the step's jobs; its connector output goes with the reply."""
+        return {"kv_connector_output": self.worker.execute(output)}
+
+    def stats_of(self, engine_output: Any) -> Any | None:
+        """The engine's prefix-cache statistics of the GPU pool and of the connector."""
+        s = engine_output.scheduler_stats
+        if s is None:
+            return None
+        return (_cache_stats(s.prefix_cache_stats), _cache_stats(s.connector_prefix_cache_stats))
+
+    def close_record(self, record: dict[str, Any], processed: Processed) -> None:
+        """The engine outputs, statistics, both tiers' KV events and the usage of the step."""
+        record["outputs"], record["stats"] = processed.outputs, processed.stats
+        record["events"], record["cpu_events"] = self.take_events(), list(self.cpu_events)
+        self.cpu_events.clear()
+        record["usage"] = round(float(self.kv.usage), 9)
+
+    def continuation_order(self, finished: list[str]) -> list[str]:
+        """In request-id order."""
+        return sorted(finished)
+
+    def busy(self) -> bool:
+        """``has_requests``, as an engine keeps stepping: finished requests whose stores the
+        connector has not yet completed (and their ids not yet sent to the worker) count."""
+        return bool(self.scheduler.has_requests())
+
+    def restore(self) -> None:
+        super().restore()
+        self.connector.take_events = self.connector_take_events

@@ -1,7 +1,8 @@
 """vLLM 0.33's real scheduler for a ``vllm-check`` run (``build_scheduler``: vLLM's manager or a
 hybridkv backend swapped in), the seeded token workload (``make_workload``) and the run itself
 (``drive``): ``schedule()`` / ``update_from_output()`` with a fake model, one record per step
-(``step_records``).
+(``step_records``), in ``drive_loop``'s loop with this run's resets, draft tokens and records
+(``TokenDrive``).
 """
 
 from __future__ import annotations
@@ -10,27 +11,18 @@ import json
 import os
 import random
 import tempfile
-import time
-from collections import deque
 from typing import Any
 
 from hybridkv.integrations.vllm import mm_workload
+from hybridkv.integrations.vllm.drive_loop import DriveLoop, Processed, refusal, request_hasher
 from hybridkv.integrations.vllm.run_config import (
-    EOS_TOKEN_ID,
     VOCAB,
     Arrival,
     RunConfig,
     RunResult,
     Workload,
 )
-from hybridkv.integrations.vllm.step_records import (
-    engine_output_record,
-    output_record,
-    recording,
-    runner_output,
-    sampled_token,
-    stats_record,
-)
+from hybridkv.integrations.vllm.step_records import sampled_token, stats_record
 
 _TINY_POSITIONS = 4096
 _TINY_MODEL = {
@@ -220,166 +212,70 @@ def make_workload(cfg: RunConfig) -> Workload:
     return Workload(arrivals, reset_steps)
 
 
+class TokenDrive(DriveLoop):
+    """The token and multimodal runs' loop: prefix-cache resets at the workload's steps, draft
+    tokens under ``spec`` (the fake model accepts a seeded number of them), and the manager's
+    prefix-cache statistics as it makes them (``make_prefix_cache_stats`` wrapped)."""
+
+    def __init__(self, cfg: RunConfig, scheduler: Any, workload: Workload, hasher: Any) -> None:
+        super().__init__(cfg, scheduler, workload, hasher)
+        self.stats_log: list[Any] = []
+        self.make_stats = self.kv.make_prefix_cache_stats
+        self.kv.make_prefix_cache_stats = self.recording_make_stats
+
+    def recording_make_stats(self) -> Any:
+        """``make_prefix_cache_stats``, every result noted for the step's record."""
+        stats = self.make_stats()
+        self.stats_log.append(stats_record(stats))
+        return stats
+
+    def open_step(self, step: int) -> Any:
+        """Admissions and aborts, then the workload's reset at its steps."""
+        super().open_step(step)
+        if step not in self.workload.reset_steps:
+            return None
+        # Every other reset preempts the running requests first (an RLHF weight update).
+        return self.scheduler.reset_prefix_cache(reset_running_requests=step % 2 == 1)
+
+    def accepted_tokens(self, output: Any, req_id: str) -> int:
+        """A seeded number of the request's scheduled draft tokens (none without any)."""
+        spec = output.scheduled_spec_decode_tokens.get(req_id, [])
+        return self.rng.randrange(0, len(spec) + 1) if spec else 0
+
+    def draft_tokens(self, reply: Any) -> Any | None:
+        """Under ``spec``, the next draft tokens of every request the reply left running (what
+        an engine's drafter proposes after each step)."""
+        if self.cfg.run != "spec":
+            return None
+        from vllm.v1.outputs import DraftTokenIds
+
+        requests = self.scheduler.requests
+        draft_ids = [r for r in reply.req_ids if r in requests and not requests[r].is_finished()]
+        drafts = [
+            [sampled_token(r, 10_000 + k) for k in range(self.cfg.num_speculative_tokens)]
+            for r in draft_ids
+        ]
+        return DraftTokenIds(draft_ids, drafts)
+
+    def close_record(self, record: dict[str, Any], processed: Processed) -> None:
+        """The finishes, engine outputs, KV events, statistics and usage of the step."""
+        record["finished_outputs"] = sorted(processed.finished)
+        record["outputs"] = processed.outputs
+        record["events"] = self.take_events()
+        record["stats"] = list(self.stats_log)
+        self.stats_log.clear()
+        record["usage"] = round(float(self.kv.usage), 9)
+
+    def restore(self) -> None:
+        super().restore()
+        self.kv.make_prefix_cache_stats = self.make_stats
+
+
 def drive(cfg: RunConfig, manager: str) -> RunResult:
     """Run ``cfg``'s workload through vLLM's scheduler with ``manager``; one record per step."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.outputs import DraftTokenIds
-    from vllm.v1.request import Request, RequestStatus
-
-    init_none_hash(sha256)
-    hasher = get_request_block_hasher(cfg.block_size, sha256)
+    hasher = request_hasher(cfg)
     try:
         scheduler = build_scheduler(cfg, manager)
     except Exception as error:  # a setting the backend refuses, by name
-        return RunResult(manager, [], 0.0, f"{type(error).__name__}: {error}")
-    kv = scheduler.kv_cache_manager
-    events: list[Any] = []
-    take_events = kv.take_events
-    kv.take_events = recording(take_events, events)
-    stats_log: list[Any] = []
-    make_stats = kv.make_prefix_cache_stats
-
-    def recording_make_stats() -> Any:
-        stats = make_stats()
-        stats_log.append(stats_record(stats))
-        return stats
-
-    kv.make_prefix_cache_stats = recording_make_stats
-
-    workload = make_workload(cfg)
-    rng = random.Random(cfg.seed + 1)
-    pending = deque(sorted(workload.arrivals, key=lambda a: a.step))
-    followups: deque[Arrival] = deque()
-    admitted_at: dict[str, int] = {}
-    abort_after: dict[str, int] = {}
-    continuations: dict[str, Arrival] = {}
-    in_flight: deque[tuple[Any, set[str]]] = deque()
-    records: list[dict[str, Any]] = []
-    depth = 2 if cfg.run == "async" else 1
-    start = time.perf_counter()
-
-    def add(arrival: Arrival, step: int) -> None:
-        params = SamplingParams(max_tokens=arrival.max_tokens, ignore_eos=True)
-        params.update_from_generation_config({}, EOS_TOKEN_ID)
-        request = Request(
-            request_id=arrival.request_id,
-            sampling_params=params,
-            pooling_params=None,
-            arrival_time=float(step),
-            cache_salt=arrival.cache_salt,
-            priority=arrival.priority,
-            block_hasher=hasher,
-            **{"prompt_token_ids": arrival.prompt, **arrival.request_kwargs},
-        )
-        scheduler.add_request(request)
-        admitted_at[arrival.request_id] = step
-        if arrival.abort_after is not None:
-            abort_after[arrival.request_id] = step + arrival.abort_after
-        if arrival.continues is not None:
-            continuations[arrival.request_id] = arrival
-
-    def model_output(output: Any, chunks: set[str]) -> Any:
-        req_ids = list(output.num_scheduled_tokens)
-        sampled: list[list[int]] = []
-        for req_id in req_ids:
-            request = scheduler.requests.get(req_id)
-            if request is None or req_id in chunks:
-                sampled.append([])  # gone, or a prefill chunk that does not end the prompt
-                continue
-            spec = output.scheduled_spec_decode_tokens.get(req_id, [])
-            accepted = rng.randrange(0, len(spec) + 1) if spec else 0
-            base = request.num_tokens
-            sampled.append([sampled_token(req_id, base + k) for k in range(accepted + 1)])
-        return runner_output(req_ids, sampled)
-
-    step = 0
-    try:
-        while step < cfg.max_steps:
-            while pending and pending[0].step <= step:
-                add(pending.popleft(), step)
-            while followups and followups[0].step <= step:
-                add(followups.popleft(), step)
-            to_abort = sorted(r for r, s in abort_after.items() if s == step)
-            if to_abort:
-                scheduler.finish_requests(to_abort, RequestStatus.FINISHED_ABORTED)
-            reset = None
-            if step in workload.reset_steps:
-                # Every other reset preempts the running requests first (an RLHF weight update).
-                reset = scheduler.reset_prefix_cache(reset_running_requests=step % 2 == 1)
-            output = scheduler.schedule()
-            record = output_record(output)
-            record["step"] = step
-            record["reset"] = reset
-            chunks = {
-                r for r in output.num_scheduled_tokens if scheduler.requests[r].is_prefill_chunk
-            }
-            in_flight.append((output, chunks))
-            finished: list[str] = []
-            engine_records: list[Any] = []
-            while in_flight and (len(in_flight) >= depth or not output.num_scheduled_tokens):
-                done, done_chunks = in_flight.popleft()
-                # The fake model runs the step now: outputs are computed at processing time.
-                reply = model_output(done, done_chunks)
-                engine_outputs = scheduler.update_from_output(done, reply)
-                for outputs in engine_outputs.values():
-                    for out in outputs.outputs:
-                        engine_records.append(engine_output_record(out))
-                        if out.finish_reason is not None:
-                            finished.append(out.request_id)
-                if cfg.run == "spec":
-                    draft_ids = [
-                        r
-                        for r in reply.req_ids
-                        if r in scheduler.requests and not scheduler.requests[r].is_finished()
-                    ]
-                    scheduler.update_draft_token_ids(
-                        DraftTokenIds(
-                            draft_ids,
-                            [
-                                [
-                                    sampled_token(r, 10_000 + k)
-                                    for k in range(cfg.num_speculative_tokens)
-                                ]
-                                for r in draft_ids
-                            ],
-                        )
-                    )
-            record["finished_outputs"] = sorted(finished)
-            record["outputs"] = engine_records
-            record["events"] = list(events)
-            events.clear()
-            record["stats"] = list(stats_log)
-            stats_log.clear()
-            record["usage"] = round(float(kv.usage), 9)
-            records.append(record)
-            for request_id in finished:
-                arrival = continuations.pop(request_id, None)
-                if arrival is None:
-                    continue
-                request_tokens = list(arrival.prompt) + [
-                    sampled_token(request_id, len(arrival.prompt) + k) for k in range(3)
-                ]
-                turn = [sampled_token(request_id + "u", k) for k in range(rng.randrange(4, 40))]
-                prompt = (request_tokens + turn)[: cfg.max_model_len // 2]
-                followups.append(
-                    Arrival(
-                        step=step + 1,
-                        request_id=f"{request_id}.next",
-                        prompt=prompt,
-                        max_tokens=rng.randrange(1, 20),
-                        priority=arrival.priority,
-                        cache_salt=arrival.cache_salt,
-                    )
-                )
-            step += 1
-            if not (pending or followups or in_flight or scheduler.has_unfinished_requests()):
-                break
-    except Exception as error:  # the record so far, and what went wrong
-        return RunResult(
-            manager, records, time.perf_counter() - start, f"{type(error).__name__}: {error}"
-        )
-    finally:
-        kv.take_events, kv.make_prefix_cache_stats = take_events, make_stats
-    return RunResult(manager, records, time.perf_counter() - start)
+        return refusal(manager, error)
+    return TokenDrive(cfg, scheduler, make_workload(cfg), hasher).run(manager)
