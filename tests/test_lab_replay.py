@@ -169,6 +169,7 @@ def test_evictions_count_the_cached_keys_new_tokens_took() -> None:
         config=FLAT,
         group_block_sizes=[4],
         events=manager.take_events,
+        walked_groups=[True],
     )
     result = replay.run()
     assert (result.evictions, result.hit_tokens, result.group_hit_tokens) == (4, 4, [4])

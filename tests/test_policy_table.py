@@ -116,7 +116,7 @@ def test_the_profile_counts_each_groups_first_admission_hits_and_evictions() -> 
 
     config = plan_kv_cache(TINY, 7 * 8)
     manager = KVCacheManager(config, max_model_len=64, enable_kv_cache_events=True)
-    profiled = ProfiledManager(manager, [4], 4)
+    profiled = ProfiledManager(manager, [TINY["layers.0"]], 4)
     shared = tuple(range(1, 9))
     requests = [
         RequestSpec("A", (*shared, 50, 51), (90,)),
@@ -139,7 +139,7 @@ def test_the_profile_counts_evicted_keys_a_later_prompt_reached_again() -> None:
 
     config = plan_kv_cache(TINY, 7 * 8)
     manager = KVCacheManager(config, max_model_len=64, enable_kv_cache_events=True)
-    profiled = ProfiledManager(manager, [4], 4)
+    profiled = ProfiledManager(manager, [TINY["layers.0"]], 4)
     shared = tuple(range(1, 9))
     requests = [
         RequestSpec("A", (*shared, 50, 51, 52, 53), (90,)),
@@ -161,7 +161,7 @@ def test_the_eviction_ledger_walks_cached_and_evicted_keys_up_to_a_key_never_cac
     from hybridkv.reference.events import BlockRemoved, BlockStored
 
     a, b, c, d = (BlockHash(bytes([n]) * 32) for n in range(4))
-    ledger = EvictionLedger([4, 16], 4)
+    ledger = EvictionLedger([True, False])
     stored = BlockStored((a, b, c), None, (), 4, None, None, None, group_idx=0)
     ledger.observe([stored, BlockRemoved((b,), None, group_idx=0)])
     reached = ledger.reached([a, b, c, d], 4)
@@ -183,3 +183,18 @@ def test_the_profile_table_gives_each_groups_means_over_the_seeds() -> None:
     ]
     lines = policy_table.profile_markdown(results, ["lru"]).splitlines()
     assert lines[2] == "| m | agent | 1 GiB | lru | 40.0 | g0 40.0 / 15 (5, 3.0 %) |"
+
+
+def test_the_ledger_walks_full_attention_at_the_hash_block_size_only() -> None:
+    """A window reads only the blocks before a hit's end and a Mamba group one state: a walk
+    from the prompt's start measures neither, nor a group of another block size."""
+    from hybridkv.lab.hit_profile import walked_groups
+    from hybridkv.spec import MambaSpec, SlidingWindowSpec
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype_bytes=2)
+    window = SlidingWindowSpec(
+        block_size=16, num_kv_heads=1, head_size=8, dtype_bytes=2, sliding_window=64
+    )
+    wide = FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=8, dtype_bytes=2)
+    state = MambaSpec(block_size=16, state_bytes=64)
+    assert walked_groups([full, window, wide, state], 16) == [True, False, False, False]

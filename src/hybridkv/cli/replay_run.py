@@ -194,6 +194,7 @@ def _replay(
 ) -> ReplayResult:
     """The cell's replay on the scheduler ``setup`` names."""
     from hybridkv.lab import Replay
+    from hybridkv.lab.hit_profile import walked_groups
 
     if setup.scheduler == "vllm":
         from hybridkv.cli.replay_vllm import run_vllm
@@ -209,6 +210,7 @@ def _replay(
         config=_config(setup, plan),
         mamba_block_size=_mamba_block_size(plan),
         group_block_sizes=[group.spec.block_size for group in groups],
+        walked_groups=walked_groups([group.spec for group in groups], plan.report.block_size),
         events=manager.take_events,  # type: ignore[attr-defined]
         host=_host_tier(setup, plan),
     )

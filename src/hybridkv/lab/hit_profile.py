@@ -27,6 +27,7 @@ from hybridkv.reference import KVCacheBlocks, Request
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from hybridkv.scheduling import Manager
+from hybridkv.spec import FullAttentionSpec, KVCacheSpec
 
 
 class EventManager(Manager, Protocol):
@@ -45,21 +46,32 @@ class GroupProfile:
     reached_again: list[int] = field(default_factory=list)
 
 
+def walked_groups(specs: Sequence[KVCacheSpec], hash_block_size: int) -> list[bool]:
+    """The groups ``EvictionLedger`` walks: full attention at the hash block size. A full
+    attention hit is a prefix, so walking a prompt's blocks from the start is how a hit
+    reads them; a window or chunk reads only the blocks before the hit's end, and a Mamba
+    group one state, which a walk from the start does not measure."""
+    return [
+        isinstance(spec, FullAttentionSpec) and spec.block_size == hash_block_size for spec in specs
+    ]
+
+
 class EvictionLedger:
     """Per KV cache group, the keys cached now and the keys evicted since they were last
-    cached, from a manager's events; and per group the evicted keys that later first
-    admissions reached again (``reached_again``).
+    cached, from a manager's events; and per walked group (``walked_groups``: full
+    attention) the evicted keys that later first admissions reached again
+    (``reached_again``; 0 for the other groups).
 
-    Only the groups whose block size is the requests' hash block size are walked (their keys
-    are the request's block hashes); a group of another block size (a Mamba group's state
-    blocks) reports 0.
+    For a full-attention group those keys bound what eviction cost: a policy that had kept
+    every one of them could have added at most their tokens to the hits (the other groups
+    must hold their blocks at the same hit end too).
     """
 
-    def __init__(self, group_block_sizes: Sequence[int], hash_block_size: int) -> None:
-        self.walked = [size == hash_block_size for size in group_block_sizes]
-        self.cached: list[set[BlockHash]] = [set() for _ in group_block_sizes]
-        self.evicted: list[set[BlockHash]] = [set() for _ in group_block_sizes]
-        self.reached_again = [0] * len(group_block_sizes)
+    def __init__(self, walked: Sequence[bool]) -> None:
+        self.walked = list(walked)
+        self.cached: list[set[BlockHash]] = [set() for _ in walked]
+        self.evicted: list[set[BlockHash]] = [set() for _ in walked]
+        self.reached_again = [0] * len(walked)
 
     def observe(self, events: Sequence[object]) -> None:
         """Follow the cache through a batch of events, in order."""
@@ -106,13 +118,13 @@ class ProfiledManager:
     evictions into ``profile`` (the manager must emit KV cache events)."""
 
     def __init__(
-        self, manager: EventManager, group_block_sizes: Sequence[int], hash_block_size: int
+        self, manager: EventManager, specs: Sequence[KVCacheSpec], hash_block_size: int
     ) -> None:
         self.manager = manager
-        self.group_block_sizes = tuple(group_block_sizes)
+        self.group_block_sizes = tuple(spec.block_size for spec in specs)
         groups = len(self.group_block_sizes)
         self.profile = GroupProfile([0] * groups, [0] * groups, [0] * groups)
-        self.ledger = EvictionLedger(self.group_block_sizes, hash_block_size)
+        self.ledger = EvictionLedger(walked_groups(specs, hash_block_size))
         self._found: dict[str, tuple[KVCacheBlocks, list[list[BlockHash]]]] = {}
         self._admitted: set[str] = set()
 

@@ -104,7 +104,8 @@ def run_cell(cell: Cell) -> CellResult:
         eviction_policy=cell.policy,
     )
     block_sizes = [g.spec.block_size for g in config.groups]
-    manager = ProfiledManager(torch_manager, block_sizes, plan.report.block_size)
+    specs = [g.spec for g in config.groups]
+    manager = ProfiledManager(torch_manager, specs, plan.report.block_size)
     mamba = [g.spec.block_size for g in config.groups if isinstance(g.spec, MambaSpec)]
     requests = make_workload(cell.workload, cell.requests, seed=cell.seed, max_model_len=16384)
     limits = SchedulerConfig(full_prompt_admission=cell.engine)

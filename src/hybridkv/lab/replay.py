@@ -125,6 +125,7 @@ class Replay:
         group_block_sizes: Sequence[int] = (),
         events: EventSource | None = None,
         host: HostTier | None = None,
+        walked_groups: Sequence[bool] = (),
     ) -> None:
         self.manager = manager
         self.trace = iter(trace)
@@ -139,7 +140,8 @@ class Replay:
             group_hit_tokens=[0] * len(self.group_block_sizes),
             group_reached_again=[0] * len(self.group_block_sizes),
         )
-        self.ledger = EvictionLedger(self.group_block_sizes, block_size) if events else None
+        walked = list(walked_groups) if walked_groups else [False] * len(self.group_block_sizes)
+        self.ledger = EvictionLedger(walked) if events else None
         """Which evicted keys later first admissions reached again (with ``events`` only)."""
         self.now_ms = 0.0
         self.waiting: deque[_Live] = deque()
