@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
 from hybridkv.block_trace import (
@@ -36,9 +36,9 @@ from hybridkv.block_trace import (
     cover_prefix,
     covered_prefix_tokens,
 )
-from hybridkv.lab.cost_model import CostModel
 from hybridkv.lab.hit_profile import EvictionLedger, add_group_hit_tokens
 from hybridkv.lab.host_tier import HostTier
+from hybridkv.lab.replay_config import ReplayConfig
 from hybridkv.lab.result import ReplayResult
 from hybridkv.reference import KVCacheBlocks, Request
 from hybridkv.reference.block_hash import BlockHash
@@ -56,38 +56,6 @@ block tokens + offset``) and no other request's output is ever equal to one."""
 EventSource = Callable[[], Sequence[object]]
 """The manager's ``take_events`` (built with ``enable_kv_cache_events=True``): each
 ``BlockRemoved`` names the cached keys (hash, group) whose blocks were reused for new tokens."""
-
-
-@dataclass(frozen=True)
-class ReplayConfig:
-    """The scheduler's limits and the clock."""
-
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-    max_model_len: int = 131072
-    time_scale: float = 1.0
-    cost_model: CostModel = field(default_factory=CostModel)
-    attention_mix: tuple[tuple[float, int | None], ...] = ((1.0, None),)
-    """``(share of the KV bytes per token, window)`` per attention kind, for the context a step
-    attends: a full-attention share reads the whole context, a windowed one at most its window."""
-    full_prompt_admission: bool = False
-    """Admit a waiting request only when its whole sequence fits (vLLM 0.33's engine admits so:
-    ``allocate_slots(..., full_sequence_must_fit=True)``); off, only its first chunk must fit."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if not self.time_scale > 0:
-            raise ValueError(f"time_scale must be > 0, got {self.time_scale!r}")
-
-    def attended(self, context: int) -> float:
-        """Context tokens a step reads for a request of ``context`` tokens, weighted by kind."""
-        return sum(
-            share * (context if window is None else min(context, window))
-            for share, window in self.attention_mix
-        )
 
 
 @dataclass
@@ -136,10 +104,7 @@ class Replay:
         self.group_block_sizes = tuple(group_block_sizes)
         self.events = events
         self.host = host
-        self.result = ReplayResult(
-            group_hit_tokens=[0] * len(self.group_block_sizes),
-            group_reached_again=[0] * len(self.group_block_sizes),
-        )
+        self.result = ReplayResult(group_hit_tokens=[0] * len(self.group_block_sizes))
         walked = list(walked_groups) if walked_groups else [False] * len(self.group_block_sizes)
         self.ledger = EvictionLedger(walked) if events else None
         """Which evicted keys later first admissions reached again (with ``events`` only)."""
@@ -170,6 +135,8 @@ class Replay:
         self.result.simulated_ms = self.now_ms
         self.result.wall_seconds = time.perf_counter() - start
         self.result.manager_seconds = self._manager_seconds
+        if self.ledger is not None:
+            self.result.group_reached_again = list(self.ledger.reached_again)
         return self.result
 
     # --- Arrivals ---------------------------------------------------------------------------
@@ -309,8 +276,8 @@ class Replay:
             self.running.append(live)
             request.num_computed_tokens = num_hits
             self._host_hit(live, num_hits)
-            if reached is not None:
-                self._count_reached(reached)
+            if reached is not None and self.ledger is not None:
+                self.ledger.count(reached)
             self._count_admission(live, num_hits, blocks, reachable)
             self._cover_scheduled(live, num_new)
             admitted.append((live, num_new))
@@ -324,11 +291,6 @@ class Replay:
             return None
         hashes = live.request.block_hashes
         return self.ledger.reached(hashes, live.trace.input_length // self.block_size)
-
-    def _count_reached(self, reached: list[list[BlockHash]]) -> None:
-        assert self.ledger is not None
-        self.ledger.count(reached)
-        self.result.group_reached_again[:] = self.ledger.reached_again
 
     def _host_hit(self, live: _Live, num_hits: int) -> None:
         """The host tier continues the GPU hit: those tokens are loaded, not prefilled."""

@@ -43,7 +43,8 @@ from hybridkv.block_trace import (
 from hybridkv.integrations.vllm.bench import ManagerClock
 from hybridkv.integrations.vllm.check import RunConfig, build_scheduler
 from hybridkv.lab.hit_profile import add_group_hit_tokens
-from hybridkv.lab.replay import OUTPUT_TOKEN_BASE, ReplayConfig
+from hybridkv.lab.replay import OUTPUT_TOKEN_BASE
+from hybridkv.lab.replay_config import ReplayConfig
 from hybridkv.lab.result import ReplayResult
 from hybridkv.lab.vllm_engine import MANAGERS, VllmEngine
 from hybridkv.reference import KVCacheBlocks
