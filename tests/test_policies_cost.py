@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from policy_workload import KV, admit, document_config
+from policy_workload import KV, admit, document_config, useless_cache
 
 from hybridkv.policies import CachedBlock, CostPolicy
 from hybridkv.policies.cost import recompute_flops
@@ -106,3 +106,17 @@ def test_the_default_alpha_is_recency_first() -> None:
 def test_a_bad_alpha_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"^alpha must be in \[0, 1\], got 1.5$"):
         CostPolicy(alpha=1.5)
+
+
+def test_without_duplicates_first_a_second_holder_is_scored_with_the_rest() -> None:
+    """``duplicates_first=False``: h1's second holder (block 10 of ``hybrid``'s useless-block
+    cache) is no longer reused first; the other useless blocks still are."""
+    from hybridkv.policies.hybrid import OTHER, USELESS
+
+    for first, tier, order in ((True, USELESS, [7, 9, 10, 1]), (False, OTHER, [7, 9, 1, 2])):
+        policy = CostPolicy(duplicates_first=first)
+        for block in useless_cache():
+            policy.cached(block)
+        policy.released([], list(range(1, 11)))
+        assert (policy.tier(7), policy.tier(9), policy.tier(10)) == (USELESS, USELESS, tier)
+        assert list(policy.choose(4)) == order

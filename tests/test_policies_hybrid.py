@@ -116,6 +116,18 @@ def test_blocks_that_can_serve_no_hit_are_useless() -> None:
     assert policy.choose(3) == [2, 5, 7]
 
 
+def test_without_duplicates_first_a_second_holder_ages_with_the_first() -> None:
+    """``duplicates_first=False``: the second holder of h1 (block 10) is not singled out; it
+    waits in tier 3 beside the first holder, the other useless blocks still go first."""
+    policy = HybridPolicy(duplicates_first=False)
+    for block in useless_cache():
+        policy.cached(block)
+    policy.released([], list(range(1, 11)))
+    tiers = policy.tiers()
+    assert (tiers[7], tiers[9], tiers[10]) == (USELESS, USELESS, OTHER)
+    assert list(policy.choose(3)) == [7, 9, 3]  # then tier 2: an interior window block
+
+
 def test_beside_a_mamba_group_chains_age_with_the_states() -> None:
     """A hit on full attention + Mamba needs the state at its end, so the chain is not kept
     past its states: released in order chain h1, state h1, chain h2, the three leave in that

@@ -87,6 +87,7 @@ class CostPolicy(HybridPolicy):
         mamba_flops_per_state_byte: float = DEFAULT_MAMBA_FLOPS_PER_STATE_BYTE,
         *,
         candidates_first: bool = False,
+        duplicates_first: bool = True,
     ) -> None:
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
@@ -99,7 +100,7 @@ class CostPolicy(HybridPolicy):
         self.candidates_first = candidates_first
         self._efficiency: dict[int, float] = {}  # block -> FLOPs per byte of its keys
         self._horizon = 0
-        super().__init__()
+        super().__init__(duplicates_first=duplicates_first)
 
     def cached(self, block: CachedBlock) -> None:
         flops = recompute_flops(block, self.mamba_flops_per_state_byte)

@@ -32,8 +32,8 @@ class HybridARCPolicy:
 
     name = "hybrid-arc"
 
-    def __init__(self) -> None:
-        self.hybrid = HybridPolicy(tails_last=False)
+    def __init__(self, *, duplicates_first: bool = True) -> None:
+        self.hybrid = HybridPolicy(tails_last=False, duplicates_first=duplicates_first)
         self.arc = ARCPolicy()
 
     def cached(self, block: CachedBlock) -> None:
