@@ -200,7 +200,7 @@ class BranchTree:
                 return hashes, last, None
             if at == 0:
                 self.first_agreement = (source, reached)
-            if hashes:
+            if hashes or not isinstance(theirs, list):
                 hashes += theirs[at:reached]
             else:
                 hashes = theirs[at:reached]  # the first branch: its slice is the list (no copy)
