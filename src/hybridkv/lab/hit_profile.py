@@ -74,14 +74,20 @@ class EvictionLedger:
         self.reached_again = [0] * len(walked)
 
     def observe(self, events: Sequence[object]) -> None:
-        """Follow the cache through a batch of events, in order."""
+        """Follow the walked groups' keys through a batch of events, in order (the other
+        groups' keys are never read: they are not kept)."""
+        walked = self.walked
         for event in events:
-            if isinstance(event, BlockStored) and event.group_idx is not None:
-                self.cached[event.group_idx].update(event.block_hashes)
-                self.evicted[event.group_idx].difference_update(event.block_hashes)
-            elif isinstance(event, BlockRemoved) and event.group_idx is not None:
-                self.cached[event.group_idx].difference_update(event.block_hashes)
-                self.evicted[event.group_idx].update(event.block_hashes)
+            if isinstance(event, BlockStored):
+                g = event.group_idx
+                if g is not None and walked[g]:
+                    self.cached[g].update(event.block_hashes)
+                    self.evicted[g].difference_update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                g = event.group_idx
+                if g is not None and walked[g]:
+                    self.cached[g].difference_update(event.block_hashes)
+                    self.evicted[g].update(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 for keys in (*self.cached, *self.evicted):
                     keys.clear()

@@ -105,8 +105,8 @@ class Replay:
         self.events = events
         self.host = host
         self.result = ReplayResult(group_hit_tokens=[0] * len(self.group_block_sizes))
-        walked = list(walked_groups) if walked_groups else [False] * len(self.group_block_sizes)
-        self.ledger = EvictionLedger(walked) if events else None
+        walked = list(walked_groups)
+        self.ledger = EvictionLedger(walked) if events and any(walked) else None
         """Which evicted keys later first admissions reached again (with ``events`` only)."""
         self.now_ms = 0.0
         self.waiting: deque[_Live] = deque()
