@@ -13,8 +13,8 @@ Not every eviction costs a hit: a key no later prompt asks for again is free to 
 ``EvictionLedger`` splits the evicted keys: at each first admission it walks the prompt's
 blocks from the start, past the keys still cached, counting the evicted ones the prompt
 reaches (*reached again*), up to the first key that was never cached (no cache could hit past
-it). Those are the hits a policy lost; the rest of its evictions cost nothing. ``hybridkv
-replay`` counts them too (``group_reached_again`` in its JSON).
+it). Their tokens bound the hits the evictions cost; the other evicted keys cost none.
+``hybridkv replay`` counts them too (``group_reached_again`` in its JSON).
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ def walked_groups(specs: Sequence[KVCacheSpec], hash_block_size: int) -> list[bo
 
 
 class EvictionLedger:
-    """Per KV cache group, the keys cached now and the keys evicted since they were last
-    cached, from a manager's events; and per walked group (``walked_groups``: full
-    attention) the evicted keys that later first admissions reached again
-    (``reached_again``; 0 for the other groups).
+    """Per walked KV cache group (``walked_groups``: full attention), the keys cached now
+    and the keys evicted since they were last cached, from a manager's events, and the
+    evicted keys that later first admissions reached again (``reached_again``; 0 for the
+    other groups).
 
     For a full-attention group those keys bound what eviction cost: a policy that had kept
     every one of them could have added at most their tokens to the hits (the other groups
@@ -129,8 +129,9 @@ class ProfiledManager:
         self.manager = manager
         self.group_block_sizes = tuple(spec.block_size for spec in specs)
         groups = len(self.group_block_sizes)
-        self.profile = GroupProfile([0] * groups, [0] * groups, [0] * groups)
         self.ledger = EvictionLedger(walked_groups(specs, hash_block_size))
+        # The profile's reached-again counts are the ledger's own list (no copy to keep up).
+        self.profile = GroupProfile([0] * groups, [0] * groups, self.ledger.reached_again)
         self._found: dict[str, tuple[KVCacheBlocks, list[list[BlockHash]]]] = {}
         self._admitted: set[str] = set()
 
@@ -167,7 +168,6 @@ class ProfiledManager:
             self._admitted.add(request.request_id)
             self._count_hits(found[0])
             self.ledger.count(found[1])  # before this allocation's events cache them again
-            self.profile.reached_again[:] = self.ledger.reached_again
         self._count_evictions()  # an allocation is what evicts
         return new
 
