@@ -59,7 +59,9 @@ def _full_attention_hit(spec: FullAttentionSpec, p: HitProbe) -> TypeHit:
 def _sliding_window_hit(spec: SlidingWindowSpec, p: HitProbe) -> TypeHit:
     """The rightmost run of cached blocks that covers the window (Prefix caching, Case 2)."""
     b = spec.block_size
-    needed = rules.sliding_window_contiguous_blocks(spec.sliding_window, b, p.drop)
+    # A window of one token needs no block before the hit (``needed`` 0), yet the scan
+    # (vLLM's, the reference's) still ends only at a cached block: as with one block needed.
+    needed = max(1, rules.sliding_window_contiguous_blocks(spec.sliding_window, b, p.drop))
     if p.align == b:
         num, first = p.memo.window_hit(p.length, needed)
         if p.drop and num > 0:

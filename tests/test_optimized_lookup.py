@@ -368,3 +368,32 @@ def test_duplicate_entries_are_found_by_either_walk(
     pool.settle_duplicates()
     assert pool.dups == set(range(5, 13))
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_a_one_token_window_hits_only_up_to_a_cached_block_as_the_reference(
+    block_size: int,
+) -> None:
+    """A window of one token needs no block before the hit, yet the scan (vLLM's and the
+    reference's) ends only at a cached block, and such a window caches none: no hit at all,
+    though the full-attention group holds the whole shared prefix."""
+    sizes = {"block_size": block_size, "num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
+    config = KVCacheConfig(
+        40,
+        (
+            KVCacheGroup(("full",), FullAttentionSpec(**sizes)),
+            KVCacheGroup(("sw",), SlidingWindowSpec(sliding_window=1, **sizes)),
+        ),
+    )
+    prompt = [1, 2, 3, 4] * block_size
+    longer = [*prompt, *[5, 1, 2] * block_size]
+    found = []
+    for manager in (KVCacheManager(config, 64), TorchKVCacheManager(config, 64)):
+        first = Request("a", prompt, hash_block_size=block_size)
+        manager.get_computed_blocks(first)
+        assert manager.allocate_slots(first, len(prompt)) is not None
+        blocks, hit, _ = manager.get_computed_blocks(
+            Request("b", longer, hash_block_size=block_size)
+        )
+        found.append((hit, blocks.get_block_ids()))
+    assert found[0] == found[1] == (0, ([], []))
