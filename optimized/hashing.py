@@ -1,4 +1,4 @@
-"""Block hashing with the CBOR of every block encoded at once by tensor operations.
+"""Block hashing with the CBOR of every block encoded at once by numpy operations.
 
 ``hash_full_blocks_torch`` has the signature of ``hybridkv.reference.block_hash.hash_full_blocks``
 and returns byte for byte the same hashes (those of ``hash_full_blocks_cbor2``, the definition);
@@ -10,16 +10,19 @@ Canonical CBOR of ``[parent, token_ids, None]`` with a 32-byte parent is
 ``0x83 0x58 0x20 parent | array header | each token id | 0xf6``; everything after the parent
 (a block's "tail") depends on the block alone, so the tails of all blocks are built at once:
 
-- The token ids go into an ``array('Q')`` (plus 16 spare bytes holding the array header and
-  ``0xf6``), viewed without copying as an int64 tensor ``t[n]`` and as its raw bytes.
+- The token ids go into an ``array('Q')`` (a ``Request``'s packed ids are read as they are),
+  viewed without copying as ``uint64`` and narrowed to ``uint32`` once none is 2**32 or more.
 - Each id's size class ``c`` (0: below 24, 1: below 2**8, 2: below 2**16, 3: below 2**32) gives
-  its head byte (the id itself, or ``0x17 + c``) and its encoded size (1, 2, 3 or 5 bytes). In
-  the little-endian bytes of an id the byte just above its payload is zero, so the head is
-  written there: the id's encoding is then its raw bytes read downwards from the head.
-- ``source[total]``, the raw byte of every output byte, is the cumulative sum of a step tensor
-  (−1 within an id, +1 within a header, jumps where an id, a header or ``0xf6`` starts), and one
-  ``index_select`` writes all the tails into one ``bytearray``; the block bounds fall out of the
-  cumulative sum of the framed sizes.
+  its head byte (the id itself, or ``0x17 + c``) and its encoded size (1, 2, 3 or 5 bytes).
+- Each id gets an 8-byte lane, one ``uint64``: the head byte, then the id's four bytes
+  big-endian (``byteswap``), then three unused bytes. Its encoding is the head and the last
+  ``size − 1`` of those four bytes, so a per-class mask (``_KEEP``, a ``uint64`` of 0/1 bytes)
+  says which of the lane's bytes it keeps.
+- ``out[blocks, h + 8 × block_size + 1]`` holds each block's array header (``h`` bytes), its
+  ids' lanes and ``0xf6``, and ``keep`` of the same shape which of those bytes the CBOR holds;
+  one ``np.compress`` of ``out`` by ``keep`` is every block's tail, back to back, and the
+  cumulative count of kept bytes per block gives their bounds. Every buffer holds at most
+  eight bytes per id: no index array per output byte is built.
 
 Only SHA-256 then runs once per block, as the chain requires: a copy of the state after
 ``0x83 0x58 0x20``, updated with the parent digest and a memoryview slice of the block's tail.
@@ -27,8 +30,8 @@ Only SHA-256 then runs once per block, as the chain requires: a copy of the stat
 The salted first block and a parent that is not 32 bytes take the definition; ids that are
 negative, at least 2**32 or not ints take the reference's path, which encodes or raises exactly
 as ``cbor2`` does. Short inputs (below ``VECTOR_MIN_TOKENS`` of ``hybridkv.optimized.thresholds``:
-a decode step's new block) also take the reference's path, where tensor set-up would cost more
-than it saves.
+a decode step's new block) also take the reference's path, where the vector set-up would cost
+more than it saves.
 
 Packed ids
 ----------
@@ -59,8 +62,9 @@ import sys
 from array import array
 from collections.abc import Sequence
 from itertools import accumulate, pairwise
+from typing import cast
 
-import torch
+import numpy as np
 
 from hybridkv.optimized.thresholds import VECTOR_MIN_TOKENS
 from hybridkv.reference.block_hash import (
@@ -78,86 +82,59 @@ _NONZERO = bytes([0] + [1] * 255)
 _AT_LEAST_24 = bytes([0] * 24 + [1] * 232)
 _NOT = bytes([1, 0] + [0] * 254)  # of a 0/1 byte
 _HEAD = bytes([0, 0x18, 0x19, 0x1A] + [0] * 252)  # of a size class 1-3 (class 0: dropped)
+# The bytes of an id's lane (head, b3, b2, b1, b0, 0, 0, 0) its CBOR keeps, per size class,
+# as 0/1 bytes of a little-endian uint64: the head always, then the payload's bytes.
+_KEEP = np.array([0x01, 0x01_00000001, 0x01_01000001, 0x01_01010101], dtype=np.uint64)
 
 
-def encode_tails(tokens: Sequence[int], block_size: int) -> tuple[bytearray, list[int]] | None:
+def encode_tails(
+    tokens: Sequence[int], block_size: int, start: int = 0, num_blocks: int | None = None
+) -> tuple[memoryview, list[int]] | None:
     """Per whole block of ``tokens``: array header, the CBOR of each id, ``0xf6``; concatenated.
 
     This is each block's CBOR after its 35-byte prefix ``0x83 0x58 0x20 parent``. Returns the
-    buffer and the byte offset of each block's start plus the end (``len + 1`` offsets), or
-    ``None`` when some id is not an int in ``[0, 2**32)`` (or the host is big-endian).
+    bytes and the byte offset of each block's start plus the end (``len + 1`` offsets), or
+    ``None`` when some id is not an int in ``[0, 2**32)``. ``tokens`` may be packed already
+    (an ``array('Q')``, as ``Request.packed_token_ids``): then it is read in place, from id
+    ``start``, for ``num_blocks`` blocks (all its whole blocks by default).
     """
-    try:
-        ids = array("Q", tokens)  # unsigned: converts faster, and refuses negative ids
-    except (TypeError, OverflowError):
+    if isinstance(tokens, array) and tokens.typecode == "Q":
+        ids = tokens
+    else:
+        try:
+            ids = array("Q", tokens[start:])  # unsigned: converts fast, refuses negative ids
+        except (TypeError, OverflowError):
+            return None
+        start = 0
+    if num_blocks is None:
+        num_blocks = (len(ids) - start) // block_size
+    if num_blocks <= 0:
+        return memoryview(b""), [0]
+    if sys.byteorder != "little":
+        return None  # the lanes below are read as little-endian bytes
+    count = num_blocks * block_size
+    t = np.frombuffer(ids, dtype=np.uint64, count=count, offset=8 * start)
+    if int(t.max()) >= _WIDE:
         return None
-    n = len(ids)
-    if n == 0 or sys.byteorder != "little":
-        return None if n else (bytearray(), [0])
-    frame = cbor_head(4, block_size)  # the array header
+    ids32 = t.astype(np.uint32)
+    # Size class 0-3 of every id (payload of 0, 1, 2 or 4 bytes).
+    c = (ids32 >= 24).view(np.uint8) + (ids32 >= 1 << 8).view(np.uint8)
+    c += (ids32 >= 1 << 16).view(np.uint8)
+    # Each id's lane: head byte, then the id's 4 bytes big-endian, 3 bytes unused.
+    lanes = ids32.byteswap().astype(np.uint64) << np.uint64(8)
+    lanes |= np.minimum(ids32, 23).astype(np.uint8) + c
+    frame = np.frombuffer(cbor_head(4, block_size), dtype=np.uint8)
     h = len(frame)
-    ids.extend((0, 0))  # 16 spare bytes after the ids: the array header and 0xf6
-    words = torch.frombuffer(ids, dtype=torch.int64)
-    t = words[:n]
-    if int(t.min()) < 0 or int(t.max()) >= _WIDE:  # ids from 2**63 read as negative
-        return None
-    raw = words.view(torch.uint8)
-    raw[8 * n : 8 * n + h + 1] = torch.tensor(list(frame + CBOR_NULL), dtype=torch.uint8)
-    sizes, first = _write_heads(raw, t)
-    return _gather_blocks(raw, sizes, first, block_size, h)
-
-
-def _write_heads(raw: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write each id's CBOR head byte into its own 8 bytes of ``raw`` (``t``: the ids as
-    int64); the encoded size of every id and the raw byte where its encoding starts."""
-    # Size class 0-3 (payload of 0, 1, 2 or 4 bytes), head byte and encoded size of every id.
-    c = (t >= 24).to(torch.uint8)
-    c += t >= 1 << 8
-    c += t >= 1 << 16
-    head = t.clamp(max=23).to(torch.uint8) + c
-    sizes = c.to(torch.int64) + 1
-    sizes += c == 3
-    # In the little-endian bytes of id i (raw 8i … 8i + 7) the payload is bytes size − 2 … 0,
-    # and byte size − 1 is zero (or the id itself, for class 0): write the head there, and the
-    # encoding is bytes size − 1 down to 0.
-    first = torch.arange(0, 8 * t.shape[0], 8, dtype=torch.int64) + sizes - 1
-    raw[first] = head
-    return sizes, first
-
-
-def _gather_blocks(
-    raw: torch.Tensor, sizes: torch.Tensor, first: torch.Tensor, block_size: int, h: int
-) -> tuple[bytearray, list[int]]:
-    """``encode_tails``' output from ``raw`` (the ids' bytes with their heads written, then
-    the array header of ``h`` bytes and ``0xf6``): one gather of every output byte."""
-    n = sizes.shape[0]
-    spare = 8 * n
-    # Output layout: each block's header, its ids, 0xf6. ``source`` (the raw byte of every
-    # output byte) is the cumulative sum of ``step``: −1 within an id, +1 within a header,
-    # and jumps at the start of each id, header and 0xf6.
-    framed = sizes.clone()
-    framed[::block_size] += h
-    framed[block_size - 1 :: block_size] += 1
-    ends = torch.cumsum(framed, 0)
-    total = int(ends[-1])
-    starts = ends - framed
-    block_starts = starts[::block_size]
-    head_at = starts.clone()
-    head_at[::block_size] += h
-    previous = torch.arange(-8, spare - 8, 8, dtype=torch.int64)
-    previous[::block_size] = spare + h - 1
-    step = torch.full((total,), -1, dtype=torch.int64)
-    step[head_at] = first - previous
-    step[block_starts] = -h
-    for k in range(1, h):
-        step[block_starts + k] = 1
-    block_ends = ends[block_size - 1 :: block_size]
-    step[block_ends - 1] = spare + h - 8 * torch.arange(block_size - 1, n, block_size)
-    step[0] = spare
-    source = torch.cumsum(step, 0)
-    buffer = bytearray(total)
-    torch.index_select(raw, 0, source, out=torch.frombuffer(buffer, dtype=torch.uint8))
-    return buffer, [0, *block_ends.tolist()]
+    out = np.empty((num_blocks, h + 8 * block_size + 1), dtype=np.uint8)
+    keep = np.empty(out.shape, dtype=np.bool_)
+    out[:, :h] = frame
+    out[:, -1] = CBOR_NULL[0]
+    keep[:, :h] = keep[:, -1] = True
+    out[:, h:-1] = lanes.view(np.uint8).reshape(num_blocks, 8 * block_size)
+    keep[:, h:-1] = _KEEP[c].view(np.bool_).reshape(num_blocks, 8 * block_size)
+    data = np.compress(keep.ravel(), out.ravel())
+    ends = np.cumsum(np.count_nonzero(keep, axis=1))
+    return memoryview(data.data), [0, *ends.tolist()]
 
 
 def hash_full_blocks_torch(
@@ -201,20 +178,29 @@ def hash_full_blocks_torch(
             )
         )
         return hashes
-    buffer, offsets = encoded
-    tails = memoryview(buffer)
-    digest = NONE_HASH if parent is None else parent
-    prefix = hashlib.sha256(CBOR_PREFIX)
+    hashes.extend(_chain_tails(parent, *encoded))
+    return hashes
+
+
+def _chain_tails(
+    parent: BlockHash | None, tails: memoryview, offsets: list[int]
+) -> list[BlockHash]:
+    """The chained hashes of the blocks whose CBOR tails ``encode_tails`` returned: per block
+    a copy of the SHA-256 state after ``0x83 0x58 0x20``, updated with the parent digest and
+    the block's slice of ``tails``."""
+    digest: bytes = NONE_HASH if parent is None else parent
+    copy = hashlib.sha256(CBOR_PREFIX).copy
+    hashes: list[bytes] = []
     append = hashes.append
     start = offsets[0]
     for end in offsets[1:]:
-        state = prefix.copy()
+        state = copy()
         state.update(digest)
         state.update(tails[start:end])
-        digest = BlockHash(state.digest())
+        digest = state.digest()
         append(digest)
         start = end
-    return hashes
+    return cast(list[BlockHash], hashes)  # ``BlockHash`` is bytes: no call per block
 
 
 def encode_bodies(packed: array[int], block_size: int) -> tuple[bytes, list[int]] | None:
@@ -296,15 +282,13 @@ def hash_packed_blocks(
     if index >= num_full_blocks:
         return hashes
     parent = hashes[-1] if hashes else parent_hash
-    ids = packed[index * block_size : num_full_blocks * block_size]
-    if len(ids) >= VECTOR_MIN_TOKENS:
-        encoded = encode_tails(ids, block_size)
+    if (num_full_blocks - index) * block_size >= VECTOR_MIN_TOKENS:
+        encoded = encode_tails(packed, block_size, index * block_size, num_full_blocks - index)
         if encoded is not None:
-            buffer, offsets = encoded
-            tails = memoryview(buffer)
-            hashes.extend(_chain(parent, [tails[a:b] for a, b in pairwise(offsets)], b""))
+            hashes.extend(_chain_tails(parent, *encoded))
             return hashes
     else:
+        ids = packed[index * block_size : num_full_blocks * block_size]
         bodies = encode_bodies(ids, block_size)
         if bodies is not None:
             joined, ends = bodies
@@ -327,11 +311,11 @@ def _chain(
     null: bytes = b"",
 ) -> list[BlockHash]:
     """The chained hashes of blocks whose CBOR after the parent is ``header + body + null``."""
-    digest = NONE_HASH if parent is None else parent
+    digest: bytes = NONE_HASH if parent is None else parent
     sha256, join = hashlib.sha256, b"".join
-    hashes: list[BlockHash] = []
+    hashes: list[bytes] = []
     append = hashes.append
     for body in bodies:
-        digest = BlockHash(sha256(join((CBOR_PREFIX, digest, header, body, null))).digest())
+        digest = sha256(join((CBOR_PREFIX, digest, header, body, null))).digest()
         append(digest)
-    return hashes
+    return cast(list[BlockHash], hashes)
