@@ -2,21 +2,20 @@
 
 Same public API and observable behaviour as ``hybridkv.reference.KVCacheManager`` (same
 results, free-queue order, reference counts, cached blocks, events and statistics), plus:
-``device``, the capacity limits ``max_num_reqs`` and ``max_blocks_per_req``, the block-table
-tensors (``block_table``, ``row_of``), the batched calls ``allocate_slots_batch`` and
-``free_batch``, ``host_nbytes``, ``block_hasher`` and ``make_request``, the size thresholds
-in ``tuning`` and the whole ``state``.
+``device``, the limits ``max_num_reqs`` and ``max_blocks_per_req``, the block-table tensors
+(``block_table``, ``row_of``), the batched ``allocate_slots_batch`` and ``free_batch``,
+``host_nbytes``, ``block_hasher``, ``make_request``, ``tuning`` and the whole ``state``.
 
 This module is the facade: it validates each call and dispatches it to the phase that serves
 it, each a module of functions over one ``ManagerState`` (``hybridkv.optimized.state``, which
 says what it holds): ``hits`` (lookup), ``allocation`` and ``admission`` (a first
-allocation), ``step`` (a running request's step), ``caching`` and ``general_caching``
-(entering full blocks into the prefix cache), ``mamba`` (a Mamba ``"align"`` layout, request
-by request), ``batch`` (whole steps) and ``invariants`` (observation and self-checks).
+allocation), ``step`` and ``fused_step`` (a running request's step), ``caching`` and
+``general_caching`` (entering full blocks into the prefix cache), ``mamba`` (a Mamba
+``"align"`` layout, request by request), ``batch`` (whole steps) and ``invariants``.
 
-Data layout: the manager holds the state, the statistics and the last lookup's result, and
-references what the quiet exit of ``allocate_slots`` reads: the row counters (one comparison
-with ``RowTables.quiet_below[row]`` decides most decode calls) and a few ``GroupLayout`` flags.
+Data layout: the manager holds the state, the statistics and the last lookup's result, and what
+the quiet exit of ``allocate_slots`` reads: the row counters (one comparison with
+``RowTables.quiet_below[row]`` decides most decode calls) and a few ``GroupLayout`` flags.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from hybridkv.optimized import (
     step,
 )
 from hybridkv.optimized.connector_calls import ConnectorCalls
+from hybridkv.optimized.fused_step import FusedStep
 from hybridkv.optimized.layout import BlockIds, GroupLayout
 from hybridkv.optimized.state import ManagerState, Tuning, TuningKnobs
 from hybridkv.policies import EvictionPolicy, resolve_policy
@@ -102,12 +102,11 @@ class TorchKVCacheManager(ConnectorCalls, TuningKnobs, PrefixCacheStatsCalls):
             immediate=policy is not None,
         )
         self.config, self.max_model_len, self.enable_caching = config, max_model_len, enable_caching
-        self.log_stats = log_stats
+        self.log_stats, self.device = log_stats, torch.device(device)
         self.hash_block_size, self.block_size = layout.hash_block_size, layout.block_size
         self.num_groups, self.lookahead = layout.num_groups, layout.lookahead
         self.max_num_reqs, self.max_blocks_per_req = max_num_reqs, layout.max_blocks_per_req
         self.retention_interval = layout.retention_interval
-        self.device = torch.device(device)
         builder = event_builder_class.of(config, self.lookahead) if enable_kv_cache_events else None
         self._s = s = ManagerState.build(layout, self.device, builder, tuning or Tuning(), policy)
         self.pool = s.pool
@@ -118,6 +117,7 @@ class TorchKVCacheManager(ConnectorCalls, TuningKnobs, PrefixCacheStatsCalls):
         # What the quiet exit of ``allocate_slots`` reads, one attribute away.
         self._rows, self._row_of = s.rows, s.rows.row_of
         self._has_align, self._no_blocks = layout.has_align, layout.no_blocks
+        s.fused = FusedStep.build(s)
         self._stats = PrefixCacheCounter(log_stats)
         # The last lookup's result: handed back to ``allocate_slots``, its ids need no check.
         self._issued: KVCacheBlocks | None = None

@@ -19,9 +19,11 @@ from collections import Counter
 
 RUNNING_STEP = "running step"
 """``allocate_slots`` of a running request past the quiet exit (``step.run``)."""
+FUSED_STEP = "fused step (one block per group)"
+"""``allocate_slots`` of a running request served by ``FusedStep`` (its common crossing call)."""
 ALLOCATE = "allocate past the quiet exit"
 """``allocate_slots`` served by ``allocation.allocate`` (admissions, hits, odd counts)."""
-ALLOCATE_PATHS = (RUNNING_STEP, ALLOCATE)
+ALLOCATE_PATHS = (RUNNING_STEP, FUSED_STEP, ALLOCATE)
 
 STEP_RELEASE = "step: window or chunk release"
 STEP_UNIFORM_TAKE = "step: uniform-columns take"
@@ -41,6 +43,7 @@ HYBRID_WITH_FULL = "lookup: 3-4 attention types with full attention"
 
 PATHS = (
     RUNNING_STEP,
+    FUSED_STEP,
     ALLOCATE,
     STEP_RELEASE,
     STEP_UNIFORM_TAKE,

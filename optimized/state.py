@@ -22,6 +22,8 @@ Data layout (G groups, R = ``max_num_reqs`` rows, W = ``max_blocks_per_req`` pos
     deferred     Counter: blocks ``pop_blocks_for_free`` handed out and not yet freed (holders
                  outside the tables; ``hybridkv.optimized.connector_calls``)
     tuning       Tuning: the sizes at which paths switch to vectorised calls
+    fused        FusedStep or None: the common crossing call of a running step, in one function
+                 (``hybridkv.optimized.fused_step``), where the layout allows it
 
 The shared steps are methods: ``settle`` (make the running steps' pending pool work before
 anything reads the pool), ``release_row`` (give a row back with its source and Mamba
@@ -33,7 +35,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -48,19 +50,25 @@ from hybridkv.optimized.thresholds import BATCH_MIN, BUSY_BATCH_MIN, INSERT_MIN,
 from hybridkv.policies.protocol import EvictionPolicy
 from hybridkv.reference.events import EventBuilder
 
+if TYPE_CHECKING:
+    from hybridkv.optimized.fused_step import FusedStep
+
 Key = tuple[bytes, int]
 """A cache key: (block hash, group id), ``BlockHashWithGroupId``."""
 
 
 @dataclass(frozen=True)
 class Tuning:
-    """The size thresholds a test may lower (``hybridkv.optimized.thresholds``): none changes
-    a result, only which path computes it."""
+    """The size thresholds a test may lower (``hybridkv.optimized.thresholds``) and the fused
+    step's switch: none changes a result, only which path computes it."""
 
     vector_min: int = VECTOR_MIN
     batch_min: int = BATCH_MIN
     busy_batch_min: int = BUSY_BATCH_MIN
     insert_min: int = INSERT_MIN
+    fused_step: bool = True
+    """Whether a running request's common crossing call takes ``FusedStep``
+    (``hybridkv.optimized.fused_step``); off, ``step`` makes every call."""
 
 
 class _HasTuning(Protocol):
@@ -75,7 +83,8 @@ def tuning_knob(name: str) -> Any:
         return value
 
     def set_(owner: _HasTuning, value: int) -> None:
-        owner.tuning = replace(owner.tuning, **{name: value})
+        changes: dict[str, Any] = {name: value}
+        owner.tuning = replace(owner.tuning, **changes)
 
     return property(get, set_)
 
@@ -140,6 +149,7 @@ class ManagerState:
         "_tuning",
         "block_hasher",
         "deferred",
+        "fused",
         "layout",
         "mamba",
         "pool",
@@ -177,6 +187,7 @@ class ManagerState:
         # Blocks ``pop_blocks_for_free`` handed out, not yet freed: holders outside the tables.
         self.deferred: Counter[int] = Counter()
         self.block_hasher = block_hasher
+        self.fused: FusedStep | None = None  # the owning manager builds it over this state
         self._tuning = tuning
         self.tuning = tuning
 

@@ -14,11 +14,12 @@ from hybridkv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, Slidin
 
 pytest.importorskip("torch")
 from hybridkv.optimized import TorchKVCacheManager, path_counts
+from hybridkv.optimized.state import Tuning
 
 B = 4
 
 
-def _manager() -> TorchKVCacheManager:
+def _manager(tuning: Tuning | None = None) -> TorchKVCacheManager:
     sizes = {"block_size": B, "num_kv_heads": 1, "head_size": 8, "dtype_bytes": 2}
     config = KVCacheConfig(
         32,
@@ -27,7 +28,7 @@ def _manager() -> TorchKVCacheManager:
             KVCacheGroup(("sw",), SlidingWindowSpec(sliding_window=4, **sizes)),
         ),
     )
-    return TorchKVCacheManager(config, 64)
+    return TorchKVCacheManager(config, 64, tuning=tuning)
 
 
 def test_a_new_manager_lists_every_path_at_zero() -> None:
@@ -36,8 +37,9 @@ def test_a_new_manager_lists_every_path_at_zero() -> None:
     assert set(paths.values()) == {0}
 
 
-def test_the_quiet_exit_changes_no_count_and_a_block_boundary_runs_the_step() -> None:
-    manager = _manager()
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_quiet_exit_changes_no_count_and_a_block_boundary_runs_the_step(fused: bool) -> None:
+    manager = _manager(Tuning(fused_step=fused))
     request = Request("r", list(range(6)), hash_block_size=B)
     manager.get_computed_blocks(request)
     assert manager.allocate_slots(request, 6) is not None
@@ -54,6 +56,11 @@ def test_the_quiet_exit_changes_no_count_and_a_block_boundary_runs_the_step() ->
     request.append_output_token_ids(8)
     manager.allocate_slots(request, 1)  # token 9 needs a third block, the window releases
     after = manager.fast_paths
+    if fused:  # each crossing is one block per group: the fused step makes both
+        assert after[path_counts.FUSED_STEP] == 2
+        assert after[path_counts.RUNNING_STEP] == 0
+        return
+    assert after[path_counts.FUSED_STEP] == 0
     assert after[path_counts.RUNNING_STEP] == 2
     assert after[path_counts.CACHE_UNIFORM] == 1
     assert after[path_counts.STEP_UNIFORM_TAKE] == 1
@@ -76,6 +83,6 @@ def test_the_fast_profile_reaches_every_fast_path() -> None:
     counts = stats.fast_paths[name]
     assert name.startswith("optimized")
     reached = {path: n for path, n in counts.items() if "policy hears" not in path}
-    assert len(reached) == 17
+    assert len(reached) == 18
     assert min(reached.values()) >= 18, reached
     assert counts[QUIET_EXIT] >= 100
