@@ -103,9 +103,15 @@ OPTIMIZED_MUTANTS: tuple[Mutant, ...] = (
         "the optimized sliding-window lookup needs window tokens cached, not window − 1",
         "type_hits",
         (
-            "needed = rules.sliding_window_contiguous_blocks(spec.sliding_window, b, p.drop)",
-            "needed = rules.sliding_window_contiguous_blocks(spec.sliding_window + 1, b, p.drop)",
+            "rules.sliding_window_contiguous_blocks(spec.sliding_window, b, p.drop)",
+            "rules.sliding_window_contiguous_blocks(spec.sliding_window + 1, b, p.drop)",
         ),
+    ),
+    optimized_mutant(
+        "opt_fused_capacity_one_block_late",
+        "after taking a block, the fused step counts one block more of room than the row holds",
+        "fused_step",
+        ("rows.capacity[row] = (have + 1) * b", "rows.capacity[row] = (have + 2) * b"),
     ),
     optimized_mutant(
         "opt_release_walk_order",

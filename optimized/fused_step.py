@@ -41,7 +41,18 @@ from hybridkv.reference.request import RequestLike
 class FusedStep:
     """A running request's crossing call in one function (see the module docstring)."""
 
-    __slots__ = ("_bases", "_block_size", "_g", "_s", "_width", "_window")
+    __slots__ = (
+        "_bases",
+        "_block_size",
+        "_g",
+        "_group_ids",
+        "_max_len",
+        "_s",
+        "_stride",
+        "_width",
+        "_window",
+        "_zeros",
+    )
 
     def __init__(self, s: ManagerState) -> None:
         layout = s.layout
@@ -51,6 +62,12 @@ class FusedStep:
         self._width = layout.max_blocks_per_req
         self._bases = layout.group_bases
         self._window = layout.one_window
+        self._max_len = layout.max_model_len
+        self._group_ids = layout.columns.group_ids
+        self._stride = s.tables.group_stride
+        window = layout.one_window
+        # Nulls for one position of every window group (one strided write releases them).
+        self._zeros = array("i", (0,)) * (0 if window is None else window[1] - window[0])
 
     @classmethod
     def build(cls, s: ManagerState) -> FusedStep | None:
@@ -70,13 +87,13 @@ class FusedStep:
         """``step.run`` of a crossing call that keeps no blocks free (``kept_free`` 0) when
         each part it makes is one block per group; ``None``, with nothing changed, otherwise."""
         s = self._s
-        layout = s.layout
         computed = request.num_computed_tokens
-        if computed > layout.max_model_len or not s.tuning.fused_step:
+        max_len = self._max_len
+        if computed > max_len or not s.tuning.fused_step:
             return None
         need = computed + num_new_tokens + num_lookahead_tokens
-        if need > layout.max_model_len:
-            need = layout.max_model_len
+        if need > max_len:
+            need = max_len
         rows, b, g_count = s.rows, self._block_size, self._g
         at = row * g_count
         tab, bases = s.tab.a, self._bases
@@ -94,12 +111,13 @@ class FusedStep:
             skipped = processed - span + 1
             target = skipped // b if skipped > 0 else 0
             held = target - 1
-            window_nulls = rows.nulls[at + first : at + end]
-            if min(window_nulls) != held or max(window_nulls) != held or rows.length[at] < target:
+            if (
+                rows.nulls[at + first : at + end].tolist().count(held) != end - first
+                or rows.length[at] < target
+            ):
                 return None
-            stride = s.tables.group_stride
             start = bases[first] + row_base + held
-            released = tab[start : start + (end - first) * stride : stride].tolist()
+            released = tab[start : start + (end - first) * self._stride : self._stride].tolist()
             if min(map(pool.src.a.__getitem__, released)) < 0:
                 return None  # an uncached block goes to the free queue's head: ``step``
         have = rows.length[at]
@@ -115,31 +133,35 @@ class FusedStep:
             if cache_up_to >= rows.cache_at[row]:
                 num_full = min(cache_up_to // b, len(hashes))
                 last = num_full - 1
-                cached = rows.cached[at : at + g_count]
                 if (
                     last < 0
-                    or min(cached) != last
-                    or max(cached) != last
+                    or rows.cached[at : at + g_count].tolist().count(last) != g_count
                     or (take and last >= have)
                     or (released is not None and target > last)
                 ):
                     return None
-                full = s.tables.across(0, g_count, row, last)
+                start = row_base + last
+                full = tab[start : start + g_count * self._stride : self._stride].tolist()
                 if not min(full):
                     return None
         # --- Make it: release, take, cache, as ``step`` does.
-        s.pool.paths.ran(paths.FUSED_STEP)
+        pool.paths.ran(paths.FUSED_STEP)
         tables = s.tables
         mirrored = tables.mirrored
         if released is not None:
             window = self._window
             assert window is not None
             first, end, _, span = window
-            tables.clear_across(first, end, row, target - 1)
+            start = bases[first] + row_base + target - 1
+            stride = self._stride
+            tab[start : start + (end - first) * stride : stride] = self._zeros
+            if mirrored:
+                for g in range(first, end):
+                    tables.touched(g, row, target - 1, target)
             rows.nulls[at + first : at + end] = array("q", (target,)) * (end - first)
             pool.pending.release(released)
             rows.release_at[row] = (target + 1) * b + span - 1
-        new_blocks = layout.no_blocks
+        new_blocks = s.layout.no_blocks
         if take:
             popped = pool.pop_n(g_count)
             offset = row_base + have
@@ -154,7 +176,7 @@ class FusedStep:
         if num_full:
             last = num_full - 1
             src = source_of(s, request, row, num_full, num_full * b)
-            pool.defer_row(full, layout.columns.group_ids, last, hashes[last], src)
+            pool.defer_row(full, self._group_ids, last, hashes[last], src)
             rows.cached[at : at + g_count] = array("q", (num_full,)) * g_count
             rows.cache_at[row] = (num_full + 1) * b
         quiet = min(rows.capacity[row], rows.release_at[row]) + 1
