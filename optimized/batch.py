@@ -47,6 +47,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from operator import attrgetter, countOf
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -60,15 +61,10 @@ from hybridkv.spec.errors import check_non_negative
 
 Ints = npt.NDArray[np.int64]
 
-_ID = attrgetter("request_id")
-_COMPUTED = attrgetter("num_computed_tokens")
 _NUM_TOKENS = attrgetter("num_tokens")
 _HASHES = attrgetter("block_hashes")
 _TOKEN_LIST = attrgetter("_all_token_ids")
 _HASH_LIST = attrgetter("_block_hashes")
-_HASH_BLOCK_SIZE = attrgetter("hash_block_size")
-_HASH_LOOKAHEAD = attrgetter("num_hash_lookahead_tokens")
-_IN_FLIGHT = attrgetter("num_in_flight_tokens")
 
 
 def expand(counts: Ints) -> tuple[Ints, Ints]:
@@ -131,7 +127,9 @@ def _kept_free(reserved_blocks: int, watermark_blocks: int) -> bool:
 def _step_fields(s: ManagerState, requests: Sequence[RequestLike]) -> tuple[Ints, Ints] | None:
     """Rows and computed tokens per request, each an int64 array; ``None`` unless every
     request is running, listed once and hashed soundly (with caching)."""
-    found = s.rows.rows_of(map(_ID, requests))
+    # Comprehensions, not ``map(attrgetter(…))``: their attribute reads are the
+    # interpreter's cached ones, about twice as fast per request.
+    found = s.rows.rows_of([r.request_id for r in requests])
     if None in found:
         return None
     rows = np.array(found, dtype=np.int64)
@@ -139,8 +137,7 @@ def _step_fields(s: ManagerState, requests: Sequence[RequestLike]) -> tuple[Ints
         return None  # a request listed twice
     if s.layout.caching and not _hashed_soundly(s, requests):
         return None  # a request hashed at another block size: the single calls raise
-    computed = array("q")
-    computed.extend(map(_COMPUTED, requests))
+    computed = array("q", [r.num_computed_tokens for r in requests])
     return rows, np.frombuffer(computed, dtype=np.int64)
 
 
@@ -149,14 +146,14 @@ def _hashed_soundly(s: ManagerState, requests: Sequence[RequestLike]) -> bool:
     ``Request`` hashed at the manager's block size, with at least its lookahead, has none by
     construction; other requests are counted."""
     n = len(requests)
-    if (
-        countOf(map(type, requests), Request) == n
-        and countOf(map(_HASH_BLOCK_SIZE, requests), s.layout.hash_block_size) == n
-        and min(map(_HASH_LOOKAHEAD, requests)) >= s.layout.lookahead
-    ):
-        return True
-    num_tokens = np.fromiter(map(_NUM_TOKENS, requests), np.int64, n)
-    num_hashes = np.fromiter(map(len, map(_HASHES, requests)), np.int64, n)
+    if countOf(map(type, requests), Request) == n:
+        own = cast("Sequence[Request]", requests)
+        if [r.hash_block_size for r in own].count(s.layout.hash_block_size) == n and min(
+            [r.num_hash_lookahead_tokens for r in own]
+        ) >= s.layout.lookahead:
+            return True
+    num_tokens = np.array([r.num_tokens for r in requests], dtype=np.int64)
+    num_hashes = np.array([len(r.block_hashes) for r in requests], dtype=np.int64)
     limit = np.maximum(num_tokens - s.layout.lookahead, 0) // s.layout.hash_block_size
     return not bool((num_hashes > limit).any())
 
@@ -264,7 +261,7 @@ def _step_busy(
     """The vectorised step of the busy requests (``None``, nothing changed, where it does not
     apply): their releases, takes and inserts in the order of their single calls."""
     pool, b, w = s.pool, s.layout.block_size, s.layout.max_blocks_per_req
-    in_flight = np.fromiter(map(_IN_FLIGHT, requests), np.int64, len(requests))
+    in_flight = np.array([r.num_in_flight_tokens for r in requests], dtype=np.int64)
     # A step still in flight reads the window's blocks: windows release on the processed count.
     processed = np.maximum(comp - in_flight, 0)
     pair_index = s.rows.pair_index(rows)  # [n, G]: request-major pairs

@@ -161,6 +161,28 @@ class BulkInserts(ExtraKeys):
         if src in self.memo_srcs and self.memo is not None:
             self.memo.remember(src, source)
 
+    def defer_rows(
+        self, rows: Sequence[tuple[Sequence[int], int, BlockHash, int]], group_ids: array[int]
+    ) -> None:
+        """``defer_row`` of each ``(blocks, position, block hash, source)`` whose blocks are
+        one per group, in ``group_ids`` order (a batch's decode steps: one newly full block in
+        every group), with the pending records added at once."""
+        num_groups, end, sources = self.num_groups, self.end, self.sources
+        memo_srcs = self.memo_srcs if self.memo is not None else ()
+        records: list[InsertRecord] = []
+        for blocks, pos, block_hash, src in rows:
+            records.append((src, pos, block_hash, blocks, group_ids))
+            source = sources[src]
+            assert source is not None
+            first = pos * num_groups
+            if first + num_groups > len(source.blocks):
+                source.reserve(first + num_groups, end)
+            source.blocks[first : first + num_groups] = array("i", blocks)
+            source.refs += num_groups
+            if src in memo_srcs:
+                self.memo.remember(src, source)  # type: ignore[union-attr]
+        self.pending.insert_rows(records, num_groups)
+
     def defer_entries(
         self, entries: Sequence[tuple[int, int, int]], hashes: Sequence[BlockHash], src: int
     ) -> None:

@@ -343,8 +343,7 @@ def cache_busy(
     if not s.layout.columns.defers:
         decode[:] = False
     row_blocks = found.tolist()
-    group_ids = s.layout.columns.group_ids
-    defer_row = s.pool.defer_row
+    deferred: list[tuple[Sequence[int], int, BlockHash, int]] = []
     for i, row, pos, blocks, plain in zip(
         active.tolist(),
         rows[active].tolist(),
@@ -356,9 +355,14 @@ def cache_busy(
         request = requests[i]
         if plain:
             src = source_of(s, request, row, pos + 1, (pos + 1) * b)
-            defer_row(blocks, group_ids, pos, request.block_hashes[pos], src)
+            deferred.append((blocks, pos, request.block_hashes[pos], src))
         else:
+            if deferred:  # the rows before this request's first: inserts keep their order
+                s.pool.defer_rows(deferred, s.layout.columns.group_ids)
+                deferred = []
             num_full = int((cached[i] + to_cache[i]).max())
             cache_uniform(s, request, int(row), num_full * b, defer=s.layout.columns.defers)
+    if deferred:
+        s.pool.defer_rows(deferred, s.layout.columns.group_ids)
     done = active[decode]
     s.rows.columns[2][pair_index[done]] = (positions[decode] + 1)[:, None]

@@ -110,6 +110,11 @@ class PendingWork:
         self.inserts.append((src, pos, block_hash, blocks, group_ids))
         self.num_inserts += len(blocks)
 
+    def insert_rows(self, records: Sequence[InsertRecord], blocks_each: int) -> None:
+        """``insert_row`` of each record, each of ``blocks_each`` blocks."""
+        self.inserts.extend(records)
+        self.num_inserts += blocks_each * len(records)
+
     def insert(
         self, entries: Sequence[tuple[int, int, int]], hashes: Sequence[BlockHash], src: int
     ) -> None:
