@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
 
 import torch
 
@@ -38,6 +37,7 @@ from hybridkv.optimized import (
 from hybridkv.optimized.connector_calls import ConnectorCalls
 from hybridkv.optimized.fused_step import FusedStep
 from hybridkv.optimized.layout import BlockIds, GroupLayout
+from hybridkv.optimized.request_calls import RequestCalls
 from hybridkv.optimized.state import ManagerState, Tuning, TuningKnobs
 from hybridkv.policies import EvictionPolicy, resolve_policy
 from hybridkv.reference.events import EventBuilder, KVCacheEvent
@@ -56,7 +56,7 @@ from hybridkv.spec import KVCacheConfig
 __all__ = ["BlockIds", "TorchKVCacheManager", "Tuning"]
 
 
-class TorchKVCacheManager(ConnectorCalls, TuningKnobs, PrefixCacheStatsCalls):
+class TorchKVCacheManager(ConnectorCalls, RequestCalls, TuningKnobs, PrefixCacheStatsCalls):
     """Allocation and prefix caching for every KV cache group, on flat buffers (see the module
     doc)."""
 
@@ -121,20 +121,6 @@ class TorchKVCacheManager(ConnectorCalls, TuningKnobs, PrefixCacheStatsCalls):
         self._stats = PrefixCacheCounter(log_stats)
         # The last lookup's result: handed back to ``allocate_slots``, its ids need no check.
         self._issued: KVCacheBlocks | None = None
-
-    def make_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], **options: Any
-    ) -> Request:
-        """A ``Request`` on this manager's fast path: hashed at its hash block size and
-        lookahead by ``block_hasher``; ``options`` are ``Request``'s other keywords."""
-        return Request(
-            request_id,
-            prompt_token_ids,
-            hash_block_size=self.hash_block_size,
-            num_hash_lookahead_tokens=self.lookahead,
-            block_hasher=self.block_hasher,
-            **options,
-        )
 
     @property
     def fast_paths(self) -> dict[str, int]:
@@ -227,10 +213,14 @@ class TorchKVCacheManager(ConnectorCalls, TuningKnobs, PrefixCacheStatsCalls):
             # hash block size; the checker says so). A ``Request`` hashed at this block size,
             # with at least this lookahead, has no more by construction.
             row = self._row_of(request.request_id)
-            sound = not self.enable_caching or (
-                type(request) is Request
-                and request.hash_block_size == self.hash_block_size
-                and request.num_hash_lookahead_tokens >= self.lookahead
+            sound = (
+                not self.enable_caching
+                or (
+                    type(request) is Request
+                    and request.hash_block_size == self.hash_block_size
+                    and request.num_hash_lookahead_tokens >= self.lookahead
+                )
+                or type(request) in self.trusted
             )
             if (
                 row is not None

@@ -114,9 +114,14 @@ def make_core(
             kwargs["device"] = device
         if max_num_reqs is not None:
             kwargs["max_num_reqs"] = max_num_reqs
-        return TorchKVCacheManager(
+        from vllm.v1.request import Request as VllmRequest
+
+        core = TorchKVCacheManager(
             config, max_model_len, enable_caching, enable_kv_cache_events, **kwargs
         )
+        # vLLM's scheduler hashes its requests at the hash block size it gives the manager.
+        core.trust_hash_counts(VllmRequest)
+        return core
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
