@@ -311,13 +311,17 @@ def test_the_manager_clock_times_each_outer_call_once() -> None:
     assert clock.seconds >= 0.02
 
 
-def test_the_scheduler_bench_splits_a_step_between_manager_and_scheduler() -> None:
-    from hybridkv.integrations.vllm.bench import measure
+@pytest.mark.parametrize("kv_events", [False, True])
+def test_the_scheduler_bench_splits_a_step_between_manager_and_scheduler(kv_events: bool) -> None:
+    """With vLLM's KV cache events off (a default engine) and on (the check's setting)."""
+    from hybridkv.integrations.vllm.bench import DecodeRun, measure_all
 
-    times = measure("optimized", 8, 2)
+    times = measure_all(["optimized"], 8, 2, kv_events)["optimized"]
     assert times.step > 0
     assert times.manager > 0
     assert times.scheduler > 0
+    run = DecodeRun("optimized", 2, 1, kv_events)
+    assert run.scheduler.kv_cache_manager.enable_kv_cache_events is kv_events
 
 
 def _event_setup(lookahead: int) -> tuple[dict[str, Any], Any, Any]:
@@ -465,3 +469,15 @@ def test_events_of_lora_multimodal_and_embedding_requests_equal_vllms_own_manage
     assert any(e.lora_name == "adapter-a" and e.lora_id == 7 for e in stored)
     assert any(e.extra_keys and ("cat", 10) in (e.extra_keys[0] or ()) for e in stored)
     assert run(KVCacheManager(config, backend=backend, **settings)) == (expected, hits)
+
+
+def test_the_optimized_core_trusts_vllms_requests_hash_counts() -> None:
+    """vLLM's scheduler hashes its ``Request`` at the hash block size it gives the manager, so
+    the optimized core takes a running vLLM request's quiet step without counting its hashes."""
+    from vllm.v1.request import Request as VllmRequest
+
+    from hybridkv.optimized import TorchKVCacheManager
+
+    core = _manager(backend="optimized").core
+    assert isinstance(core, TorchKVCacheManager)
+    assert core.trusted == frozenset({VllmRequest})

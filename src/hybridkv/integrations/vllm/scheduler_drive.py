@@ -69,13 +69,16 @@ def build_scheduler(
     device: str | None = None,
     policy: str = "priority",
     kv_transfer_config: Any | None = None,
+    kv_events: bool = True,
 ) -> Any:
     """vLLM's scheduler for ``cfg`` with ``manager``'s KV cache manager (or, with
     ``scheduler_cls``, the class ``SchedulerConfig.scheduler_cls`` names, as an engine picks).
 
     ``eviction_policy`` and ``device`` go to a hybridkv manager; ``policy`` is vLLM's
     scheduling policy (the check's workload has priorities, a replay runs ``"fcfs"``);
-    ``kv_transfer_config`` attaches a KV connector (``connector_check``)."""
+    ``kv_transfer_config`` attaches a KV connector (``connector_check``); ``kv_events`` turns on
+    vLLM's KV cache events (with a null publisher), which the check's step records compare
+    and a default engine leaves off."""
     from vllm.config import (
         CacheConfig,
         KVEventsConfig,
@@ -136,7 +139,9 @@ def build_scheduler(
         cache_config=cache_config,
         parallel_config=ParallelConfig(),
         speculative_config=speculative_config,
-        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+        kv_events_config=(
+            KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
+        ),
         kv_transfer_config=kv_transfer_config,
         lora_config=mm_workload.lora_config() if multimodal else None,
     )
