@@ -197,19 +197,20 @@ class PrefixCache(CacheChains):
 
     def evict_primary(self, block: int, events: list[KVCacheEvent] | None = None) -> None:
         """Forget the block's primary entry (this block only; its extras stay)."""
-        hk = self.hk.a[block]
+        hk_a, src_a, num_groups = self.hk.a, self.src.a, self.num_groups
+        hk = hk_a[block]
+        tag = hk & 0xFFFFFFFF
         if self.extra_index:
             # A primary entry made again later comes after the extras of its key.
-            tag = hk & 0xFFFFFFFF
-            key = (hk >> 32, tag % self.num_groups, tag // self.num_groups)
+            key = (hk >> 32, tag % num_groups, tag // num_groups)
             for _, before in self.extra_index.get(key, {}).values():
                 before.discard(block)
-        tag = hk & 0xFFFFFFFF
-        group_id = tag % self.num_groups
-        src = self.src.a[block]
-        source = self.source(src)
+        group_id = tag % num_groups
+        src = src_a[block]
+        source = self.sources[src]
+        assert source is not None
         if self.event_builder is not None and self.enable_kv_cache_events:
-            removed = self.event_builder.removed(source.hashes[tag // self.num_groups], group_id)
+            removed = self.event_builder.removed(source.hashes[tag // num_groups], group_id)
             (self.events if events is None else events).append(removed)
         heads, hnext = self.heads.a, self.hnext.a
         bucket = ((hk >> 32) + group_id * GROUP_MIX) & self.mask
@@ -221,8 +222,8 @@ class PrefixCache(CacheChains):
                 node = hnext[node]
             hnext[node] = hnext[block]
         hnext[block] = self.end
-        self.hk.a[block] = -1
-        self.src.a[block] = -1
+        hk_a[block] = -1
+        src_a[block] = -1
         recorded = source.blocks
         if tag < len(recorded) and recorded[tag] == block:
             # The source's record holds only its blocks still cached under their tags.
@@ -230,7 +231,8 @@ class PrefixCache(CacheChains):
         if self.dups:
             self.dups.discard(block)
         source.refs -= 1
-        self.maybe_drop_source(src)
+        if not source.refs:
+            self.maybe_drop_source(src)  # (a source with a cached block stays)
 
     def block_hash(self, block: int) -> BlockHash:
         """The hash a cached block is cached under."""
