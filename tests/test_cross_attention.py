@@ -25,7 +25,7 @@ from hybridkv.spec import (
 )
 
 if TYPE_CHECKING:
-    from hybridkv.integrations.vllm.manager import Backend
+    from hybridkv.integrations.vllm.cores import Backend
     from hybridkv.optimized import TorchKVCacheManager
 
     Manager = KVCacheManager | TorchKVCacheManager

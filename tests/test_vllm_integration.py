@@ -31,7 +31,7 @@ from hybridkv.integrations.vllm.check import (
     drive,
     kv_cache_config_for,
 )
-from hybridkv.integrations.vllm.manager import Backend
+from hybridkv.integrations.vllm.cores import Backend
 from hybridkv.spec import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -22,7 +22,7 @@ from vllm_settings import SETTINGS
 
 from hybridkv.integrations.vllm import KVCacheManager, UnsupportedSetting, from_vllm_config
 from hybridkv.integrations.vllm.check import kv_cache_config_for
-from hybridkv.integrations.vllm.manager import Backend
+from hybridkv.integrations.vllm.cores import Backend
 from hybridkv.policies import LRUPolicy
 from hybridkv.spec import FullAttentionSpec, SlidingWindowSpec
 

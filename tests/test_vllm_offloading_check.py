@@ -23,7 +23,7 @@ pytest.importorskip("torch")
 
 from hybridkv.integrations.vllm.check import VOCAB, Arrival, RunConfig, RunResult, Workload, main
 from hybridkv.integrations.vllm.connector_check import compare
-from hybridkv.integrations.vllm.manager import Backend
+from hybridkv.integrations.vllm.cores import Backend
 from hybridkv.integrations.vllm.offload_drive import (
     NUM_BLOCKS,
     OffloadRun,

@@ -19,7 +19,7 @@ with warnings.catch_warnings():
 
 from hybridkv.integrations.vllm import KVCacheManager, to_vllm_config
 from hybridkv.integrations.vllm.check import kv_cache_config_for
-from hybridkv.integrations.vllm.manager import Backend
+from hybridkv.integrations.vllm.cores import Backend
 from hybridkv.reference import KVCacheManager as ReferenceManager
 from hybridkv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
 

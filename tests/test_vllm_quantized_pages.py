@@ -21,7 +21,7 @@ with warnings.catch_warnings():
 from vllm_settings import SETTINGS
 
 from hybridkv.integrations.vllm import KVCacheManager, from_vllm_config
-from hybridkv.integrations.vllm.manager import Backend
+from hybridkv.integrations.vllm.cores import Backend
 
 torch = pytest.importorskip("torch")
 

@@ -18,7 +18,7 @@ from hybridkv.reference import KVCacheManager as ReferenceManager
 from hybridkv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, SlidingWindowSpec, rules
 
 if TYPE_CHECKING:
-    from hybridkv.integrations.vllm.manager import Backend
+    from hybridkv.integrations.vllm.cores import Backend
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -34,15 +34,12 @@ What the scheduler reads and where it comes from:
 
 from __future__ import annotations
 
-import inspect
-import os
-from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 from hybridkv.integrations.vllm.connector import ConnectorCalls
 from hybridkv.integrations.vllm.convert import from_vllm_config
-from hybridkv.integrations.vllm.errors import UnsupportedSetting, refuse
-from hybridkv.integrations.vllm.events import vllm_event_builder_class
+from hybridkv.integrations.vllm.cores import Backend, make_core
+from hybridkv.integrations.vllm.errors import refuse
 from hybridkv.integrations.vllm.metrics import observed_policy
 from hybridkv.integrations.vllm.views import (
     BlockPoolView,
@@ -52,77 +49,6 @@ from hybridkv.integrations.vllm.views import (
 )
 from hybridkv.policies import EvictionPolicy
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
-from hybridkv.spec import KVCacheConfig
-
-Backend = Literal["reference", "optimized"]
-BACKENDS: tuple[Backend, ...] = ("reference", "optimized")
-
-
-def make_core(
-    backend: str,
-    config: KVCacheConfig,
-    max_model_len: int,
-    *,
-    enable_caching: bool,
-    enable_kv_cache_events: bool,
-    hash_block_size: int,
-    max_in_flight_tokens: int,
-    use_eagle: bool,
-    num_hash_lookahead_tokens: int,
-    device: str | None,
-    max_num_reqs: int | None = None,
-    log_stats: bool = True,
-    eviction_policy: str | EvictionPolicy | None = None,
-    num_prefill_lookahead: int = 0,
-    event_metadata: Sequence[tuple[str, int | None]] | None = None,
-) -> Any:
-    """The core manager of ``backend`` with vLLM's settings and events' group metadata, under
-    ``eviction_policy`` (``None``: ``HYBRIDKV_EVICTION``'s; ``lru``, vLLM's order, if unset)."""
-    settings: dict[str, Any] = {
-        "hash_block_size": hash_block_size,
-        "max_in_flight_tokens": max_in_flight_tokens,
-        "use_eagle": use_eagle,
-        "num_hash_lookahead_tokens": num_hash_lookahead_tokens,
-        "log_stats": log_stats,
-        "event_builder_class": vllm_event_builder_class(event_metadata),
-        "num_prefill_lookahead": num_prefill_lookahead,
-    }
-    eviction = eviction_policy or os.environ.get("HYBRIDKV_EVICTION", "lru")
-    if eviction != "lru":
-        settings["eviction_policy"] = eviction
-    if backend == "reference":
-        refuse(device is not None, "device= with backend='reference'", "it runs on the CPU")
-        del max_num_reqs  # the reference's tables grow as needed
-        from hybridkv.reference import KVCacheManager as ReferenceManager
-
-        return ReferenceManager(
-            config, max_model_len, enable_caching, enable_kv_cache_events, **settings
-        )
-    if backend == "optimized":
-        from hybridkv.optimized import TorchKVCacheManager
-
-        parameters = inspect.signature(TorchKVCacheManager.__init__).parameters
-        for name, value in settings.items():
-            default = {"hash_block_size": None, "max_in_flight_tokens": None}.get(name)
-            if name not in parameters and value not in (default, False, 0):
-                raise UnsupportedSetting(
-                    f"{name}={value!r} with backend='optimized'",
-                    "the optimized backend does not take it yet",
-                )
-        kwargs = {name: value for name, value in settings.items() if name in parameters}
-        if device is not None:
-            kwargs["device"] = device
-        if max_num_reqs is not None:
-            kwargs["max_num_reqs"] = max_num_reqs
-        from vllm.v1.request import Request as VllmRequest
-
-        core = TorchKVCacheManager(
-            config, max_model_len, enable_caching, enable_kv_cache_events, **kwargs
-        )
-        # vLLM's scheduler hashes its requests at the hash block size it gives the manager.
-        core.trust_hash_counts(VllmRequest)
-        return core
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
 class KVCacheManager(ConnectorCalls):

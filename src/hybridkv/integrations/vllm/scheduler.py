@@ -18,7 +18,8 @@ import vllm.v1.core.sched.scheduler as scheduler_module
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from hybridkv.integrations.vllm.manager import BACKENDS, KVCacheManager
+from hybridkv.integrations.vllm.cores import BACKENDS
+from hybridkv.integrations.vllm.manager import KVCacheManager
 
 _LOCK = threading.RLock()
 
