@@ -48,16 +48,14 @@ class Trio:
         )
         self.requests: dict[str, tuple[Request, Request, Request]] = {}
 
-    def managers(self) -> tuple[KVCacheManager, TorchKVCacheManager, TorchKVCacheManager]:
-        return self.ref, self.fused, self.plain
-
     def admit(self, request_id: str, prompt: list[int]) -> KVCacheBlocks | None:
         size = self.ref.hash_block_size
         made = tuple(Request(request_id, list(prompt), hash_block_size=size) for _ in range(3))
         self.requests[request_id] = (made[0], made[1], made[2])
-        found = [m.get_computed_blocks(r) for m, r in zip(self.managers(), made, strict=True)]
-        assert found[1] == found[0] == found[2]
-        blocks, hit, _ = found[0]
+        found = self.ref.get_computed_blocks(made[0])
+        assert self.fused.get_computed_blocks(made[1]) == found
+        assert self.plain.get_computed_blocks(made[2]) == found
+        blocks, hit, _ = found
         out = self.call(request_id, len(prompt) - hit, hit, blocks)
         if out is None:
             del self.requests[request_id]
@@ -69,41 +67,57 @@ class Trio:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
-        **keywords: object,
+        *,
+        num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        reserved_blocks: int = 0,
     ) -> KVCacheBlocks | None:
         """The same ``allocate_slots`` on all three (computed counts advanced on success)."""
-        outs = []
-        for manager, request in zip(self.managers(), self.requests[request_id], strict=True):
-            outs.append(
-                manager.allocate_slots(
-                    request,
-                    num_new_tokens,
-                    num_new_computed_tokens,
-                    new_computed_blocks,
-                    **keywords,  # type: ignore[arg-type]
-                )
-            )
-        assert outs[1] == outs[0] == outs[2]
-        if outs[0] is not None:
+        ref_request, fused_request, plain_request = self.requests[request_id]
+        args = (num_new_tokens, num_new_computed_tokens, new_computed_blocks)
+        keywords = {
+            "num_lookahead_tokens": num_lookahead_tokens,
+            "delay_cache_blocks": delay_cache_blocks,
+            "reserved_blocks": reserved_blocks,
+        }
+        out = self.ref.allocate_slots(ref_request, *args, **keywords)  # type: ignore[arg-type]
+        assert self.fused.allocate_slots(fused_request, *args, **keywords) == out  # type: ignore[arg-type]
+        assert self.plain.allocate_slots(plain_request, *args, **keywords) == out  # type: ignore[arg-type]
+        if out is not None:
             for request in self.requests[request_id]:
                 request.num_computed_tokens += num_new_computed_tokens + num_new_tokens
         self.same_state()
-        return outs[0]
+        return out
 
     def decode(
-        self, request_id: str, tokens: list[int], **keywords: object
+        self,
+        request_id: str,
+        tokens: list[int],
+        *,
+        delay_cache_blocks: bool = False,
+        num_lookahead_tokens: int = 0,
+        reserved_blocks: int = 0,
     ) -> KVCacheBlocks | None:
         for request in self.requests[request_id]:
             request.append_output_token_ids(tokens)
-        return self.call(request_id, len(tokens), **keywords)
+        return self.call(
+            request_id,
+            len(tokens),
+            delay_cache_blocks=delay_cache_blocks,
+            num_lookahead_tokens=num_lookahead_tokens,
+            reserved_blocks=reserved_blocks,
+        )
 
     def step_starts(self) -> None:
-        for manager in self.managers():
-            manager.new_step_starts()
+        self.ref.new_step_starts()
+        self.fused.new_step_starts()
+        self.plain.new_step_starts()
 
     def free(self, request_id: str) -> None:
-        for manager, request in zip(self.managers(), self.requests.pop(request_id), strict=True):
-            manager.free(request)
+        ref_request, fused_request, plain_request = self.requests.pop(request_id)
+        self.ref.free(ref_request)
+        self.fused.free(fused_request)
+        self.plain.free(plain_request)
         self.same_state()
 
     def same_state(self) -> None:
