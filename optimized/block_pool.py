@@ -64,7 +64,7 @@ calls on the views) when a lookup first needs it (``settle_duplicates``), or eve
 ``SETTLE_MAX`` blocks, instead of one walk per cached block.
 
 Pending work: a running request's step may leave its releases and inserts to ``pending``
-(``hybridkv.optimized.pending``, ``defer_row``/``defer_entries``), which ``apply_pending``
+(``hybridkv.optimized.pending``, ``defer_rows``/``defer_entries``), which ``apply_pending``
 makes in one numpy pass (``release_cached``, ``chain_entries``); the source records and counts
 such blocks, and the memo registers it, at once. The manager applies it before anything reads
 what it changes.

@@ -8,7 +8,7 @@ bucket, each linked to the one inserted before it in its bucket, the last made t
 chains one insert after another would build), then records the blocks in their source.
 
 Pending work: a running request's step may leave its releases and inserts to ``pending``
-(``hybridkv.optimized.pending``, ``defer_row``/``defer_entries``), which ``apply_pending``
+(``hybridkv.optimized.pending``, ``defer_rows``/``defer_entries``), which ``apply_pending``
 makes in one numpy pass (``release_cached``, ``chain_entries``); the source records and counts
 such blocks, and the memo registers it, at once. The manager applies it before anything reads
 what it changes.
@@ -80,7 +80,7 @@ class BulkInserts(ExtraKeys):
         keys: npt.NDArray[np.int64],
     ) -> None:
         """The hash table's part of ``insert`` for entries whose sources already record and
-        count them (``defer_row``), in order, in a few numpy calls."""
+        count them (``defer_rows``), in order, in a few numpy calls."""
         count = blocks.shape[0]
         buckets = (keys + groups * GROUP_MIX) & self.mask
         order = np.argsort(buckets, kind="stable")
@@ -133,40 +133,13 @@ class BulkInserts(ExtraKeys):
         """The 4-byte table keys of block hashes (``hash_key`` of each), as int64."""
         return keys_of(hashes)
 
-    def defer_row(
-        self,
-        blocks: Sequence[int],
-        group_ids: array[int],
-        pos: int,
-        block_hash: BlockHash,
-        src: int,
-    ) -> None:
-        """``insert`` of ``blocks[i]`` in group ``group_ids[i]`` at position ``pos``, all under
-        ``block_hash`` from source ``src``, with the hash table's part left pending
-        (``PendingWork``): the source records the blocks and counts them, and the memo
-        registers the source, at once."""
-        self.pending.insert_row(blocks, group_ids, pos, block_hash, src)
-        source = self.sources[src]
-        assert source is not None
-        num_groups = self.num_groups
-        first = pos * num_groups
-        if len(group_ids) == num_groups:
-            if first + num_groups > len(source.blocks):
-                source.reserve(first + num_groups, self.end)
-            source.blocks[first : first + num_groups] = array("i", blocks)
-        else:
-            for block, group_id in zip(blocks, group_ids, strict=True):
-                source.record(first + group_id, block, self.end)
-        source.refs += len(blocks)
-        if src in self.memo_srcs and self.memo is not None:
-            self.memo.remember(src, source)
-
     def defer_rows(
         self, rows: Sequence[tuple[Sequence[int], int, BlockHash, int]], group_ids: array[int]
     ) -> None:
-        """``defer_row`` of each ``(blocks, position, block hash, source)`` whose blocks are
-        one per group, in ``group_ids`` order (a batch's decode steps: one newly full block in
-        every group), with the pending records added at once."""
+        """``insert`` of each ``(blocks, position, block hash, source)`` row, its blocks one per
+        group in ``group_ids`` order (a decode step's newly full block in every group), with
+        the hash table's part left pending (``PendingWork``, the rows' records added at once):
+        each source records its blocks and counts them, and the memo registers it, at once."""
         num_groups, end, sources = self.num_groups, self.end, self.sources
         memo_srcs = self.memo_srcs if self.memo is not None else ()
         records: list[InsertRecord] = []
@@ -186,7 +159,7 @@ class BulkInserts(ExtraKeys):
     def defer_entries(
         self, entries: Sequence[tuple[int, int, int]], hashes: Sequence[BlockHash], src: int
     ) -> None:
-        """``defer_row`` for any ``(block, group id, position)`` entries, each keyed by
+        """``defer_rows`` for any ``(block, group id, position)`` entries, each keyed by
         ``hashes[position]``."""
         self.pending.insert(entries, hashes, src)
         source = self.sources[src]
