@@ -44,6 +44,7 @@ class FusedStep:
     __slots__ = (
         "_bases",
         "_block_size",
+        "_counts",
         "_g",
         "_group_ids",
         "_max_len",
@@ -65,6 +66,7 @@ class FusedStep:
         self._max_len = layout.max_model_len
         self._group_ids = layout.columns.group_ids
         self._stride = s.tables.group_stride
+        self._counts = s.pool.paths.counts  # the pool's path counts (``PathCounts.ran``)
         window = layout.one_window
         # Nulls for one position of every window group (one strided write releases them).
         self._zeros = array("i", (0,)) * (0 if window is None else window[1] - window[0])
@@ -124,13 +126,15 @@ class FusedStep:
         take = need > rows.capacity[row]
         if take and (-(-need // b) - have != 1 or g_count > pool.num_free_blocks):
             return None
-        hashes = request.block_hashes
         num_full = 0
-        if not delay_cache_blocks:
+        # Caching: read only once the tokens reach the row's next full block (the request's
+        # token count caps them, which a step below that threshold need not read).
+        if not delay_cache_blocks and computed + num_new_tokens >= rows.cache_at[row]:
             cache_up_to = computed + num_new_tokens
             if cache_up_to > request.num_tokens:
                 cache_up_to = request.num_tokens
             if cache_up_to >= rows.cache_at[row]:
+                hashes = request.block_hashes
                 num_full = min(cache_up_to // b, len(hashes))
                 last = num_full - 1
                 if (
@@ -145,9 +149,9 @@ class FusedStep:
                 if not min(full):
                     return None
         # --- Make it: release, take, cache, as ``step`` does.
-        pool.paths.ran(paths.FUSED_STEP)
+        self._counts[paths.FUSED_STEP] += 1
         tables = s.tables
-        mirrored = tables.mirrored
+        mirrored = tables.on_device is not tables.on_host
         if released is not None:
             window = self._window
             assert window is not None
@@ -181,7 +185,7 @@ class FusedStep:
             rows.cache_at[row] = (num_full + 1) * b
         quiet = min(rows.capacity[row], rows.release_at[row]) + 1
         rows.quiet_below[row] = min(quiet, rows.cache_at[row])
-        if len(pool.pending) >= PENDING_MAX:
+        if (released is not None or num_full) and len(pool.pending) >= PENDING_MAX:
             s.settle()  # long without another call: bounded memory
         if mirrored:
             tables.flush()

@@ -55,6 +55,12 @@ from hybridkv.spec import KVCacheConfig
 
 __all__ = ["BlockIds", "TorchKVCacheManager", "Tuning"]
 
+_ZERO = 0
+"""The int 0, for the hot path's ``count is _ZERO``: true of the int 0 alone (the interpreter
+keeps one 0; ``0.0``, ``False`` and an int subclass are other objects), one identity test
+where ``type(count) is int and count == 0`` takes four operations. A call it does not match
+takes the checked path, so it narrows nothing."""
+
 
 class TorchKVCacheManager(ConnectorCalls, RequestCalls, TuningKnobs, PrefixCacheStatsCalls):
     """Allocation and prefix caching for every KV cache group, on flat buffers (see the module
@@ -116,6 +122,7 @@ class TorchKVCacheManager(ConnectorCalls, RequestCalls, TuningKnobs, PrefixCache
         offered to a ``Request`` built without a hasher, named by ``make_request``."""
         # What the quiet exit of ``allocate_slots`` reads, one attribute away.
         self._rows, self._row_of = s.rows, s.rows.row_of
+        self._quiet_below = s.rows.quiet_below
         self._has_align, self._no_blocks = layout.has_align, layout.no_blocks
         s.fused = FusedStep.build(s)
         self._stats = PrefixCacheCounter(log_stats)
@@ -194,19 +201,20 @@ class TorchKVCacheManager(ConnectorCalls, RequestCalls, TuningKnobs, PrefixCache
         less the request's ``num_in_flight_tokens`` (async scheduling)."""
         if (
             new_computed_blocks is None
-            and type(num_new_computed_tokens) is int
-            and num_new_computed_tokens == 0
+            and num_new_computed_tokens is _ZERO
             and type(num_new_tokens) is int
             and num_new_tokens > 0
-            and type(num_lookahead_tokens) is int
-            and num_lookahead_tokens >= 0
-            and type(reserved_blocks) is int
-            and reserved_blocks >= 0
-            and type(watermark_blocks) is int
-            and watermark_blocks >= 0
+            and (
+                num_lookahead_tokens is _ZERO
+                or (type(num_lookahead_tokens) is int and num_lookahead_tokens > 0)
+            )
+            and (reserved_blocks is _ZERO or (type(reserved_blocks) is int and reserved_blocks > 0))
+            and (
+                watermark_blocks is _ZERO
+                or (type(watermark_blocks) is int and watermark_blocks > 0)
+            )
             and num_external_computed_tokens == 0
-            and type(num_encoder_tokens) is int
-            and num_encoder_tokens == 0
+            and num_encoder_tokens is _ZERO
         ):
             # A step of a running request (no hit to adopt, plain counts): what ``check_allocation``
             # checks reduces to the request's hash count (more hashes than full blocks: another
@@ -226,18 +234,17 @@ class TorchKVCacheManager(ConnectorCalls, RequestCalls, TuningKnobs, PrefixCache
                 row is not None
                 and sound
                 and request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
-                < self._rows.quiet_below[row]
+                < self._quiet_below[row]
                 and not reserved_blocks
                 and not watermark_blocks
                 and not full_sequence_must_fit
                 and not self._has_align
             ):
                 return self._no_blocks  # a decode step that crosses no threshold
-            num_tokens = request.num_tokens
             if (
                 not sound
                 and len(request.block_hashes)
-                > max(num_tokens - self.lookahead, 0) // self.hash_block_size
+                > max(request.num_tokens - self.lookahead, 0) // self.hash_block_size
             ):
                 check_block_hashes(request, self.hash_block_size, self.lookahead, allow_fewer=True)
             if row is not None and not full_sequence_must_fit and not self._has_align:
@@ -245,7 +252,7 @@ class TorchKVCacheManager(ConnectorCalls, RequestCalls, TuningKnobs, PrefixCache
                 # step takes, releases or caches a block.
                 computed = request.num_computed_tokens
                 if (
-                    computed + num_new_tokens + num_lookahead_tokens < self._rows.quiet_below[row]
+                    computed + num_new_tokens + num_lookahead_tokens < self._quiet_below[row]
                     and not reserved_blocks
                     and not watermark_blocks
                 ):

@@ -42,7 +42,7 @@ allocation (``take``) and gives it back when freed (``release``), its counters z
 
 from __future__ import annotations
 
-from collections.abc import ItemsView, Iterable
+from collections.abc import Callable, ItemsView, Iterable
 
 import numpy as np
 import numpy.typing as npt
@@ -72,6 +72,7 @@ class RowTables:
         "num_groups",
         "quiet_below",
         "release_at",
+        "row_of",
         "thresholds",
     )
 
@@ -96,6 +97,9 @@ class RowTables:
         self.thresholds: npt.NDArray[np.int64] = self._next.n.reshape(4, r)
         self._garange = np.arange(g, dtype=np.int64)
         self._rows: dict[str, int] = {}
+        # The row a request holds, or ``None``: the dict's own ``get`` (no Python frame; every
+        # decode call reads it).
+        self.row_of: Callable[[str], int | None] = self._rows.get
         self._free = list(range(r - 1, -1, -1))
 
     # --- Indexing ---------------------------------------------------------------------------
@@ -120,10 +124,6 @@ class RowTables:
         return self._state.nbytes + self._kept.nbytes + self._next.nbytes
 
     # --- Rows -------------------------------------------------------------------------------
-
-    def row_of(self, request_id: str) -> int | None:
-        """The row the request holds, or ``None``."""
-        return self._rows.get(request_id)
 
     def rows_of(self, request_ids: Iterable[str]) -> list[int | None]:
         """``row_of`` of each request (one C-level ``map``: a batch reads every request)."""

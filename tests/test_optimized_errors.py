@@ -88,6 +88,37 @@ def test_bad_allocation_arguments_raise_the_reference_error(kwargs: dict[str, An
     opt.check_invariants()
 
 
+ZERO_LIKE_COUNTS = [
+    {name: value}
+    for name in (
+        "num_new_computed_tokens",
+        "num_lookahead_tokens",
+        "reserved_blocks",
+        "watermark_blocks",
+        "num_encoder_tokens",
+    )
+    for value in (0.0, False)
+]
+
+
+@pytest.mark.parametrize("kwargs", ZERO_LIKE_COUNTS)
+def test_a_running_requests_quiet_step_refuses_a_zero_that_is_not_an_int(
+    kwargs: dict[str, Any],
+) -> None:
+    """The quiet exit matches the int 0 by identity; ``0.0`` and ``False`` equal it but are
+    not ints, so they take the checked path and get the reference's error."""
+    ref, opt = managers()
+    before = opt.snapshot()
+    messages = []
+    for m in (ref, opt):
+        running = Request("a", list(range(10)), hash_block_size=4)
+        running.num_computed_tokens = 10
+        messages.append(error_of(partial(m.allocate_slots, running, 1, **kwargs)))
+    assert messages[0] == messages[1]
+    assert messages[1].startswith(f"{next(iter(kwargs))} must be a non-negative int")
+    assert opt.snapshot() == before == ref.snapshot()
+
+
 def test_other_bad_input_raises_the_reference_error() -> None:
     ref, opt = managers()
     running = Request("a", list(range(10)), hash_block_size=4)
