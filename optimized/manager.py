@@ -258,6 +258,14 @@ class TorchKVCacheManager(ConnectorCalls, RequestCalls, TuningKnobs, PrefixCache
                 ):
                     return self._no_blocks  # another request type's quiet step, its hashes checked
                 kept_free = reserved_blocks + watermark_blocks
+                fused = self._s.fused
+                if fused is not None and not kept_free:
+                    # The common crossing call in one function (``None``: declined, unchanged).
+                    made = fused.cross(
+                        request, row, num_new_tokens, num_lookahead_tokens, delay_cache_blocks
+                    )
+                    if made is not None:
+                        return made
                 args = (num_new_tokens, num_lookahead_tokens, delay_cache_blocks, kept_free)
                 return step.run(self._s, request, row, *args)
             checked = True  # no hit, plain counts: nothing more to check

@@ -41,12 +41,9 @@ def run(
 ) -> KVCacheBlocks | None:
     """``allocate_slots`` of a running request in ``row`` whose counts are plain and that
     crosses a threshold: ``step`` with its token counts capped at ``max_model_len``, then one
-    flush of the table changes; the common crossing call (one block per group in each part)
-    takes the state's ``FusedStep`` where the layout has one."""
-    if s.fused is not None and not kept_free:
-        made = s.fused.cross(request, row, num_new_tokens, num_lookahead_tokens, delay_cache_blocks)
-        if made is not None:
-            return made
+    flush of the table changes. The manager tries the state's ``FusedStep`` first (the common
+    crossing call, one block per group in each part), where the layout has one; this makes
+    the calls it declines."""
     layout = s.layout
     s.pool.paths.ran(paths.RUNNING_STEP)
     computed = request.num_computed_tokens
