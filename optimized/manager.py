@@ -124,6 +124,9 @@ class TorchKVCacheManager(ConnectorCalls, RequestCalls, TuningKnobs, PrefixCache
         self._rows, self._row_of = s.rows, s.rows.row_of
         self._quiet_below = s.rows.quiet_below
         self._has_align, self._no_blocks = layout.has_align, layout.no_blocks
+        self.no_blocks = layout.no_blocks
+        """What a call that needs no new block returns: one shared ``KVCacheBlocks`` of empty
+        groups (a caller may recognise it by identity)."""
         s.fused = FusedStep.build(s)
         self._stats = PrefixCacheCounter(log_stats)
         # The last lookup's result: handed back to ``allocate_slots``, its ids need no check.

@@ -50,6 +50,10 @@ from hybridkv.integrations.vllm.views import (
 from hybridkv.policies import EvictionPolicy
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 
+_ZERO = 0
+"""The int 0, matched by identity on the decode call's path (``0.0`` and ``False`` are other
+objects: they take the general path, whose core checks name them)."""
+
 
 class KVCacheManager(ConnectorCalls):
     """vLLM 0.33's ``KVCacheManager`` API over a hybridkv backend."""
@@ -162,6 +166,12 @@ class KVCacheManager(ConnectorCalls):
         from vllm.v1.request import RequestStatus
 
         self._waiting_statuses = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        self._running_status = RequestStatus.RUNNING
+        # A running request's decode call, the one vLLM's scheduler makes most: the core's
+        # method bound once, and the shared result of a call that needs no block, where the
+        # core has one (the optimized backend's ``no_blocks``).
+        self._core_allocate = self.core.allocate_slots
+        self._core_no_blocks: object = getattr(self.core, "no_blocks", None)
 
     # --- Statistics ----------------------------------------------------------------------
 
@@ -240,6 +250,29 @@ class KVCacheManager(ConnectorCalls):
             raise ValueError(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
             )
+        if (
+            new_computed_blocks is None
+            and num_external_computed_tokens is _ZERO
+            and num_encoder_tokens is _ZERO
+            and full_sequence_must_fit is False
+            and reserved_blocks is _ZERO
+            and request.status is self._running_status  # no watermark
+        ):
+            # A running request's call (vLLM's scheduler passes these keywords' defaults): the
+            # core's call with the defaults left out.
+            new_blocks = self._core_allocate(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens,
+                None,
+                num_lookahead_tokens,
+                delay_cache_blocks,
+            )
+            if new_blocks is None:
+                return None
+            if new_blocks is self._core_no_blocks:
+                return self.empty_kv_cache_blocks
+            return self._new_blocks(request, new_blocks, None, 0, skip_zeroing_group_ids)
         watermark_blocks = 0
         if has_scheduled_reqs and request.status in self._waiting_statuses:
             watermark_blocks = self.watermark_blocks
@@ -260,6 +293,24 @@ class KVCacheManager(ConnectorCalls):
         )
         if new_blocks is None:
             return None
+        return self._new_blocks(
+            request,
+            new_blocks,
+            new_computed_blocks,
+            num_external_computed_tokens,
+            skip_zeroing_group_ids,
+        )
+
+    def _new_blocks(
+        self,
+        request: Any,
+        new_blocks: Any,
+        new_computed_blocks: KVCacheBlocks | None,
+        num_external_computed_tokens: int,
+        skip_zeroing_group_ids: tuple[int, ...],
+    ) -> KVCacheBlocks:
+        """A core's new blocks as vLLM's scheduler reads them, recorded for zeroing where
+        groups need it."""
         blocks = self._blocks(new_blocks)
         if self._zeroed_groups:
             self._record_new_blocks(
