@@ -168,9 +168,8 @@ class FusedStep:
         new_blocks = s.layout.no_blocks
         if take:
             popped = pool.pop_n(g_count)
-            offset = row_base + have
-            for base, block in zip(bases, popped, strict=True):
-                tab[base + offset] = block
+            start = row_base + have  # group 0's position; group g's is ``stride`` × g on
+            tab[start : start + g_count * self._stride : self._stride] = array("i", popped)
             rows.length[at : at + g_count] = array("q", (have + 1,)) * g_count
             if mirrored:
                 for g in range(g_count):
