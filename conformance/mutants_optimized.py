@@ -134,8 +134,8 @@ OPTIMIZED_MUTANTS: tuple[Mutant, ...] = (
         "a lookup reads the prefix cache without the running steps' pending inserts",
         "manager",
         (
-            "            return self._no_blocks, 0, 0\n        self._s.settle()\n",
-            "            return self._no_blocks, 0, 0\n",
+            "            return self.no_blocks, 0, 0\n        self._s.settle()\n",
+            "            return self.no_blocks, 0, 0\n",
         ),
     ),
     optimized_mutant(

@@ -52,14 +52,9 @@ from hybridkv.reference.validation import (
     validate_manager_config,
 )
 from hybridkv.spec import KVCacheConfig
+from hybridkv.spec.errors import ZERO
 
 __all__ = ["BlockIds", "TorchKVCacheManager", "Tuning"]
-
-_ZERO = 0
-"""The int 0, for the hot path's ``count is _ZERO``: true of the int 0 alone (the interpreter
-keeps one 0; ``0.0``, ``False`` and an int subclass are other objects), one identity test
-where ``type(count) is int and count == 0`` takes four operations. A call it does not match
-takes the checked path, so it narrows nothing."""
 
 
 class TorchKVCacheManager(ConnectorCalls, RequestCalls, TuningKnobs, PrefixCacheStatsCalls):
@@ -123,10 +118,8 @@ class TorchKVCacheManager(ConnectorCalls, RequestCalls, TuningKnobs, PrefixCache
         # What the quiet exit of ``allocate_slots`` reads, one attribute away.
         self._rows, self._row_of = s.rows, s.rows.row_of
         self._quiet_below = s.rows.quiet_below
-        self._has_align, self._no_blocks = layout.has_align, layout.no_blocks
-        self.no_blocks = layout.no_blocks
-        """What a call that needs no new block returns: one shared ``KVCacheBlocks`` of empty
-        groups (a caller may recognise it by identity)."""
+        self._has_align, self.no_blocks = layout.has_align, layout.no_blocks
+        """``no_blocks``: what a call needing no new block returns, one shared object."""
         s.fused = FusedStep.build(s)
         self._stats = PrefixCacheCounter(log_stats)
         # The last lookup's result: handed back to ``allocate_slots``, its ids need no check.
@@ -164,7 +157,7 @@ class TorchKVCacheManager(ConnectorCalls, RequestCalls, TuningKnobs, PrefixCache
         if type(request) is Request:
             request.offer_block_hasher(self.block_hasher)
         if not self.prefix_cache_lookup_enabled(request):
-            return self._no_blocks, 0, 0
+            return self.no_blocks, 0, 0
         self._s.settle()
         check_block_hashes(request, self.hash_block_size, self.lookahead, allow_fewer=True)
         limit = hit_length_limit(request, max_cache_hit_length)
@@ -204,20 +197,19 @@ class TorchKVCacheManager(ConnectorCalls, RequestCalls, TuningKnobs, PrefixCache
         less the request's ``num_in_flight_tokens`` (async scheduling)."""
         if (
             new_computed_blocks is None
-            and num_new_computed_tokens is _ZERO
+            and num_new_computed_tokens is ZERO
             and type(num_new_tokens) is int
             and num_new_tokens > 0
             and (
-                num_lookahead_tokens is _ZERO
+                num_lookahead_tokens is ZERO
                 or (type(num_lookahead_tokens) is int and num_lookahead_tokens > 0)
             )
-            and (reserved_blocks is _ZERO or (type(reserved_blocks) is int and reserved_blocks > 0))
+            and (reserved_blocks is ZERO or (type(reserved_blocks) is int and reserved_blocks > 0))
             and (
-                watermark_blocks is _ZERO
-                or (type(watermark_blocks) is int and watermark_blocks > 0)
+                watermark_blocks is ZERO or (type(watermark_blocks) is int and watermark_blocks > 0)
             )
             and num_external_computed_tokens == 0
-            and num_encoder_tokens is _ZERO
+            and num_encoder_tokens is ZERO
         ):
             # A step of a running request (no hit to adopt, plain counts): what ``check_allocation``
             # checks reduces to the request's hash count (more hashes than full blocks: another
@@ -243,7 +235,7 @@ class TorchKVCacheManager(ConnectorCalls, RequestCalls, TuningKnobs, PrefixCache
                 and not full_sequence_must_fit
                 and not self._has_align
             ):
-                return self._no_blocks  # a decode step that crosses no threshold
+                return self.no_blocks  # a decode step that crosses no threshold
             if (
                 not sound
                 and len(request.block_hashes)
@@ -259,7 +251,7 @@ class TorchKVCacheManager(ConnectorCalls, RequestCalls, TuningKnobs, PrefixCache
                     and not reserved_blocks
                     and not watermark_blocks
                 ):
-                    return self._no_blocks  # another request type's quiet step, its hashes checked
+                    return self.no_blocks  # another request type's quiet step, its hashes checked
                 kept_free = reserved_blocks + watermark_blocks
                 fused = self._s.fused
                 if fused is not None and not kept_free:

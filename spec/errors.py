@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+ZERO = 0
+"""The int 0, for a hot path's ``count is ZERO``: true of the int 0 alone (the interpreter
+keeps one 0; ``0.0``, ``False`` and an int subclass are other objects), one identity test where
+``type(count) is int and count == 0`` takes four operations. A value it does not match must
+take the checked path, so it lets nothing through unchecked."""
+
 
 def check_positive(field: str, value: object) -> None:
     """Raise ``ValueError`` unless ``value`` is an ``int`` (not a ``bool``) greater than zero."""

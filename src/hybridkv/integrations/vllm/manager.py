@@ -49,10 +49,7 @@ from hybridkv.integrations.vllm.views import (
 )
 from hybridkv.policies import EvictionPolicy
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
-
-_ZERO = 0
-"""The int 0, matched by identity on the decode call's path (``0.0`` and ``False`` are other
-objects: they take the general path, whose core checks name them)."""
+from hybridkv.spec.errors import ZERO
 
 
 class KVCacheManager(ConnectorCalls):
@@ -252,10 +249,10 @@ class KVCacheManager(ConnectorCalls):
             )
         if (
             new_computed_blocks is None
-            and num_external_computed_tokens is _ZERO
-            and num_encoder_tokens is _ZERO
+            and num_external_computed_tokens is ZERO
+            and num_encoder_tokens is ZERO
             and full_sequence_must_fit is False
-            and reserved_blocks is _ZERO
+            and reserved_blocks is ZERO
             and request.status is self._running_status  # no watermark
         ):
             # A running request's call (vLLM's scheduler passes these keywords' defaults): the
