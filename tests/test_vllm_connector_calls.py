@@ -50,6 +50,8 @@ def _requests() -> dict[str, Any]:
 
 def _connector_session(manager: Any) -> list[Any]:
     """Every answer a connector's scheduler gets, in one session of four requests."""
+    from vllm.v1.request import RequestStatus
+
     r = _requests()
     seen: list[Any] = []
 
@@ -91,6 +93,7 @@ def _connector_session(manager: Any) -> list[Any]:
     # The load is done: cache it, then b computes the rest of its prompt.
     manager.new_step_starts()
     r["b"].num_computed_tokens = hit + 32
+    r["b"].status = RequestStatus.RUNNING  # a running request's call (no watermark)
     manager.cache_blocks(r["b"], r["b"].num_computed_tokens)
     new = manager.allocate_slots(r["b"], 128 - r["b"].num_computed_tokens)
     r["b"].num_computed_tokens = 128
