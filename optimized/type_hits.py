@@ -60,7 +60,8 @@ def _sliding_window_hit(spec: SlidingWindowSpec, p: HitProbe) -> TypeHit:
     """The rightmost run of cached blocks that covers the window (Prefix caching, Case 2)."""
     b = spec.block_size
     # A window of one token needs no block before the hit (``needed`` 0), yet the scan
-    # (vLLM's, the reference's) still ends only at a cached block: as with one block needed.
+    # (vLLM's, the reference's, ``rules.sliding_window_hit_blocks``) still ends only at a
+    # cached block: as with one block needed, which the aligned scan below is given.
     needed = max(1, rules.sliding_window_contiguous_blocks(spec.sliding_window, b, p.drop))
     if p.align == b:
         num, first = p.memo.window_hit(p.length, needed)

@@ -138,16 +138,16 @@ class TypeProbe:
     def window_hit(self, length: int, needed: int) -> tuple[int, int]:
         """``rules.sliding_window_hit_blocks`` over the first ``length`` positions:
         ``(hit blocks, first real block)``, as its proved twin ``sliding_window_hit_blocks_skip``
-        computes it, each candidate window filled at once and searched right to left."""
-        if needed == 0:
-            return length, length
+        computes it, each candidate window filled at once and searched right to left (a
+        one-token window, ``needed`` 0, as one block)."""
+        span = max(needed, 1)
         flags = self.flags
         end = length
-        while end >= needed:
-            self.fill(end - needed, end)
-            miss = flags.rfind(MISSED, end - needed, end)
+        while end >= span:
+            self.fill(end - span, end)
+            miss = flags.rfind(MISSED, end - span, end)
             if miss < 0:
-                return end, end - needed
+                return end, end - span
             end = miss
         return self.leading_hits(end), 0
 

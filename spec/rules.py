@@ -153,17 +153,20 @@ def window_hit_is_valid(cached: Sequence[bool], needed: int, num_blocks: int) ->
 
     Valid when the ``needed`` blocks before position ``num_blocks`` are all cached, or when fewer
     than ``needed`` blocks precede it and all of them are cached. Positions past the end of
-    ``cached`` are never valid.
+    ``cached`` are never valid. A window of one token needs no block before the hit
+    (``needed`` 0), yet a hit still ends on a cached block, as with ``needed`` 1: vLLM's scan
+    stops at a cached block, never at a miss.
 
     pre: len(cached) <= 8
     pre: 0 <= needed <= 8
     pre: 0 <= num_blocks <= 9
     post: __return__ or num_blocks > 0
     post: not __return__ or num_blocks <= len(cached)
+    post: not __return__ or num_blocks == 0 or cached[num_blocks - 1]
     """
     if num_blocks > len(cached):
         return False
-    return all(cached[max(0, num_blocks - needed) : num_blocks])
+    return all(cached[max(0, num_blocks - max(needed, 1)) : num_blocks])
 
 
 def sliding_window_hit_blocks(cached: Sequence[bool], needed: int) -> tuple[int, int]:
@@ -174,23 +177,23 @@ def sliding_window_hit_blocks(cached: Sequence[bool], needed: int) -> tuple[int,
     from the longest candidate and stops at the first valid one (Prefix caching, Case 1: with a
     window of 4 and 15 cached-or-not tokens it picks 14 over 5 and 6). Positions before the
     first real block need no KV: the manager fills them with the null block. With no run of
-    ``needed`` blocks, the hit is the run of cached blocks starting at block 0.
+    ``needed`` blocks, the hit is the run of cached blocks starting at block 0. A one-token
+    window (``needed`` 0) scans as ``needed`` 1: its hit ends at the last cached block.
 
     pre: len(cached) <= 8
     pre: 0 <= needed <= 8
     post: 0 <= __return__[1] <= __return__[0] <= len(cached)
     post: all(cached[__return__[1]:__return__[0]])
-    post: __return__[1] == 0 or __return__[0] - __return__[1] == needed
+    post: __return__[1] == 0 or __return__[0] - __return__[1] == max(needed, 1)
     post: window_hit_is_valid(cached, needed, __return__[0])
     post: not any(window_hit_is_valid(cached, needed, j) for j in range(__return__[0] + 1, 9))
     """
-    if needed == 0:
-        return len(cached), len(cached)
+    span = max(needed, 1)
     run = 0
     for i in range(len(cached) - 1, -1, -1):
         if cached[i]:
             run += 1
-            if run >= needed:
+            if run >= span:
                 return i + run, i
         else:
             run = 0
@@ -405,17 +408,16 @@ def sliding_window_hit_blocks_skip(cached: Sequence[bool], needed: int) -> tuple
     pre: 0 <= needed <= 8
     post: 0 <= __return__[1] <= __return__[0] <= len(cached)
     post: all(cached[__return__[1]:__return__[0]])
-    post: __return__[1] == 0 or __return__[0] - __return__[1] == needed
+    post: __return__[1] == 0 or __return__[0] - __return__[1] == max(needed, 1)
     """
-    if needed == 0:
-        return len(cached), len(cached)
+    span = max(needed, 1)  # a one-token window: as one block (``sliding_window_hit_blocks``)
     end = len(cached)
-    while end >= needed:
+    while end >= span:
         miss = end - 1
-        while miss >= end - needed and cached[miss]:
+        while miss >= end - span and cached[miss]:
             miss -= 1
-        if miss < end - needed:
-            return end, end - needed
+        if miss < end - span:
+            return end, end - span
         end = miss
     run = 0
     while run < end and cached[run]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from fractions import Fraction
 from math import ceil
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -161,7 +162,7 @@ def test_full_attention_hit_is_the_cached_run_from_block_zero(
 def test_window_hit_is_valid_when_the_needed_blocks_before_it_are_cached(
     cached: list[bool], needed: int, k: int
 ) -> None:
-    expected = k <= len(cached) and all(cached[max(0, k - needed) : k])
+    expected = k <= len(cached) and all(cached[max(0, k - max(needed, 1)) : k])
     assert rules.window_hit_is_valid(cached, needed, k) == expected
 
 
@@ -173,7 +174,27 @@ def test_sliding_window_hit_is_the_longest_valid_hit(cached: list[bool], needed:
     assert hit == longest
     assert 0 <= first_real <= hit <= len(cached)
     assert all(cached[first_real:hit])
-    assert first_real == 0 or hit - first_real == needed
+    assert first_real == 0 or hit - first_real == max(needed, 1)
+
+
+@pytest.mark.parametrize(
+    ("cached", "expected"),
+    [
+        ([True, False, True, False], (3, 2)),
+        ([True, True, True], (3, 2)),
+        ([False, False], (0, 0)),
+        ([], (0, 0)),
+    ],
+)
+def test_a_one_token_window_hits_up_to_its_last_cached_block_as_vllms_scan(
+    cached: list[bool], expected: tuple[int, int]
+) -> None:
+    """A window of one token needs no block before the hit (``needed`` 0); vLLM's scan still
+    stops only at a cached block, the rightmost one, and hits nothing when none is cached."""
+    assert rules.sliding_window_hit_blocks_needed(1, 16) == 0
+    assert rules.sliding_window_hit_blocks(cached, 0) == expected
+    assert rules.sliding_window_hit_blocks_skip(cached, 0) == expected
+    assert rules.sliding_window_hit_blocks(cached, 0) == rules.sliding_window_hit_blocks(cached, 1)
 
 
 @SETTINGS
