@@ -207,6 +207,26 @@ class ConnectorCalls:
         references and its place in the free queue; a ``BlockRemoved`` event per key."""
         self.block_pool.evict_blocks(block_ids)
 
+    def _new_blocks(
+        self,
+        request: Any,
+        new_blocks: Any,
+        new_computed_blocks: KVCacheBlocks | None,
+        num_external_computed_tokens: int,
+        skip_zeroing_group_ids: tuple[int, ...],
+    ) -> KVCacheBlocks:
+        """A core's new blocks as vLLM's scheduler reads them, recorded for zeroing where
+        groups need it."""
+        blocks = self._blocks(new_blocks)
+        if self._zeroed_groups:
+            self._record_new_blocks(
+                request.request_id,
+                blocks,
+                new_computed_blocks if num_external_computed_tokens else None,
+                skip_zeroing_group_ids,
+            )
+        return blocks
+
     def _blocks(self, blocks: Any) -> KVCacheBlocks:
         """A core result as ``KVCacheBlocks`` (the empty one shared, as vLLM's)."""
         ids = blocks.block_ids if isinstance(blocks, KVCacheBlocks) else blocks.get_block_ids()

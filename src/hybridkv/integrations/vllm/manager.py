@@ -240,20 +240,13 @@ class KVCacheManager(ConnectorCalls):
         """Slots for new tokens (vLLM's full keyword set; see the README's picture); the
         ``num_encoder_tokens`` size a cross-attention group's table (encoder-decoder models)."""
         if (
-            num_new_tokens == 0
-            and num_new_computed_tokens == 0
-            and not num_external_computed_tokens
-        ):
-            raise ValueError(
-                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
-            )
-        if (
             new_computed_blocks is None
             and num_external_computed_tokens is ZERO
             and num_encoder_tokens is ZERO
             and full_sequence_must_fit is False
             and reserved_blocks is ZERO
             and request.status is self._running_status  # no watermark
+            and num_new_tokens  # 0: the general path refuses it
         ):
             # A running request's call (vLLM's scheduler passes these keywords' defaults): the
             # core's call with the defaults left out.
@@ -270,6 +263,46 @@ class KVCacheManager(ConnectorCalls):
             if new_blocks is self._core_no_blocks:
                 return self.empty_kv_cache_blocks
             return self._new_blocks(request, new_blocks, None, 0, skip_zeroing_group_ids)
+        return self._general_call(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+            num_encoder_tokens,
+            full_sequence_must_fit,
+            reserved_blocks,
+            has_scheduled_reqs,
+            skip_zeroing_group_ids,
+        )
+
+    def _general_call(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None,
+        num_lookahead_tokens: int,
+        num_external_computed_tokens: int,
+        delay_cache_blocks: bool,
+        num_encoder_tokens: int,
+        full_sequence_must_fit: bool,
+        reserved_blocks: int,
+        has_scheduled_reqs: bool,
+        skip_zeroing_group_ids: tuple[int, ...],
+    ) -> KVCacheBlocks | None:
+        """``allocate_slots`` with every keyword passed on: a waiting request's (the watermark
+        kept free), an admission's, a connector's or an encoder's call."""
+        if (
+            num_new_tokens == 0
+            and num_new_computed_tokens == 0
+            and not num_external_computed_tokens
+        ):
+            raise ValueError(
+                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
+            )
         watermark_blocks = 0
         if has_scheduled_reqs and request.status in self._waiting_statuses:
             watermark_blocks = self.watermark_blocks
@@ -297,26 +330,6 @@ class KVCacheManager(ConnectorCalls):
             num_external_computed_tokens,
             skip_zeroing_group_ids,
         )
-
-    def _new_blocks(
-        self,
-        request: Any,
-        new_blocks: Any,
-        new_computed_blocks: KVCacheBlocks | None,
-        num_external_computed_tokens: int,
-        skip_zeroing_group_ids: tuple[int, ...],
-    ) -> KVCacheBlocks:
-        """A core's new blocks as vLLM's scheduler reads them, recorded for zeroing where
-        groups need it."""
-        blocks = self._blocks(new_blocks)
-        if self._zeroed_groups:
-            self._record_new_blocks(
-                request.request_id,
-                blocks,
-                new_computed_blocks if num_external_computed_tokens else None,
-                skip_zeroing_group_ids,
-            )
-        return blocks
 
     def free(self, request: Any) -> None:
         self.core.free(request)
