@@ -155,11 +155,13 @@ def cache_columns(
     positions = np.arange(start, num_full, dtype=np.int64)
     flat = s.layout.group_base_column + row * s.layout.max_blocks_per_req + positions
     blocks = s.tab.n[flat].astype(np.int64).ravel()
-    shape = (g_count, positions.shape[0])
-    groups = np.broadcast_to(np.arange(g_count, dtype=np.int64)[:, None], shape).ravel()
-    every = np.broadcast_to(positions, shape).ravel()
-    keys = np.broadcast_to(s.pool.keys_of(request.block_hashes[start:num_full]), shape)
-    keys = keys.ravel()
+    count = positions.shape[0]
+    # Group-major columns (group by group, position by position), each made in C calls.
+    groups = np.repeat(np.arange(g_count, dtype=np.int64), count)
+    by_group = np.empty((2, g_count, count), dtype=np.int64)
+    by_group[0] = positions
+    by_group[1] = s.pool.keys_of(request.block_hashes[start:num_full])
+    every, keys = by_group[0].ravel(), by_group[1].ravel()
     real = blocks != 0
     if not real.all():
         blocks, groups, every, keys = blocks[real], groups[real], every[real], keys[real]
