@@ -320,6 +320,7 @@ def test_the_scheduler_bench_splits_a_step_between_manager_and_scheduler(kv_even
     assert times.step > 0
     assert times.manager > 0
     assert times.scheduler > 0
+    assert 0 < times.own_share < 1
     run = DecodeRun("optimized", 2, 1, kv_events)
     assert run.scheduler.kv_cache_manager.enable_kv_cache_events is kv_events
 
