@@ -120,7 +120,7 @@ class TorchKVCacheManager(ConnectorCalls, RequestCalls, TuningKnobs, PrefixCache
         self._quiet_below = s.rows.quiet_below
         self._has_align, self.no_blocks = layout.has_align, layout.no_blocks
         """``no_blocks``: what a call needing no new block returns, one shared object."""
-        s.fused = FusedStep.build(s)
+        self._fused = FusedStep.build(s)  # the common crossing call in one function, or None
         self._stats = PrefixCacheCounter(log_stats)
         # The last lookup's result: handed back to ``allocate_slots``, its ids need no check.
         self._issued: KVCacheBlocks | None = None
@@ -253,7 +253,7 @@ class TorchKVCacheManager(ConnectorCalls, RequestCalls, TuningKnobs, PrefixCache
                 ):
                     return self.no_blocks  # another request type's quiet step, its hashes checked
                 kept_free = reserved_blocks + watermark_blocks
-                fused = self._s.fused
+                fused = self._fused
                 if fused is not None and not kept_free:
                     # The common crossing call in one function (``None``: declined, unchanged).
                     made = fused.cross(

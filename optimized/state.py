@@ -22,8 +22,6 @@ Data layout (G groups, R = ``max_num_reqs`` rows, W = ``max_blocks_per_req`` pos
     deferred     Counter: blocks ``pop_blocks_for_free`` handed out and not yet freed (holders
                  outside the tables; ``hybridkv.optimized.connector_calls``)
     tuning       Tuning: the sizes at which paths switch to vectorised calls
-    fused        CrossingStep or None: the common crossing call of a running step, in one
-                 function (``hybridkv.optimized.fused_step``), where the layout allows it
 
 The shared steps are methods: ``settle`` (make the running steps' pending pool work before
 anything reads the pool), ``release_row`` (give a row back with its source and Mamba
@@ -49,8 +47,6 @@ from hybridkv.optimized.rows import RowTables
 from hybridkv.optimized.thresholds import BATCH_MIN, BUSY_BATCH_MIN, INSERT_MIN, VECTOR_MIN
 from hybridkv.policies.protocol import EvictionPolicy
 from hybridkv.reference.events import EventBuilder
-from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
-from hybridkv.reference.request import RequestLike
 
 Key = tuple[bytes, int]
 """A cache key: (block hash, group id), ``BlockHashWithGroupId``."""
@@ -68,21 +64,6 @@ class Tuning:
     fused_step: bool = True
     """Whether a running request's common crossing call takes ``FusedStep``
     (``hybridkv.optimized.fused_step``); off, ``step`` makes every call."""
-
-
-class CrossingStep(Protocol):
-    """A running request's crossing call made in one function where it can be
-    (``hybridkv.optimized.fused_step.FusedStep``): its blocks, or ``None`` (nothing changed)
-    for ``step`` to make the call."""
-
-    def cross(
-        self,
-        request: RequestLike,
-        row: int,
-        num_new_tokens: int,
-        num_lookahead_tokens: int,
-        delay_cache_blocks: bool,
-    ) -> KVCacheBlocks | None: ...
 
 
 class _HasTuning(Protocol):
@@ -163,7 +144,6 @@ class ManagerState:
         "_tuning",
         "block_hasher",
         "deferred",
-        "fused",
         "layout",
         "mamba",
         "pool",
@@ -201,7 +181,6 @@ class ManagerState:
         # Blocks ``pop_blocks_for_free`` handed out, not yet freed: holders outside the tables.
         self.deferred: Counter[int] = Counter()
         self.block_hasher = block_hasher
-        self.fused: CrossingStep | None = None  # the owning manager builds it (``FusedStep``)
         self._tuning = tuning
         self.tuning = tuning
 

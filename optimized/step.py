@@ -41,7 +41,7 @@ def run(
 ) -> KVCacheBlocks | None:
     """``allocate_slots`` of a running request in ``row`` whose counts are plain and that
     crosses a threshold: ``step`` with its token counts capped at ``max_model_len``, then one
-    flush of the table changes. The manager tries the state's ``FusedStep`` first (the common
+    flush of the table changes. The manager tries its own ``FusedStep`` first (the common
     crossing call, one block per group in each part), where the layout has one; this makes
     the calls it declines."""
     layout = s.layout
