@@ -94,7 +94,7 @@ class StepTimes:
     step: float
     manager: float
     scheduler: float
-    own_share: float = 1.0
+    own_share: float
     """The median over the clocked steps of each step's own work ÷ that step (its own work and
     its manager's, clocks included): the share of a manager that took no time reached, from
     one set of steps (the clocks' cost counts against the manager)."""
