@@ -154,8 +154,7 @@ class HashMemo(BranchTree):
         hashes: list[BlockHash] = []
         self.last_prompt = None
         if self.branches and keyable and num_full > 0:
-            with memoryview(packed) as ours:
-                hashes = self.walk(ours, num_full, salt)[0]
+            hashes = self.walk_packed(packed, num_full, salt)[0]
             if self.first_agreement is not None:
                 self.last_prompt = (packed, *self.first_agreement)
         index = len(hashes)

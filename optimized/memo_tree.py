@@ -36,7 +36,11 @@ probes and comparisons, whatever its length in blocks.
 
 A source registers when the pool caches one of its blocks (``remember``): it walks the tree
 the same way, and where its probe misses it adds its branch (at most one per source; none
-if its whole hash list lies on the tree already). It leaves when the pool evicts its last
+if its whole hash list lies on the tree already). Most often the memo has just walked those
+very ids to hash the request's prompt, in the same admission: ``walk_packed`` keeps where
+that walk ended (``last_walk``) and ``remember`` takes it, while no branch has changed since
+(``version``) and no source's length decided the end (a source only grows, so its ids and
+hashes up to where the walk compared them stay). It leaves when the pool evicts its last
 cached block or drops it (``forget``): a branch without children goes; one with children is
 taken over by the child that branches off last (its source shares every block of the branch
 up to there, so every other child still hangs off its run), whose own key goes. Growing
@@ -64,6 +68,8 @@ NUMPY_COMPARE_MIN = 4096
 than the memoryview comparison it saves)."""
 
 MemoKey = tuple[BlockHash | None, bytes, str | None]
+WalkEnd = tuple[int, "Branch | None", "MemoKey | None"]
+"""Where a walk ended: the blocks it adopted, the last branch followed and the key missed."""
 
 
 class MemoSource(Protocol):
@@ -156,6 +162,13 @@ class BranchTree:
         self.first_agreement: tuple[MemoSource, int] | None = None
         """The last walk's first branch: its source and the leading blocks whose ids it
         compared equal to the walked ones (``walk``)."""
+        self.version = 0
+        """Bumped whenever a branch is added, dropped or handed to another source."""
+        self.last_walk: tuple[array[int], int, str | None, int, WalkEnd] | None = None
+        """The last ``walk_packed`` whose end no source's length decided: its ids, block
+        count, salt, the tree's ``version`` then, and where it ended. A source only grows,
+        so while the version holds, walking those ids again ends there again."""
+        self._length_bound = False
 
     def __len__(self) -> int:
         """The number of branches (at most the number of registered sources)."""
@@ -175,6 +188,7 @@ class BranchTree:
         ``first_agreement`` afterwards (``None`` if no block was adopted).
         """
         self.first_agreement = None
+        self._length_bound = False
         b = self.block_size
         hashes: list[BlockHash] = []
         key: MemoKey = (None, ours[:b].tobytes(), salt)
@@ -190,14 +204,17 @@ class BranchTree:
             if packed is None:
                 return hashes, last, None
             end = min(count, len(theirs), len(packed) // b)
+            bound = end < count  # a longer source could take the walk further
             # The branch's key names the request's parent hash (or salt) and block ``at``;
             # the source must still hold them (its salt, its hash of block at − 1).
             if at >= end or (theirs[at - 1] != key[0] if at else salt_key(source.salt)[1] != salt):
+                self._length_bound |= bound
                 return hashes, last, None
             with memoryview(packed) as view:
                 reached = agreeing_blocks(ours, view, b, at, end, branch.fork)
             if reached == at:
                 return hashes, last, None
+            self._length_bound |= bound and reached == end
             if at == 0:
                 self.first_agreement = (source, reached)
             if hashes or not isinstance(theirs, list):
@@ -209,6 +226,33 @@ class BranchTree:
             if at >= count:
                 return hashes, last, None
             key = (theirs[at - 1], ours[at * b : (at + 1) * b].tobytes(), None)
+
+    def walk_packed(
+        self, packed: array[int], count: int, salt: str | None
+    ) -> tuple[list[BlockHash], Branch | None, MemoKey | None]:
+        """``walk`` along a packed id array, remembered (``last_walk``) when no source's length
+        decided where it ended, so that registering the request it hashed (``remember``, at
+        its first cached block, most often in the same admission) need not walk again."""
+        with memoryview(packed) as ours:
+            found = self.walk(ours, count, salt)
+        self.last_walk = None
+        if not self._length_bound:
+            self.last_walk = (packed, count, salt, self.version, (len(found[0]), *found[1:]))
+        return found
+
+    def _walk_end(self, packed: array[int], count: int, salt: str | None) -> WalkEnd:
+        """Where ``walk_packed`` of these ids ends: ``last_walk``'s end while it holds."""
+        last = self.last_walk
+        if (
+            last is not None
+            and last[0] is packed
+            and last[1] == count
+            and last[2] == salt
+            and last[3] == self.version
+        ):
+            return last[4]
+        adopted, parent, key = self.walk_packed(packed, count, salt)
+        return len(adopted), parent, key
 
     # --- Filled and emptied by the pool ------------------------------------------------------
 
@@ -226,18 +270,17 @@ class BranchTree:
         count = min(len(hashes), len(packed) // b) if packed is not None else 0
         if not keyable or packed is None or count == 0:
             return
-        with memoryview(packed) as ours:
-            adopted, parent, key = self.walk(ours, count, salt)
-            at = len(adopted)
-            block = ours[at * b : (at + 1) * b].tobytes()
+        at, parent, key = self._walk_end(packed, count, salt)
         if key is None:
             return  # its blocks lie on the tree already (or past a source it cannot read)
+        block = packed[at * b : (at + 1) * b].tobytes()
         # The key the walk missed, from the source's own hashes (equal, as they are exact).
         own: MemoKey = (hashes[at - 1] if at else None, block, None if at else salt)
         if own in self.branches:
             return
         branch = Branch(own, src, source, at, parent)
         self.branches[own] = branch
+        self.version += 1
         if parent is not None:
             parent.children.add(branch)
             parent.fork = at
@@ -249,6 +292,7 @@ class BranchTree:
         if entry is None or entry[1] is None:
             return
         branch = entry[1]
+        self.version += 1
         if not branch.children:
             del self.branches[branch.key]
             parent = branch.parent
@@ -273,6 +317,8 @@ class BranchTree:
         self.branches.clear()
         self.registered.clear()
         self.first_agreement = None
+        self.last_walk = None
+        self.version += 1
 
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` if the tree is inconsistent: every branch is registered

@@ -13,6 +13,7 @@ import random
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -411,6 +412,55 @@ def test_a_prompt_adopts_along_the_branches_of_two_cached_prompts() -> None:
     assert adopted_blocks(memo, P + X + Z) == 6
     assert adopted_blocks(memo, P[:8] + Z) == 2
     assert adopted_blocks(memo, Z + P) == 0
+    memo.check_invariants()
+
+
+def tree_shape(memo: HashMemo) -> dict[object, tuple[int, int, object]]:
+    """Each branch's key → its source index, start and parent's key."""
+    return {
+        key: (b.src, b.start, None if b.parent is None else b.parent.key)
+        for key, b in memo.branches.items()
+    }
+
+
+@pytest.mark.parametrize("grows", [False, True])
+def test_registering_the_prompt_the_memo_just_walked_adds_the_branch_a_new_walk_would(
+    grows: bool,
+) -> None:
+    """``remember`` of the request whose prompt the memo just hashed takes that walk's end
+    instead of walking again, unless a source's length decided it: here source 0 holds P
+    alone when the prompt P + X + Y is hashed, then grows by X, so P + X + Y now continues it
+    for six blocks and branches off at block 6, not at 4 (where a source P + X + Z, as long
+    as the prompt, has it branch off at 6 at once)."""
+    memo, fresh = HashMemo(B), HashMemo(B)
+    first = P if grows else P + X + Z
+    sources = [HandSource(list(first)), HandSource(list(first))]
+    memo.remember(0, sources[0])
+    fresh.remember(0, sources[1])
+    ours = HandSource(P + X + Y)
+    assert ours.packed is not None
+    memo.hash_packed(ours.tokens, ours.packed, B, start_block=0, parent_hash=None, cache_salt=None)
+    assert (memo.last_walk is None) is grows
+    if grows:
+        for source in sources:  # as a decoding request's lists grow in place
+            grown = HandSource(P + X)
+            source.tokens[:], source.hashes[:] = grown.tokens, grown.hashes
+            assert source.packed is not None
+            assert grown.packed is not None
+            source.packed.extend(grown.packed[len(source.packed) :])
+    walks: list[int] = []
+    walk = memo.walk
+
+    def counted(*args: Any) -> Any:
+        walks.append(1)
+        return walk(*args)
+
+    memo.walk = counted  # type: ignore[method-assign,assignment]
+    memo.remember(1, ours)
+    fresh.remember(1, HandSource(P + X + Y))
+    assert len(walks) == (1 if grows else 0)
+    assert tree_shape(memo) == tree_shape(fresh)
+    assert [b.start for b in memo.branches.values()] == [0, 6]
     memo.check_invariants()
 
 
