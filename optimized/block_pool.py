@@ -5,6 +5,10 @@ differs. ``N`` is ``num_blocks`` (block 0 is the null block), ``G`` the number o
 
 Data layout (every array is an ``IntBuffer``: a numpy array with memoryview and tensor views)
 --------------------------------------------------------------------------------------------
+The int32 fields of a block (``ref``, ``prev``, ``next``, ``hnext``, ``src``) are one 20-byte
+record per block (``hybridkv.optimized._buffers.BlockRecords``), each field a strided view:
+taking, releasing or caching a block reads and writes one record, not five arrays.
+
 Reference counts and the free queue::
 
     ref[N]                  holders of each block
@@ -113,6 +117,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from hybridkv.optimized._buffers import BlockRecords
 from hybridkv.optimized.bulk_inserts import BulkInserts
 from hybridkv.optimized.free_queue import FreeQueue
 from hybridkv.optimized.path_counts import PathCounts
@@ -139,8 +144,12 @@ class TorchBlockPool(BulkInserts, FreeQueue):
     ) -> None:
         if enable_kv_cache_events and event_builder is None:
             raise ValueError("enable_kv_cache_events needs an event_builder (the groups' specs)")
-        FreeQueue.__init__(self, num_blocks)
-        BulkInserts.__init__(self, num_blocks, num_groups, enable_kv_cache_events, event_builder)
+        # One record per block for the free queue's and the hash table's int32 fields.
+        records = BlockRecords(num_blocks)
+        FreeQueue.__init__(self, num_blocks, records)
+        BulkInserts.__init__(
+            self, num_blocks, num_groups, enable_kv_cache_events, event_builder, records
+        )
         self.enable_caching = enable_caching
         self.paths = PathCounts()
         """How often each fast path ran (``hybridkv.optimized.path_counts``)."""

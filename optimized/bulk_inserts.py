@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from hybridkv.optimized._buffers import BlockRecords
 from hybridkv.optimized.extra_keys import ExtraKeys
 from hybridkv.optimized.pending import InsertRecord, PendingWork
 from hybridkv.optimized.sources import GROUP_MIX, hash_key, keys_of
@@ -39,8 +40,9 @@ class BulkInserts(ExtraKeys):
         num_groups: int,
         enable_kv_cache_events: bool,
         event_builder: EventBuilder | None,
+        records: BlockRecords | None = None,
     ) -> None:
-        super().__init__(num_blocks, num_groups, enable_kv_cache_events, event_builder)
+        super().__init__(num_blocks, num_groups, enable_kv_cache_events, event_builder, records)
         # Running requests' releases and inserts not made yet (``PendingWork``): the manager
         # applies them before anything reads what they change.
         self.pending = PendingWork()

@@ -12,6 +12,10 @@ separate entry storage is needed). ``N`` is ``num_blocks``, ``G`` the number of 
     src[N + 1]              the source the block was cached from; -1 if the block holds no
                             hash (src[N] = -1: the chain end holds none)
 
+``hnext`` and ``src`` are fields of the pool's per-block records
+(``hybridkv.optimized._buffers.BlockRecords``, beside the free queue's); ``heads`` and ``hk``
+are buffers of their own.
+
 A bucket is ``(key + group × 0x9E3779B1) mod M``. Chains are in reverse insertion order (a new
 entry goes to the head), so among blocks cached under the same (hash, group) the *last* match on
 a chain is the first-inserted one, which is the block a lookup returns (as in the reference).
@@ -33,7 +37,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from hybridkv.optimized._buffers import IntBuffer
+from hybridkv.optimized._buffers import BlockRecords, IntBuffer
 from hybridkv.optimized.sources import GROUP_MIX
 from hybridkv.optimized.thresholds import (
     MIN_BUCKETS,
@@ -47,8 +51,11 @@ from hybridkv.spec.errors import InvariantError, require
 class CacheChains:
     """The hash table's buffers and its duplicate marks (see the module docstring)."""
 
-    def __init__(self, num_blocks: int, num_groups: int) -> None:
+    def __init__(
+        self, num_blocks: int, num_groups: int, records: BlockRecords | None = None
+    ) -> None:
         n = num_blocks
+        records = BlockRecords(n) if records is None else records
         self.num_groups = num_groups
         size = MIN_BUCKETS
         while 2 * size < n:
@@ -56,9 +63,8 @@ class CacheChains:
         self.mask = size - 1
         self.end = n  # ends every chain
         self.heads = IntBuffer(size, n)
-        self.hnext = IntBuffer(n + 1, n)
+        self.hnext, self.src = records.hnext, records.src
         self.hk = IntBuffer(n + 1, -1, typecode="q")
-        self.src = IntBuffer(n + 1, -1)
         # Blocks cached while another entry with the same key, position and group was cached
         # (found by ``settle_duplicates`` before a lookup reads runs): the only ones that may
         # not be the first-inserted block of their key (a lookup reads runs of blocks from a

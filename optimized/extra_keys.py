@@ -16,6 +16,7 @@ primaries cached before it. ``evict`` forgets both kinds of a block's keys.
 
 from __future__ import annotations
 
+from hybridkv.optimized._buffers import BlockRecords
 from hybridkv.optimized.prefix_cache import PrefixCache
 from hybridkv.optimized.sources import hash_key
 from hybridkv.reference.events import EventBuilder, KVCacheEvent
@@ -31,8 +32,9 @@ class ExtraKeys(PrefixCache):
         num_groups: int,
         enable_kv_cache_events: bool,
         event_builder: EventBuilder | None,
+        records: BlockRecords | None = None,
     ) -> None:
-        super().__init__(num_blocks, num_groups, enable_kv_cache_events, event_builder)
+        super().__init__(num_blocks, num_groups, enable_kv_cache_events, event_builder, records)
         self._extra_count = 0  # extras made: their insertion order
 
     def holds_key(self, block: int, src: int, hidx: int, group_id: int) -> bool:

@@ -3,7 +3,8 @@
 Same rules as ``hybridkv.reference.block_pool``'s ``FreeKVCacheBlockQueue`` and ``ref_cnt``;
 only the representation differs. ``N`` is ``num_blocks`` (block 0 is the null block).
 
-Data layout (``IntBuffer``: a numpy array with memoryview and tensor views)::
+Data layout (``IntBuffer``: a numpy array with memoryview and tensor views; the three are fields
+of the pool's per-block records, ``hybridkv.optimized._buffers.BlockRecords``)::
 
     ref[N]                  holders of each block
     prev[N + 2], next[N + 2] the free queue, an intrusive doubly linked list through the block
@@ -29,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from hybridkv.optimized._buffers import IntBuffer
+from hybridkv.optimized._buffers import BlockRecords
 from hybridkv.optimized.policy_seam import HeardPolicy
 from hybridkv.optimized.thresholds import INSERT_MIN
 from hybridkv.spec.errors import InvariantError, require
@@ -38,16 +39,15 @@ from hybridkv.spec.errors import InvariantError, require
 class FreeQueue:
     """Reference counts and the free queue of blocks ``0 … N − 1`` (see the module docstring)."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, records: BlockRecords | None = None) -> None:
         n = num_blocks
+        records = BlockRecords(n) if records is None else records
         self.num_blocks = n
         self.insert_min = INSERT_MIN
         """From this many blocks, the numpy paths (``Tuning.insert_min``; a test lowers it)."""
         self.head = n
         self.tail = n + 1
-        self.ref = IntBuffer(n)
-        self.prev = IntBuffer(n + 2, -1)
-        self.next = IntBuffer(n + 2, -1)
+        self.ref, self.prev, self.next = records.ref, records.prev, records.next
         # Free queue 1 … N − 1 in id order.
         ids = torch.arange(n + 2, dtype=torch.int32)
         self.next.t[1 : n - 1] = ids[2:n]

@@ -31,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from hybridkv.optimized._buffers import BlockRecords
 from hybridkv.optimized.cache_chains import CacheChains
 from hybridkv.optimized.hash_memo import HashMemo
 from hybridkv.optimized.policy_seam import HeardPolicy
@@ -50,8 +51,9 @@ class PrefixCache(CacheChains):
         num_groups: int,
         enable_kv_cache_events: bool,
         event_builder: EventBuilder | None,
+        records: BlockRecords | None = None,
     ) -> None:
-        super().__init__(num_blocks, num_groups)
+        super().__init__(num_blocks, num_groups, records)
         self.enable_kv_cache_events = enable_kv_cache_events
         # Builds the events in vLLM's schema (set with events on; see ``EventBuilder``).
         self.event_builder = event_builder
