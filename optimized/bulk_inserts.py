@@ -83,8 +83,36 @@ class BulkInserts(ExtraKeys):
     ) -> None:
         """The hash table's part of ``insert`` for entries whose sources already record and
         count them (``defer_rows``), in order, in a few numpy calls."""
-        count = blocks.shape[0]
         buckets = (keys + groups * GROUP_MIX) & self.mask
+        heads = self.heads.n
+        ordered = np.sort(buckets)
+        if not (ordered[1:] == ordered[:-1]).any():
+            # Each entry alone in its bucket (the common case): it links to the old head and
+            # becomes the head.
+            old_heads = heads[buckets]
+            self.hnext.n[blocks] = old_heads
+            heads[buckets] = blocks
+            behind = blocks[old_heads != self.end]
+        else:
+            behind = self._chain_sharing(blocks, buckets, heads)
+        self.hk.n[blocks] = keys << 32 | (positions * self.num_groups + groups)
+        self.src.n[blocks] = srcs
+        if behind.shape[0]:
+            self.unsettled_many.append(behind)
+        if len(self.unsettled_many) >= SETTLE_MAX // INSERT_MIN:
+            self.settle_duplicates()  # long without a lookup: bounded memory
+
+    def _chain_sharing(
+        self,
+        blocks: npt.NDArray[np.int64],
+        buckets: npt.NDArray[np.int64],
+        heads: npt.NDArray[np.int32],
+    ) -> npt.NDArray[np.int64]:
+        """``chain_entries``' links where some entries share a bucket: sorted by bucket (stable),
+        each entry links to the one inserted before it in its bucket, the first to the old
+        head, and the last becomes the head (as one insert after another). Returns the entries
+        with another behind them on their chain (only those can have an older twin)."""
+        count = blocks.shape[0]
         order = np.argsort(buckets, kind="stable")
         sorted_buckets = buckets[order]
         chained = blocks[order]
@@ -92,23 +120,14 @@ class BulkInserts(ExtraKeys):
         first[1:] = sorted_buckets[1:] != sorted_buckets[:-1]
         last = np.ones(count, dtype=bool)
         last[:-1] = first[1:]
-        heads = self.heads.n
         old_heads = heads[sorted_buckets]
-        # Within a bucket each entry links to the one inserted before it, the first to the old
-        # head, and the last becomes the head (as one insert after another).
         before = np.empty_like(chained)
         before[0] = -1  # the first entry is always a bucket's first
         before[1:] = chained[:-1]
         self.hnext.n[chained] = np.where(first, old_heads, before)
         heads[sorted_buckets[last]] = chained[last]
-        self.hk.n[blocks] = keys << 32 | (positions * self.num_groups + groups)
-        self.src.n[blocks] = srcs
-        # Only an entry with another behind it on its chain can have an older twin to find.
-        behind = chained[~first | (old_heads != self.end)]
-        if behind.shape[0]:
-            self.unsettled_many.append(behind)
-        if len(self.unsettled_many) >= SETTLE_MAX // INSERT_MIN:
-            self.settle_duplicates()  # long without a lookup: bounded memory
+        behind: npt.NDArray[np.int64] = chained[~first | (old_heads != self.end)]
+        return behind
 
     def chain_records(self, records: Sequence[InsertRecord]) -> None:
         """``chain_entries`` of pending records, one entry at a time (for fewer entries than
