@@ -177,6 +177,28 @@ class BulkInserts(ExtraKeys):
                 self.memo.remember(src, source)  # type: ignore[union-attr]
         self.pending.insert_rows(records, num_groups)
 
+    def defer_row(
+        self,
+        blocks: Sequence[int],
+        pos: int,
+        block_hash: BlockHash,
+        src: int,
+        group_ids: array[int],
+    ) -> None:
+        """``defer_rows`` of one row (a decode step's crossing call: its newly full block in
+        every group), without the rows' list and loop."""
+        num_groups = self.num_groups
+        source = self.sources[src]
+        assert source is not None
+        first = pos * num_groups
+        if first + num_groups > len(source.blocks):
+            source.reserve(first + num_groups, self.end)
+        source.blocks[first : first + num_groups] = array("i", blocks)
+        source.refs += num_groups
+        if self.memo is not None and src in self.memo_srcs:
+            self.memo.remember(src, source)
+        self.pending.insert_row(blocks, group_ids, pos, block_hash, src)
+
     def defer_entries(
         self, entries: Sequence[tuple[int, int, int]], hashes: Sequence[BlockHash], src: int
     ) -> None:
