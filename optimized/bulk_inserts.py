@@ -194,9 +194,11 @@ class BulkInserts(ExtraKeys):
         if first + num_groups > len(source.blocks):
             source.reserve(first + num_groups, self.end)
         source.blocks[first : first + num_groups] = array("i", blocks)
-        source.refs += num_groups
-        if self.memo is not None and src in self.memo_srcs:
+        if not source.refs and self.memo is not None and src in self.memo_srcs:
+            # Its first cached blocks: it joins the memo (one with a cached block is in it
+            # already, as ``check_memo`` checks; it leaves with its last one).
             self.memo.remember(src, source)
+        source.refs += num_groups
         self.pending.insert_row(blocks, group_ids, pos, block_hash, src)
 
     def defer_entries(

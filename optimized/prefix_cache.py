@@ -344,11 +344,19 @@ class PrefixCache(CacheChains):
                 )
 
     def check_memo(self) -> None:
-        """Raise ``InvariantError`` unless the memo registers only memo sources with a cached
-        block, as the pool holds them (and its own tree is sound)."""
+        """Raise ``InvariantError`` unless the memo registers exactly the memo sources with a
+        cached block, as the pool holds them (and its own tree is sound)."""
         memo = self.memo
         if memo is None:
             return
+        for index in self.memo_srcs:
+            held = self.sources[index] if index < len(self.sources) else None
+            if held is not None and held.refs > 0:
+                entry = memo.registered.get(index)
+                require(
+                    entry is not None and entry[0] is held,
+                    f"the hash memo misses source {index}, which has a cached block",
+                )
         for index, (registered, _) in memo.registered.items():
             held = self.sources[index] if index < len(self.sources) else None
             require(
