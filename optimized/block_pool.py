@@ -196,10 +196,10 @@ class TorchBlockPool(BulkInserts, FreeQueue):
             self.prev.n[ids] = -1
             self.next.n[ids] = -1
             self.ref.n[ids] = 1
-            for cached in ids[self.src.n[ids] >= 0].tolist():
-                self.evict(cached)
+            self.evict_each(ids[self.src.n[ids] >= 0].tolist())
             return walked
         taken: list[int] = []
+        cached: list[int] = []  # evicted once all are taken (eviction reads no queue link)
         block = nxt[self.head]
         for index in range(count):
             taken.append(block)
@@ -208,7 +208,7 @@ class TorchBlockPool(BulkInserts, FreeQueue):
             ref[block] = 1
             if src[block] >= 0:
                 if sink is None:
-                    self.evict(block)
+                    cached.append(block)
                 else:
                     removed: list[KVCacheEvent] = []
                     self.evict(block, removed)
@@ -217,6 +217,8 @@ class TorchBlockPool(BulkInserts, FreeQueue):
         nxt[self.head] = block
         prv[block] = self.head
         self.num_free_blocks -= count
+        if cached:
+            self.evict_each(cached)
         return taken
 
     # --- Under an eviction policy -----------------------------------------------------------

@@ -16,6 +16,8 @@ primaries cached before it. ``evict`` forgets both kinds of a block's keys.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from hybridkv.optimized._buffers import BlockRecords
 from hybridkv.optimized.prefix_cache import PrefixCache
 from hybridkv.optimized.sources import hash_key
@@ -100,6 +102,15 @@ class ExtraKeys(PrefixCache):
         self.evict_primary(block, events)
         if self.extras:
             self._drop_extras(block, events)
+
+    def evict_each(self, blocks: Sequence[int]) -> None:
+        """``evict`` of each block in turn (their events to the event list): with no extra
+        key anywhere (evicting makes none), the primary entries in one pass."""
+        if not self.extras:
+            self.evict_primaries(blocks)
+            return
+        for block in blocks:
+            self.evict(block)
 
     def num_cached_keys(self) -> int:
         keys: set[tuple[bytes, int]] = set()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -199,42 +199,52 @@ class PrefixCache(CacheChains):
 
     def evict_primary(self, block: int, events: list[KVCacheEvent] | None = None) -> None:
         """Forget the block's primary entry (this block only; its extras stay)."""
-        hk_a, src_a, num_groups = self.hk.a, self.src.a, self.num_groups
-        hk = hk_a[block]
-        tag = hk & 0xFFFFFFFF
-        if self.extra_index:
-            # A primary entry made again later comes after the extras of its key.
-            key = (hk >> 32, tag % num_groups, tag // num_groups)
-            for _, before in self.extra_index.get(key, {}).values():
-                before.discard(block)
-        group_id = tag % num_groups
-        src = src_a[block]
-        source = self.sources[src]
-        assert source is not None
-        if self.event_builder is not None and self.enable_kv_cache_events:
-            removed = self.event_builder.removed(source.hashes[tag // num_groups], group_id)
-            (self.events if events is None else events).append(removed)
-        heads, hnext = self.heads.a, self.hnext.a
-        bucket = ((hk >> 32) + group_id * GROUP_MIX) & self.mask
-        node = heads[bucket]
-        if node == block:
-            heads[bucket] = hnext[block]
-        else:
-            while hnext[node] != block:
-                node = hnext[node]
-            hnext[node] = hnext[block]
-        hnext[block] = self.end
-        hk_a[block] = -1
-        src_a[block] = -1
-        recorded = source.blocks
-        if tag < len(recorded) and recorded[tag] == block:
-            # The source's record holds only its blocks still cached under their tags.
-            recorded[tag] = self.end
-        if self.dups:
-            self.dups.discard(block)
-        source.refs -= 1
-        if not source.refs:
-            self.maybe_drop_source(src)  # (a source with a cached block stays)
+        self.evict_primaries((block,), events)
+
+    def evict_primaries(
+        self, blocks: Iterable[int], events: list[KVCacheEvent] | None = None
+    ) -> None:
+        """``evict_primary`` of each block in turn, the buffers bound once for all of them (a
+        take of several cached blocks evicts them one after another)."""
+        hk_a, src_a, num_groups, mask = self.hk.a, self.src.a, self.num_groups, self.mask
+        heads, hnext, end, sources = self.heads.a, self.hnext.a, self.end, self.sources
+        stored = self.event_builder is not None and self.enable_kv_cache_events
+        for block in blocks:
+            hk = hk_a[block]
+            tag = hk & 0xFFFFFFFF
+            if self.extra_index:
+                # A primary entry made again later comes after the extras of its key.
+                key = (hk >> 32, tag % num_groups, tag // num_groups)
+                for _, before in self.extra_index.get(key, {}).values():
+                    before.discard(block)
+            group_id = tag % num_groups
+            src = src_a[block]
+            source = sources[src]
+            assert source is not None
+            if stored:
+                assert self.event_builder is not None
+                removed = self.event_builder.removed(source.hashes[tag // num_groups], group_id)
+                (self.events if events is None else events).append(removed)
+            bucket = ((hk >> 32) + group_id * GROUP_MIX) & mask
+            node = heads[bucket]
+            if node == block:
+                heads[bucket] = hnext[block]
+            else:
+                while hnext[node] != block:
+                    node = hnext[node]
+                hnext[node] = hnext[block]
+            hnext[block] = end
+            hk_a[block] = -1
+            src_a[block] = -1
+            recorded = source.blocks
+            if tag < len(recorded) and recorded[tag] == block:
+                # The source's record holds only its blocks still cached under their tags.
+                recorded[tag] = end
+            if self.dups:
+                self.dups.discard(block)
+            source.refs -= 1
+            if not source.refs:
+                self.maybe_drop_source(src)  # (a source with a cached block stays)
 
     def block_hash(self, block: int) -> BlockHash:
         """The hash a cached block is cached under."""
