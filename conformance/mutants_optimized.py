@@ -159,7 +159,7 @@ OPTIMIZED_MUTANTS: tuple[Mutant, ...] = (
         "evicting a block leaves it in its source's record, so a lookup's run trusts a block "
         "the source no longer holds",
         "prefix_cache",
-        ("            recorded[tag] = self.end\n", "            pass\n"),
+        ("                recorded[tag] = end\n", "                pass\n"),
     ),
     optimized_mutant(
         "opt_free_walks_keeps_walk_order",
