@@ -120,7 +120,6 @@ import numpy as np
 from hybridkv.optimized._buffers import BlockRecords
 from hybridkv.optimized.bulk_inserts import BulkInserts
 from hybridkv.optimized.free_queue import FreeQueue
-from hybridkv.optimized.path_counts import PathCounts
 from hybridkv.optimized.policy_seam import HeardPolicy
 from hybridkv.optimized.sources import GROUP_MIX, Source, hash_key, keys_of
 from hybridkv.policies.protocol import EvictionPolicy, PolicyError
@@ -151,8 +150,6 @@ class TorchBlockPool(BulkInserts, FreeQueue):
             self, num_blocks, num_groups, enable_kv_cache_events, event_builder, records
         )
         self.enable_caching = enable_caching
-        self.paths = PathCounts()
-        """How often each fast path ran (``hybridkv.optimized.path_counts``)."""
 
     # --- Memory -----------------------------------------------------------------------------
 

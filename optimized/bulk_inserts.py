@@ -22,8 +22,10 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from hybridkv.optimized import path_counts as paths
 from hybridkv.optimized._buffers import BlockRecords
 from hybridkv.optimized.extra_keys import ExtraKeys
+from hybridkv.optimized.path_counts import PathCounts
 from hybridkv.optimized.pending import InsertRecord, PendingWork
 from hybridkv.optimized.sources import GROUP_MIX, hash_key, keys_of
 from hybridkv.optimized.thresholds import INSERT_MIN, SETTLE_MAX
@@ -43,6 +45,9 @@ class BulkInserts(ExtraKeys):
         records: BlockRecords | None = None,
     ) -> None:
         super().__init__(num_blocks, num_groups, enable_kv_cache_events, event_builder, records)
+        self.paths = PathCounts()
+        """How often each fast path ran (``hybridkv.optimized.path_counts``), for the whole
+        pool: every phase reaches it."""
         # Running requests' releases and inserts not made yet (``PendingWork``): the manager
         # applies them before anything reads what they change.
         self.pending = PendingWork()
@@ -89,11 +94,13 @@ class BulkInserts(ExtraKeys):
         if not (ordered[1:] == ordered[:-1]).any():
             # Each entry alone in its bucket (the common case): it links to the old head and
             # becomes the head.
+            self.paths.ran(paths.LINKS_APART)
             old_heads = heads[buckets]
             self.hnext.n[blocks] = old_heads
             heads[buckets] = blocks
             behind = blocks[old_heads != self.end]
         else:
+            self.paths.ran(paths.LINKS_SHARED)
             behind = self._chain_sharing(blocks, buckets, heads)
         self.hk.n[blocks] = keys << 32 | (positions * self.num_groups + groups)
         self.src.n[blocks] = srcs

@@ -36,6 +36,10 @@ BATCH_ONE_BY_ONE = "batch: busy requests one by one"
 BATCH_VECTORISED = "batch: vectorised step"
 BATCH_RELEASES = "batch: vectorised step with window releases"
 FREE_BATCH = "free_batch: vectorised"
+LINKS_APART = "links: vectorised (a bucket each)"
+"""``chain_entries`` of entries each alone in its bucket (linked to the old heads directly)."""
+LINKS_SHARED = "links: vectorised (shared buckets)"
+"""``chain_entries`` of a batch with two entries in one bucket (sorted by bucket first)."""
 LOOKUP_WINDOW = "lookup: vectorised window probe"
 LOOKUP_SOURCE_RUN = "lookup: source run"
 LOOKUP_LEADING = "lookup: vectorised leading run"
@@ -56,6 +60,8 @@ PATHS = (
     BATCH_VECTORISED,
     BATCH_RELEASES,
     FREE_BATCH,
+    LINKS_APART,
+    LINKS_SHARED,
     LOOKUP_WINDOW,
     LOOKUP_SOURCE_RUN,
     LOOKUP_LEADING,
