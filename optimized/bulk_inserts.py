@@ -42,7 +42,7 @@ class BulkInserts(ExtraKeys):
         num_groups: int,
         enable_kv_cache_events: bool,
         event_builder: EventBuilder | None,
-        records: BlockRecords | None = None,
+        records: BlockRecords,
     ) -> None:
         super().__init__(num_blocks, num_groups, enable_kv_cache_events, event_builder, records)
         self.paths = PathCounts()
@@ -179,34 +179,12 @@ class BulkInserts(ExtraKeys):
             if first + num_groups > len(source.blocks):
                 source.reserve(first + num_groups, end)
             source.blocks[first : first + num_groups] = array("i", blocks)
-            source.refs += num_groups
-            if src in memo_srcs:
+            if not source.refs and src in memo_srcs:
+                # Its first cached blocks: it joins the memo (one with a cached block is in it
+                # already, as ``check_memo`` checks; it leaves with its last one).
                 self.memo.remember(src, source)  # type: ignore[union-attr]
+            source.refs += num_groups
         self.pending.insert_rows(records, num_groups)
-
-    def defer_row(
-        self,
-        blocks: Sequence[int],
-        pos: int,
-        block_hash: BlockHash,
-        src: int,
-        group_ids: array[int],
-    ) -> None:
-        """``defer_rows`` of one row (a decode step's crossing call: its newly full block in
-        every group), without the rows' list and loop."""
-        num_groups = self.num_groups
-        source = self.sources[src]
-        assert source is not None
-        first = pos * num_groups
-        if first + num_groups > len(source.blocks):
-            source.reserve(first + num_groups, self.end)
-        source.blocks[first : first + num_groups] = array("i", blocks)
-        if not source.refs and self.memo is not None and src in self.memo_srcs:
-            # Its first cached blocks: it joins the memo (one with a cached block is in it
-            # already, as ``check_memo`` checks; it leaves with its last one).
-            self.memo.remember(src, source)
-        source.refs += num_groups
-        self.pending.insert_row(blocks, group_ids, pos, block_hash, src)
 
     def defer_entries(
         self, entries: Sequence[tuple[int, int, int]], hashes: Sequence[BlockHash], src: int

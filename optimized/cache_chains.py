@@ -51,11 +51,8 @@ from hybridkv.spec.errors import InvariantError, require
 class CacheChains:
     """The hash table's buffers and its duplicate marks (see the module docstring)."""
 
-    def __init__(
-        self, num_blocks: int, num_groups: int, records: BlockRecords | None = None
-    ) -> None:
+    def __init__(self, num_blocks: int, num_groups: int, records: BlockRecords) -> None:
         n = num_blocks
-        records = BlockRecords(n) if records is None else records
         self.num_groups = num_groups
         size = MIN_BUCKETS
         while 2 * size < n:

@@ -34,7 +34,7 @@ class ExtraKeys(PrefixCache):
         num_groups: int,
         enable_kv_cache_events: bool,
         event_builder: EventBuilder | None,
-        records: BlockRecords | None = None,
+        records: BlockRecords,
     ) -> None:
         super().__init__(num_blocks, num_groups, enable_kv_cache_events, event_builder, records)
         self._extra_count = 0  # extras made: their insertion order

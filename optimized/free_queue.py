@@ -39,9 +39,8 @@ from hybridkv.spec.errors import InvariantError, require
 class FreeQueue:
     """Reference counts and the free queue of blocks ``0 … N − 1`` (see the module docstring)."""
 
-    def __init__(self, num_blocks: int, records: BlockRecords | None = None) -> None:
+    def __init__(self, num_blocks: int, records: BlockRecords) -> None:
         n = num_blocks
-        records = BlockRecords(n) if records is None else records
         self.num_blocks = n
         self.insert_min = INSERT_MIN
         """From this many blocks, the numpy paths (``Tuning.insert_min``; a test lowers it)."""

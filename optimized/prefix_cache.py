@@ -51,7 +51,7 @@ class PrefixCache(CacheChains):
         num_groups: int,
         enable_kv_cache_events: bool,
         event_builder: EventBuilder | None,
-        records: BlockRecords | None = None,
+        records: BlockRecords,
     ) -> None:
         super().__init__(num_blocks, num_groups, records)
         self.enable_kv_cache_events = enable_kv_cache_events
