@@ -47,8 +47,8 @@ OPTIMIZED_MUTANTS: tuple[Mutant, ...] = (
             "        quiet = rows.capacity[row] + 1\n",
         ),
         (
-            "        quiet = np.minimum(nxt[0, rows], nxt[1, rows]) + 1\n",
-            "        quiet = nxt[0, rows] + 1\n",
+            "        quiet = np.minimum(capacity, release_at) + 1\n",
+            "        quiet = capacity + 1\n",
         ),
     ),
     optimized_mutant(
@@ -61,7 +61,7 @@ OPTIMIZED_MUTANTS: tuple[Mutant, ...] = (
             "            pass\n",
         ),
         (
-            "np.minimum(quiet, nxt[2, rows]) if self._caching else quiet",
+            "np.minimum(quiet, cache_at) if self._caching else quiet",
             "quiet",
         ),
     ),

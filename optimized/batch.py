@@ -126,7 +126,23 @@ def _kept_free(reserved_blocks: int, watermark_blocks: int) -> bool:
 
 def _step_fields(s: ManagerState, requests: Sequence[RequestLike]) -> tuple[Ints, Ints] | None:
     """Rows and computed tokens per request, each an int64 array; ``None`` unless every
-    request is running, listed once and hashed soundly (with caching)."""
+    request is running, listed once and hashed soundly (with caching). The rows of the last
+    step's requests are remembered (``RowTables.remember``)."""
+    rows = s.rows.remembered(requests)
+    if rows is not None:
+        s.pool.paths.ran(paths.BATCH_REMEMBERED)
+    else:
+        rows = _rows_of(s, requests)
+        if rows is None:
+            return None
+    computed = array("q", [r.num_computed_tokens for r in requests])
+    return rows, np.frombuffer(computed, dtype=np.int64)
+
+
+def _rows_of(s: ManagerState, requests: Sequence[RequestLike]) -> Ints | None:
+    """The requests' rows read afresh, and remembered where what was checked cannot change
+    while the same request objects come back: ``Request``s (their ids fixed) hashed soundly
+    by construction, or with caching off."""
     # Comprehensions, not ``map(attrgetter(…))``: their attribute reads are the
     # interpreter's cached ones, about twice as fast per request.
     found = s.rows.rows_of([r.request_id for r in requests])
@@ -135,23 +151,27 @@ def _step_fields(s: ManagerState, requests: Sequence[RequestLike]) -> tuple[Ints
     rows = np.array(found, dtype=np.int64)
     if np.bincount(rows, minlength=1).max() > 1:
         return None  # a request listed twice
-    if s.layout.caching and not _hashed_soundly(s, requests):
+    own = countOf(map(type, requests), Request) == len(requests)
+    sound = own and _sound_by_construction(s, cast("Sequence[Request]", requests))
+    if s.layout.caching and not sound and not _hashes_within_tokens(s, requests):
         return None  # a request hashed at another block size: the single calls raise
-    computed = array("q", [r.num_computed_tokens for r in requests])
-    return rows, np.frombuffer(computed, dtype=np.int64)
+    if own and (sound or not s.layout.caching):
+        s.rows.remember(requests, rows)
+    return rows
 
 
-def _hashed_soundly(s: ManagerState, requests: Sequence[RequestLike]) -> bool:
-    """Whether no request has more block hashes than full blocks (``check_block_hashes``). A
-    ``Request`` hashed at the manager's block size, with at least its lookahead, has none by
-    construction; other requests are counted."""
+def _sound_by_construction(s: ManagerState, requests: Sequence[Request]) -> bool:
+    """Whether no request can have more block hashes than full blocks
+    (``check_block_hashes``): a ``Request`` hashed at the manager's block size, with at least
+    its lookahead, has none by construction (both are fixed when it is built)."""
     n = len(requests)
-    if countOf(map(type, requests), Request) == n:
-        own = cast("Sequence[Request]", requests)
-        if [r.hash_block_size for r in own].count(s.layout.hash_block_size) == n and min(
-            [r.num_hash_lookahead_tokens for r in own]
-        ) >= s.layout.lookahead:
-            return True
+    return [r.hash_block_size for r in requests].count(s.layout.hash_block_size) == n and min(
+        [r.num_hash_lookahead_tokens for r in requests]
+    ) >= s.layout.lookahead
+
+
+def _hashes_within_tokens(s: ManagerState, requests: Sequence[RequestLike]) -> bool:
+    """Whether no request has more block hashes than full blocks, counted."""
     num_tokens = np.array([r.num_tokens for r in requests], dtype=np.int64)
     num_hashes = np.array([len(r.block_hashes) for r in requests], dtype=np.int64)
     limit = np.maximum(num_tokens - s.layout.lookahead, 0) // s.layout.hash_block_size
@@ -292,7 +312,8 @@ def _step_busy(
     pool.paths.ran(paths.BATCH_RELEASES if num_released else paths.BATCH_VECTORISED)
     if num_released:
         _release(s, release_flat, blocks)
-        s.rows.columns[1][pair_index] = np.maximum(nulls, skipped)
+        nulls = np.maximum(nulls, skipped)
+        s.rows.columns[1][pair_index] = nulls
     popped = pool.pop_n(total_new)
     active: list[int] = []
     if total_new:
@@ -300,12 +321,14 @@ def _step_busy(
         pair, rank = expand(per_pair)
         flat = (table_base + length.ravel())[pair] + rank
         tab[flat] = popped
-        s.rows.columns[0][pair_index] = length + new
+        length = length + new
+        s.rows.columns[0][pair_index] = length
         s.tables.touched_at(flat)
         active = np.flatnonzero(new.sum(1)).tolist()
     if to_cache is not None and bool(to_cache.any()):
         cache_busy(s, requests, rows, pair_index, table_base, cached, to_cache)
-    s.thresholds.refresh_rows(rows)
+        cached = s.rows.columns[2][pair_index]
+    s.thresholds.refresh_rows(rows, length, nulls, cached)
     return _results(s.layout.num_groups, len(requests), active, new, popped)
 
 
@@ -352,12 +375,15 @@ def _results(
     """Each busy request's new blocks per group, cut from ``popped`` in request-major order
     (``active``: the requests that took any)."""
     out: list[KVCacheBlocks | None] = [KVCacheBlocks(((),) * g_count)] * n
+    counts = new[active]
+    if bool((counts == 1).all()):
+        # A decode step's one block per group each: its groups are G consecutive 1-tuples.
+        each = zip(*[iter(zip(popped))] * g_count, strict=True)
+        for i, blocks in zip(active, map(KVCacheBlocks, each), strict=True):
+            out[i] = blocks
+        return out
     at = 0
-    for i, per_group in zip(active, new[active].tolist(), strict=True):
-        if per_group.count(1) == g_count:  # a decode step's one block per group
-            out[i] = KVCacheBlocks(tuple(zip(popped[at : at + g_count])))
-            at += g_count
-            continue
+    for i, per_group in zip(active, counts.tolist(), strict=True):
         groups = []
         for count in per_group:
             groups.append(tuple(popped[at : at + count]))

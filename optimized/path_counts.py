@@ -35,6 +35,9 @@ BATCH_QUIET = "batch: quiet requests skipped"
 BATCH_ONE_BY_ONE = "batch: busy requests one by one"
 BATCH_VECTORISED = "batch: vectorised step"
 BATCH_RELEASES = "batch: vectorised step with window releases"
+BATCH_REMEMBERED = "batch: the last batch's rows remembered"
+"""A batch of the same request objects as the last, in order, no row changed hands since
+(``RowTables.remembered``)."""
 FREE_BATCH = "free_batch: vectorised"
 LINKS_APART = "links: vectorised (a bucket each)"
 """``chain_entries`` of entries each alone in its bucket (linked to the old heads directly)."""
@@ -59,6 +62,7 @@ PATHS = (
     BATCH_ONE_BY_ONE,
     BATCH_VECTORISED,
     BATCH_RELEASES,
+    BATCH_REMEMBERED,
     FREE_BATCH,
     LINKS_APART,
     LINKS_SHARED,

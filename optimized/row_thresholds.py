@@ -125,19 +125,31 @@ class RowThresholds:
             quiet = min(quiet, rows.cache_at[row])
         rows.quiet_below[row] = quiet
 
-    def refresh_rows(self, rows: npt.NDArray[np.int64]) -> None:
-        """``refresh`` for many rows of a vectorisable layout (int64), in numpy calls."""
+    def refresh_rows(
+        self,
+        rows: npt.NDArray[np.int64],
+        length: npt.NDArray[np.int64],
+        nulls: npt.NDArray[np.int64],
+        cached: npt.NDArray[np.int64],
+    ) -> None:
+        """``refresh`` for many rows of a vectorisable layout (int64), in numpy calls, from
+        their counters as they now stand (``[n, G]`` each: the batch that changed them has them
+        at hand, so they are not gathered again)."""
         b = self._block_size
-        length, nulls, cached = self._rows.gather(self._rows.pair_index(rows))
         nxt = self._rows.thresholds
-        nxt[0, rows] = length.min(1) * b
+        capacity = length.min(1) * b
+        nxt[0, rows] = capacity
         columns = self._columns
         if columns.releases:
             release = (nulls + 1) * b + columns.window_less_one
             if columns.chunk is not None:
                 starts = -((nulls + 1) * b // -columns.chunk_or_one) * columns.chunk_or_one
                 release = np.where(columns.chunk > 0, starts, release)
-            nxt[1, rows] = release.min(1)
-        nxt[2, rows] = (cached.min(1) + 1) * b
-        quiet = np.minimum(nxt[0, rows], nxt[1, rows]) + 1
-        nxt[3, rows] = np.minimum(quiet, nxt[2, rows]) if self._caching else quiet
+            release_at = release.min(1)
+            nxt[1, rows] = release_at
+        else:
+            release_at = nxt[1, rows]
+        cache_at = (cached.min(1) + 1) * b
+        nxt[2, rows] = cache_at
+        quiet = np.minimum(capacity, release_at) + 1
+        nxt[3, rows] = np.minimum(quiet, cache_at) if self._caching else quiet

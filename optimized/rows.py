@@ -38,11 +38,20 @@ Each column is a ``memoryview`` of its buffer (``rows.length[i]``: one indexing 
 the single-request paths) and, but ``kept``, a row of a numpy array (``columns`` ``[3, R·G]``,
 ``thresholds`` ``[4, R]``: the batched paths). A request takes a row on its first successful
 allocation (``take``) and gives it back when freed (``release``), its counters zeroed.
+
+A batch (``hybridkv.optimized.batch``) may ``remember`` the rows of the requests it served: the
+next batch of the same request objects, in the same order, gets them back from ``remembered``
+(one identity comparison per request) instead of reading every request's id and looking it up,
+as long as no row was taken or given back since (``take`` and ``release`` forget them). A
+scheduler's decode steps pass the same running requests step after step, and reading 1,024
+requests' ids (each a string object of its own, then a dict entry) costs more than the step's
+arithmetic.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, ItemsView, Iterable
+from collections.abc import Callable, ItemsView, Iterable, Sequence
+from operator import is_
 
 import numpy as np
 import numpy.typing as npt
@@ -55,6 +64,8 @@ class RowTables:
     """The rows of the block tables and their per-group counters (see the module docstring)."""
 
     __slots__ = (
+        "_batch",
+        "_batch_rows",
         "_free",
         "_garange",
         "_kept",
@@ -101,6 +112,9 @@ class RowTables:
         # decode call reads it).
         self.row_of: Callable[[str], int | None] = self._rows.get
         self._free = list(range(r - 1, -1, -1))
+        # The last remembered batch (its request objects, in order) and their rows.
+        self._batch: list[object] = []
+        self._batch_rows: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
 
     # --- Indexing ---------------------------------------------------------------------------
 
@@ -136,6 +150,25 @@ class RowTables:
         """(request id, row) of every row in use."""
         return self._rows.items()
 
+    def remember(self, requests: Sequence[object], rows: npt.NDArray[np.int64]) -> None:
+        """Remember that ``requests`` (each holding one row, listed once) hold ``rows``."""
+        self._batch = list(requests)
+        self._batch_rows = rows
+
+    def remembered(self, requests: Sequence[object]) -> npt.NDArray[np.int64] | None:
+        """The rows remembered for exactly these request objects in this order (no row taken
+        or given back since), else ``None``. The caller must not change the array."""
+        batch = self._batch
+        if batch and len(requests) == len(batch) and all(map(is_, requests, batch)):
+            return self._batch_rows
+        return None
+
+    def forget(self) -> None:
+        """Drop the remembered batch (a row changed hands; its requests may be gone)."""
+        if self._batch:
+            self._batch = []
+            self._batch_rows = np.zeros(0, dtype=np.int64)
+
     def take(self, request_id: str) -> int:
         """A free row for the request (its counters are zero)."""
         if not self._free:
@@ -145,12 +178,14 @@ class RowTables:
             )
         row = self._free.pop()
         self._rows[request_id] = row
+        self.forget()
         return row
 
     def release(self, request_id: str, row: int) -> None:
         """Give the request's row back, its counters zeroed (its thresholds are rewritten when
         the row is next taken)."""
         del self._rows[request_id]
+        self.forget()
         at = row * self.num_groups
         length, nulls, cached, kept = self.length, self.nulls, self.cached, self.kept
         for i in range(at, at + self.num_groups):

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
-from hybridkv.optimized import TorchKVCacheManager
+from hybridkv.optimized import TorchKVCacheManager, path_counts
+from hybridkv.optimized.rows import RowTables
 from hybridkv.reference import KVCacheManager, Request
 from hybridkv.spec import (
     ChunkedLocalAttentionSpec,
@@ -223,3 +225,66 @@ def test_batches_of_bad_or_unusual_calls_behave_as_single_calls() -> None:
     m.free_batch([requests[1], requests[1], requests[3]])
     assert m.row_of(requests[1].request_id) is None
     m.check_invariants()
+
+
+def test_remembered_rows_need_the_same_request_objects_in_order_and_no_row_changing_hands() -> None:
+    """``RowTables.remember``: the next batch of exactly these objects gets the rows back;
+    another order, another object or any ``take``/``release`` since reads them afresh."""
+    rows = RowTables(max_num_reqs=4, num_groups=2)
+    a, b, c = (Request(rid, [1, 2, 3], hash_block_size=4) for rid in ("a", "b", "c"))
+    held = np.array([rows.take("a"), rows.take("b")], dtype=np.int64)
+    rows.remember([a, b], held)
+    assert rows.remembered([a, b]) is held
+    assert rows.remembered((a, b)) is held
+    assert rows.remembered([b, a]) is None
+    assert rows.remembered([a, b, c]) is None
+    assert rows.remembered([a, Request("b", [1, 2, 3], hash_block_size=4)]) is None
+    rows.take("c")
+    assert rows.remembered([a, b]) is None
+    rows.remember([a, b], held)
+    rows.release("c", 2)
+    assert rows.remembered([a, b]) is None
+    assert rows.remembered([]) is None
+
+
+def test_a_batch_of_readmitted_requests_reads_their_new_rows() -> None:
+    """The same request objects batched again after both were freed and readmitted in the
+    other order (so that each now holds the other's row) must not reuse the rows remembered
+    before: results and state equal the reference's."""
+    batched = TorchKVCacheManager(layout(2000), 200, max_num_reqs=8)
+    batched.batch_min = batched.busy_batch_min = 1
+    reference = KVCacheManager(layout(2000), 200)
+    managers: tuple[TorchKVCacheManager | KVCacheManager, ...] = (batched, reference)
+    twins = [make_requests(2, seed) for seed in (5, 5)]
+    for m, reqs in zip(managers, twins, strict=True):
+        for r in reqs:
+            assert m.allocate_slots(r, r.num_tokens) is not None
+            r.num_computed_tokens = r.num_tokens
+
+    def step(remembered: int) -> None:
+        for reqs in twins:
+            for r in reqs:
+                r.append_output_token_ids([7, 8, 9, 10])
+        before = batched.fast_paths[path_counts.BATCH_REMEMBERED]
+        got = batched.allocate_slots_batch(twins[0], 4)
+        assert got == [reference.allocate_slots(r, 4) for r in twins[1]]
+        assert batched.fast_paths[path_counts.BATCH_REMEMBERED] - before == remembered
+        for reqs in twins:
+            for r in reqs:
+                r.num_computed_tokens += 4
+        assert batched.snapshot() == reference.snapshot()
+        batched.check_invariants()
+
+    step(remembered=0)  # read afresh, remembered
+    step(remembered=1)
+    rows_before = [batched.row_of(r.request_id) for r in twins[0]]
+    for m, reqs in zip(managers, twins, strict=True):
+        m.free(reqs[0])
+        m.free(reqs[1])
+        for r in reqs:  # readmitted first-freed first: each takes the other's row
+            r.num_computed_tokens = 0
+            assert m.allocate_slots(r, r.num_tokens) is not None
+            r.num_computed_tokens = r.num_tokens
+    assert [batched.row_of(r.request_id) for r in twins[0]] == rows_before[::-1]
+    step(remembered=0)
+    step(remembered=1)

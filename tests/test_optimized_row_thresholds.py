@@ -119,7 +119,9 @@ def test_refreshing_many_rows_at_once_equals_refreshing_each(
         _set(many_rows, row, length, nulls, cached)
         one.refresh(row)
         taken.append(row)
-    many.refresh_rows(np.array(taken, dtype=np.int64))
+    picked = np.array(taken, dtype=np.int64)
+    length_now, nulls_now, cached_now = many_rows.gather(many_rows.pair_index(picked))
+    many.refresh_rows(picked, length_now, nulls_now, cached_now)
     assert many_rows.thresholds[:, taken].tolist() == one_rows.thresholds[:, taken].tolist()
 
 
