@@ -67,9 +67,15 @@ _TOKEN_LIST = attrgetter("_all_token_ids")
 _HASH_LIST = attrgetter("_block_hashes")
 
 
-def expand(counts: Ints) -> tuple[Ints, Ints]:
-    """For per-pair counts: each element's pair, and its rank within its pair."""
-    total = int(counts.sum())
+def expand(counts: Ints, total: int | None = None) -> tuple[Ints, Ints]:
+    """For per-pair counts (adding up to ``total`` where the caller knows it): each element's
+    pair, and its rank within its pair."""
+    if total is None:
+        total = int(counts.sum())
+    else:
+        pair = np.flatnonzero(counts)
+        if pair.shape[0] == total:  # every count 0 or 1 (a decode step's): all rank 0
+            return pair, np.zeros(total, dtype=np.int64)
     pair = np.repeat(np.arange(counts.shape[0], dtype=np.int64), counts)
     starts = np.cumsum(counts) - counts
     rank: Ints = np.arange(total, dtype=np.int64) - starts[pair]
@@ -303,7 +309,7 @@ def _step_busy(
     if num_released:
         # Released positions in sequential order: request, group, position high to low.
         per_pair = released.ravel()
-        pair, rank = expand(per_pair)
+        pair, rank = expand(per_pair, num_released)
         release_flat = (table_base + skipped.ravel() - 1)[pair] - rank
         blocks = tab[release_flat].astype(np.int64)
         if not bool((pool.src.n[blocks] >= 0).all()):
@@ -318,7 +324,7 @@ def _step_busy(
     active: list[int] = []
     if total_new:
         per_pair = new.ravel()
-        pair, rank = expand(per_pair)
+        pair, rank = expand(per_pair, total_new)
         flat = (table_base + length.ravel())[pair] + rank
         tab[flat] = popped
         length = length + new

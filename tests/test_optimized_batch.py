@@ -12,8 +12,11 @@ import random
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridkv.optimized import TorchKVCacheManager, path_counts
+from hybridkv.optimized.batch import expand
 from hybridkv.optimized.rows import RowTables
 from hybridkv.reference import KVCacheManager, Request
 from hybridkv.spec import (
@@ -288,3 +291,21 @@ def test_a_batch_of_readmitted_requests_reads_their_new_rows() -> None:
     assert [batched.row_of(r.request_id) for r in twins[0]] == rows_before[::-1]
     step(remembered=0)
     step(remembered=1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 4), max_size=40), st.booleans())
+def test_expanding_per_pair_counts_lists_each_element_by_pair_and_rank(
+    counts: list[int], ones_only: bool
+) -> None:
+    """``expand``, told the total or not (its 0-or-1 shortcut), equals the definition: pair
+    ``p`` repeated ``counts[p]`` times, ranked 0, 1, … within it."""
+    if ones_only:
+        counts = [min(c, 1) for c in counts]
+    array_counts = np.array(counts, dtype=np.int64)
+    expected_pairs = [p for p, c in enumerate(counts) for _ in range(c)]
+    expected_ranks = [r for c in counts for r in range(c)]
+    for total in (None, sum(counts)):
+        pair, rank = expand(array_counts, total)
+        assert pair.tolist() == expected_pairs
+        assert rank.tolist() == expected_ranks
