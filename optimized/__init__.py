@@ -15,12 +15,15 @@ each row's per-group counters and thresholds), ``group_rules`` and ``group_colum
 per-group rules and the constants of the vectorised paths), ``hash_memo`` (the block hasher
 that adopts cached prefixes' hashes), ``hashing`` (block hashes with the CBOR of all blocks
 encoded by tensor operations, for ``Request(..., block_hasher=hash_full_blocks_torch)``),
-``_buffers`` (the numpy buffers every state lives in, with their memoryview and tensor views;
-the pool's per-block int32 fields interleaved, one record per block)
+``step_columns`` (requests whose computed-token counts live in one numpy column, which a
+whole-step call reads with one gather), ``_buffers`` (the numpy buffers every state lives in,
+with their memoryview and tensor views; the pool's per-block int32 fields interleaved, one
+record per block)
 and ``thresholds`` (the sizes at which each path switches between one element at a time and
 vectorised calls). Each explains its data layout at the top.
 """
 
 from hybridkv.optimized.manager import TorchKVCacheManager
+from hybridkv.optimized.step_columns import ColumnRequest, StepColumns
 
-__all__ = ["TorchKVCacheManager"]
+__all__ = ["ColumnRequest", "StepColumns", "TorchKVCacheManager"]

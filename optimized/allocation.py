@@ -22,6 +22,7 @@ from hybridkv.optimized import path_counts as paths
 from hybridkv.optimized.layout import BlockIds, GroupLayout
 from hybridkv.optimized.lookup import GroupHit, HitBlocks
 from hybridkv.optimized.state import ManagerState
+from hybridkv.optimized.step_columns import ColumnRequest
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import Request, RequestLike
 from hybridkv.reference.validation import check_allocation, check_issued_allocation
@@ -51,7 +52,7 @@ def allocate(
     ``num_external``: tokens a KV connector supplies after the hit; ``num_encoder``: tokens
     that size the cross-attention tables)."""
     s.pool.paths.ran(paths.ALLOCATE)
-    if type(request) is Request:
+    if type(request) is Request or type(request) is ColumnRequest:
         request.offer_block_hasher(s.block_hasher)  # a request met here first
     found, group_hits = checked_hits(
         s,

@@ -55,6 +55,7 @@ import numpy.typing as npt
 from hybridkv.optimized import path_counts as paths
 from hybridkv.optimized.caching import cache_busy
 from hybridkv.optimized.state import ManagerState
+from hybridkv.optimized.step_columns import ColumnRequest, StepColumns
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import Request, RequestLike
 from hybridkv.spec.errors import check_non_negative
@@ -133,22 +134,29 @@ def _kept_free(reserved_blocks: int, watermark_blocks: int) -> bool:
 def _step_fields(s: ManagerState, requests: Sequence[RequestLike]) -> tuple[Ints, Ints] | None:
     """Rows and computed tokens per request, each an int64 array; ``None`` unless every
     request is running, listed once and hashed soundly (with caching). The rows of the last
-    step's requests are remembered (``RowTables.remember``)."""
-    rows = s.rows.remembered(requests)
-    if rows is not None:
+    step's requests are remembered (``RowTables.remember``), with their slots where they are
+    column requests of one ``StepColumns`` (then their counts are one gather)."""
+    found = s.rows.remembered(requests)
+    if found is not None:
+        rows, slots = found
         s.pool.paths.ran(paths.BATCH_REMEMBERED)
+        if slots is not None:
+            columns, at = cast("tuple[StepColumns, Ints]", slots)
+            s.pool.paths.ran(paths.BATCH_COLUMNS)
+            return rows, columns.computed[at]
     else:
-        rows = _rows_of(s, requests)
-        if rows is None:
+        read = _rows_of(s, requests)
+        if read is None:
             return None
+        rows = read
     computed = array("q", [r.num_computed_tokens for r in requests])
     return rows, np.frombuffer(computed, dtype=np.int64)
 
 
 def _rows_of(s: ManagerState, requests: Sequence[RequestLike]) -> Ints | None:
     """The requests' rows read afresh, and remembered where what was checked cannot change
-    while the same request objects come back: ``Request``s (their ids fixed) hashed soundly
-    by construction, or with caching off."""
+    while the same request objects come back: ``Request``s and ``ColumnRequest``s (their ids
+    fixed) hashed soundly by construction, or with caching off."""
     # Comprehensions, not ``map(attrgetter(…))``: their attribute reads are the
     # interpreter's cached ones, about twice as fast per request.
     found = s.rows.rows_of([r.request_id for r in requests])
@@ -157,13 +165,23 @@ def _rows_of(s: ManagerState, requests: Sequence[RequestLike]) -> Ints | None:
     rows = np.array(found, dtype=np.int64)
     if np.bincount(rows, minlength=1).max() > 1:
         return None  # a request listed twice
-    own = countOf(map(type, requests), Request) == len(requests)
+    n = len(requests)
+    plain = countOf(map(type, requests), Request)
+    in_columns = countOf(map(type, requests), ColumnRequest) if plain < n else 0
+    own = plain + in_columns == n
     sound = own and _sound_by_construction(s, cast("Sequence[Request]", requests))
     if s.layout.caching and not sound and not _hashes_within_tokens(s, requests):
         return None  # a request hashed at another block size: the single calls raise
     if own and (sound or not s.layout.caching):
-        s.rows.remember(requests, rows)
+        s.rows.remember(requests, rows, _slots(requests) if in_columns == n else None)
     return rows
+
+
+def _slots(requests: Sequence[RequestLike]) -> tuple[StepColumns, Ints] | None:
+    """The column and slots of column requests all of one ``StepColumns``, else ``None``."""
+    columns = cast("ColumnRequest", requests[0]).columns
+    slots = columns.slots(requests)
+    return None if slots is None else (columns, slots)
 
 
 def _sound_by_construction(s: ManagerState, requests: Sequence[Request]) -> bool:

@@ -19,6 +19,7 @@ from hybridkv.optimized import admission, cached_keys, hits, mamba, step
 from hybridkv.optimized.general_caching import primary_key
 from hybridkv.optimized.lookup import HitBlocks
 from hybridkv.optimized.state import ManagerState
+from hybridkv.optimized.step_columns import ColumnRequest
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.connector_calls import check_deferred_blocks
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
@@ -48,7 +49,7 @@ class ConnectorCalls:
         if g_count == 1 or not s.layout.caching:
             blocks, hit, _ = self.get_computed_blocks(request, max_cache_hit_length)
             return blocks, (hit,) * g_count
-        if type(request) is Request:
+        if type(request) is Request or type(request) is ColumnRequest:
             request.offer_block_hasher(s.block_hasher)
         if not self.prefix_cache_lookup_enabled(request):
             return KVCacheBlocks.empty(g_count), (0,) * g_count

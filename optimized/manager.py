@@ -39,6 +39,7 @@ from hybridkv.optimized.fused_step import FusedStep
 from hybridkv.optimized.layout import BlockIds, GroupLayout
 from hybridkv.optimized.request_calls import RequestCalls
 from hybridkv.optimized.state import ManagerState, Tuning, TuningKnobs
+from hybridkv.optimized.step_columns import ColumnRequest
 from hybridkv.policies import EvictionPolicy, resolve_policy
 from hybridkv.reference.events import EventBuilder, KVCacheEvent
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
@@ -154,7 +155,7 @@ class TorchKVCacheManager(ConnectorCalls, RequestCalls, TuningKnobs, PrefixCache
         """The request's longest cache hit: its blocks per group, its length in tokens, and the
         shared-prefix boundary, at most ``max_cache_hit_length`` tokens; over its hashed blocks
         only if it has fewer hashes (``KVCacheManager.get_computed_blocks``: the same keywords)."""
-        if type(request) is Request:
+        if type(request) is Request or type(request) is ColumnRequest:
             request.offer_block_hasher(self.block_hasher)
         if not self.prefix_cache_lookup_enabled(request):
             return self.no_blocks, 0, 0
@@ -219,7 +220,7 @@ class TorchKVCacheManager(ConnectorCalls, RequestCalls, TuningKnobs, PrefixCache
             sound = (
                 not self.enable_caching
                 or (
-                    type(request) is Request
+                    (type(request) is Request or type(request) is ColumnRequest)
                     and request.hash_block_size == self.hash_block_size
                     and request.num_hash_lookahead_tokens >= self.lookahead
                 )

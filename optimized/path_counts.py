@@ -38,6 +38,8 @@ BATCH_RELEASES = "batch: vectorised step with window releases"
 BATCH_REMEMBERED = "batch: the last batch's rows remembered"
 """A batch of the same request objects as the last, in order, no row changed hands since
 (``RowTables.remembered``)."""
+BATCH_COLUMNS = "batch: computed counts from step columns"
+"""A remembered batch of column requests of one ``StepColumns``: their counts one gather."""
 FREE_BATCH = "free_batch: vectorised"
 LINKS_APART = "links: vectorised (a bucket each)"
 """``chain_entries`` of entries each alone in its bucket (linked to the old heads directly)."""
@@ -63,6 +65,7 @@ PATHS = (
     BATCH_VECTORISED,
     BATCH_RELEASES,
     BATCH_REMEMBERED,
+    BATCH_COLUMNS,
     FREE_BATCH,
     LINKS_APART,
     LINKS_SHARED,

@@ -39,10 +39,11 @@ the single-request paths) and, but ``kept``, a row of a numpy array (``columns``
 ``thresholds`` ``[4, R]``: the batched paths). A request takes a row on its first successful
 allocation (``take``) and gives it back when freed (``release``), its counters zeroed.
 
-A batch (``hybridkv.optimized.batch``) may ``remember`` the rows of the requests it served: the
-next batch of the same request objects, in the same order, gets them back from ``remembered``
-(one identity comparison per request) instead of reading every request's id and looking it up,
-as long as no row was taken or given back since (``take`` and ``release`` forget them). A
+A batch (``hybridkv.optimized.batch``) may ``remember`` the rows of the requests it served
+(with a value of its own: the requests' slots of a ``StepColumns``): the next batch of the same
+request objects, in the same order, gets them back from ``remembered`` (one identity
+comparison per request) instead of reading every request's id and looking it up, as long as
+no row was taken or given back since (``take`` and ``release`` forget them). A
 scheduler's decode steps pass the same running requests step after step, and reading 1,024
 requests' ids (each a string object of its own, then a dict entry) costs more than the step's
 arithmetic.
@@ -65,6 +66,7 @@ class RowTables:
 
     __slots__ = (
         "_batch",
+        "_batch_extra",
         "_batch_rows",
         "_free",
         "_garange",
@@ -115,6 +117,7 @@ class RowTables:
         # The last remembered batch (its request objects, in order) and their rows.
         self._batch: list[object] = []
         self._batch_rows: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+        self._batch_extra: object = None
 
     # --- Indexing ---------------------------------------------------------------------------
 
@@ -150,17 +153,22 @@ class RowTables:
         """(request id, row) of every row in use."""
         return self._rows.items()
 
-    def remember(self, requests: Sequence[object], rows: npt.NDArray[np.int64]) -> None:
-        """Remember that ``requests`` (each holding one row, listed once) hold ``rows``."""
+    def remember(
+        self, requests: Sequence[object], rows: npt.NDArray[np.int64], extra: object = None
+    ) -> None:
+        """Remember that ``requests`` (each holding one row, listed once) hold ``rows``, with
+        the caller's ``extra``."""
         self._batch = list(requests)
         self._batch_rows = rows
+        self._batch_extra = extra
 
-    def remembered(self, requests: Sequence[object]) -> npt.NDArray[np.int64] | None:
-        """The rows remembered for exactly these request objects in this order (no row taken
-        or given back since), else ``None``. The caller must not change the array."""
+    def remembered(self, requests: Sequence[object]) -> tuple[npt.NDArray[np.int64], object] | None:
+        """The rows (and the caller's extra) remembered for exactly these request objects in
+        this order, no row taken or given back since, else ``None``. The caller must not
+        change the array."""
         batch = self._batch
         if batch and len(requests) == len(batch) and all(map(is_, requests, batch)):
-            return self._batch_rows
+            return self._batch_rows, self._batch_extra
         return None
 
     def forget(self) -> None:
@@ -168,6 +176,7 @@ class RowTables:
         if self._batch:
             self._batch = []
             self._batch_rows = np.zeros(0, dtype=np.int64)
+            self._batch_extra = None
 
     def take(self, request_id: str) -> int:
         """A free row for the request (its counters are zero)."""

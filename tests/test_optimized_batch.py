@@ -236,9 +236,12 @@ def test_remembered_rows_need_the_same_request_objects_in_order_and_no_row_chang
     rows = RowTables(max_num_reqs=4, num_groups=2)
     a, b, c = (Request(rid, [1, 2, 3], hash_block_size=4) for rid in ("a", "b", "c"))
     held = np.array([rows.take("a"), rows.take("b")], dtype=np.int64)
-    rows.remember([a, b], held)
-    assert rows.remembered([a, b]) is held
-    assert rows.remembered((a, b)) is held
+    rows.remember([a, b], held, "extra")
+    found = rows.remembered([a, b])
+    assert found is not None
+    assert found[0] is held
+    assert found[1] == "extra"
+    assert rows.remembered((a, b)) == found
     assert rows.remembered([b, a]) is None
     assert rows.remembered([a, b, c]) is None
     assert rows.remembered([a, Request("b", [1, 2, 3], hash_block_size=4)]) is None

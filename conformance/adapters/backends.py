@@ -21,6 +21,7 @@ from hybridkv.conformance.adapters.adapter_protocol import (
 from hybridkv.conformance.adapters.protocol_adapter import (
     PlanningAdapter,
     ProtocolAdapter,
+    RequestMaker,
     hash_block_size_of,
 )
 from hybridkv.conformance.protocol import KVCacheManagerLike
@@ -33,12 +34,14 @@ def manager_backend(
     *,
     configure: Callable[[Any, KVCacheConfig], None] | None = None,
     plan_report: Callable[..., Any] | None = None,
+    request_maker: Callable[[KVCacheConfig], RequestMaker | None] | None = None,
     **kw: Any,
 ) -> Backend:
     """A backend for any class constructed like ``KVCacheManager(config, max_model_len,
     enable_caching=..., enable_kv_cache_events=..., **engine_keywords, **kw)``; ``configure``
     adjusts each new manager for its layout; with ``plan_report`` (the reference's, or a
-    patched copy's) its adapters also plan models (``Planning``)."""
+    patched copy's) its adapters also plan models (``Planning``); ``request_maker`` may give a
+    layout's adapter its own way of making requests (``ProtocolAdapter``'s ``make``)."""
 
     def factory(
         config: KVCacheConfig,
@@ -62,7 +65,8 @@ def manager_backend(
             return PlanningAdapter(
                 name, manager, block_size, engine.num_hash_lookahead_tokens, plan_report
             )
-        return ProtocolAdapter(name, manager, block_size, engine.num_hash_lookahead_tokens)
+        make = None if request_maker is None else request_maker(config)
+        return ProtocolAdapter(name, manager, block_size, engine.num_hash_lookahead_tokens, make)
 
     return name, factory
 
@@ -111,11 +115,11 @@ def optimized_backend(
     than the differential machine's few live requests. So on layouts with an odd ``num_blocks``
     the thresholds are ``SMALL_THRESHOLDS`` (the vectorised paths), on the others the
     production ones (the single-request paths below them)."""
+    try:
+        module: Any = importlib.import_module("hybridkv.optimized")
+    except ImportError:
+        return None
     if manager_class is None:
-        try:
-            module = importlib.import_module("hybridkv.optimized")
-        except ImportError:
-            return None
         manager_class = getattr(module, "TorchKVCacheManager", None)
         if manager_class is None:
             return None
@@ -125,10 +129,21 @@ def optimized_backend(
             for attribute, value in SMALL_THRESHOLDS.items():
                 setattr(manager, attribute, value)
 
+    def step_columns_on_every_other_odd_pool(config: KVCacheConfig) -> RequestMaker | None:
+        # Half the layouts whose batches are vectorised (pools of 1 mod 4) make column
+        # requests (their counts in one ``StepColumns``), the other half plain ones: both
+        # ways of reading a batch's counts run.
+        columns_class = getattr(module, "StepColumns", None)
+        if config.num_blocks % 4 != 1 or columns_class is None:
+            return None
+        made: RequestMaker = columns_class().request
+        return made
+
     return manager_backend(
         f"optimized[{device}]",
         manager_class,
         configure=small_thresholds_on_odd_pools,
+        request_maker=step_columns_on_every_other_odd_pool,
         device=device,
         max_num_reqs=max_num_reqs,
         **_policy_keywords(eviction_policy),

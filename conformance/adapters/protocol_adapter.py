@@ -54,11 +54,16 @@ def _plain_event(event: object) -> tuple[object, ...]:
     return (type(event).__name__, repr(event))
 
 
+RequestMaker = Callable[..., Request]
+"""Makes a request as ``Request(request_id, prompt, **keywords)`` does."""
+
+
 class ProtocolAdapter:
     """The example adapter: any manager with the scheduler API of ``KVCacheManagerLike``.
 
     Requests are ``hybridkv.reference.Request`` objects, one per implementation, so nothing is
-    shared between the implementations under test by accident.
+    shared between the implementations under test by accident; ``make``, when given, makes
+    them instead (called as ``Request`` is: the optimized backend's ``StepColumns.request``).
     """
 
     def __init__(
@@ -67,11 +72,13 @@ class ProtocolAdapter:
         manager: KVCacheManagerLike,
         block_size: int,
         num_hash_lookahead_tokens: int = 0,
+        make: RequestMaker | None = None,
     ) -> None:
         self.name = name
         self.manager = manager
         self.block_size = block_size
         self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
+        self.make: RequestMaker = Request if make is None else make
 
     def new_request(
         self,
@@ -84,7 +91,7 @@ class ProtocolAdapter:
     ) -> Request:
         """A ``Request``; ``keys``: its ``lora``, ``mm_features`` and ``prompt_embeds``, which
         the extra-key traces pass when set (``hybridkv.conformance.golden_keyed``)."""
-        return Request(
+        return self.make(
             request_id,
             prompt,
             hash_block_size=self.block_size,

@@ -24,7 +24,11 @@ Scenarios (full sizes; ``--quick`` shrinks them):
    B + 8 rows), filled by one prefill call per request and one untimed step (which releases
    what left each window); then 32 timed steps, the median per step reported with the
    manager's share ("of which": ``new_step_starts`` and the allocation calls) beside it. vLLM
-   has no batched call: the batched row's ratio is vLLM's B calls ÷ the optimized batch.
+   has no batched call: the batched row's ratio is vLLM's B calls ÷ the optimized batch. At
+   the largest B a run of its own times the batched call on requests made by the optimized
+   backend's ``StepColumns`` (their computed counts in one numpy column, which the batch
+   reads with one gather instead of reading every request object) beside vLLM and the
+   reference, in that order.
 2. hash: the block hashes of a 131,072-token prompt, on the hash function alone (vLLM: its
    request block hasher on a ``Request`` built without one; reference: ``hash_full_blocks``;
    optimized: ``hash_full_blocks_torch``), and on the default request path: building the
@@ -212,6 +216,21 @@ def run_table(
             (fmt_us(ba, b), "", fmt_us(pa, b)),
             Target(25) if last else None,
         )
+    top = max(sizes.batches)
+    in_columns = Way(opt, batched=True, columns=True)
+    t = decode([Way(base), in_columns, Way(ref)], top, sizes.steps, sizes.prompt)
+    (bs, ba), (cs, ca) = t[base.name], t[in_columns.label]
+    row(
+        f"decode B={top}, allocate_slots_batch on step-column requests: µs/step (per request)",
+        (bs, None, cs),
+        (fmt_us(bs, top), "", fmt_us(cs, top)),
+    )
+    row(
+        "  of which allocate_slots_batch",
+        (ba, None, ca),
+        (fmt_us(ba, top), "", fmt_us(ca, top)),
+        Target(25),
+    )
     # As in decode: the second optimized way ran ~15 % faster in the admission right after
     # the first (its caches warmed by it), whichever way came second.
     apart = [bases[0], bases[2], bases[1], explicit]

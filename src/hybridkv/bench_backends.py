@@ -92,14 +92,18 @@ class Backend:
 
 @dataclass(frozen=True)
 class Way:
-    """A backend and how a decode step calls it: per request, or ``allocate_slots_batch``."""
+    """A backend and how a decode step calls it: per request, or ``allocate_slots_batch``;
+    with ``columns``, on requests whose computed counts live in a ``StepColumns`` (the
+    optimized backend's ``StepColumns.request``, built as the default request otherwise)."""
 
     backend: Backend
     batched: bool = False
+    columns: bool = False
 
     @property
     def label(self) -> str:
-        return f"{self.backend.name}, batched" if self.batched else self.backend.name
+        label = f"{self.backend.name}, batched" if self.batched else self.backend.name
+        return f"{label}, step columns" if self.columns else label
 
 
 class Mismatch(RuntimeError):

@@ -32,7 +32,7 @@ from hybridkv.bench_backends import (
     gemma_like,
     tokens,
 )
-from hybridkv.optimized import TorchKVCacheManager
+from hybridkv.optimized import StepColumns, TorchKVCacheManager
 
 
 @contextlib.contextmanager
@@ -96,9 +96,15 @@ def decode(
     states, prefills = [], []
     for way in ways:
         manager = way.backend.make(config, max_model_len, batch + 8)
-        requests, allocated = [], []
+        requests: list[BenchRequest] = []
+        allocated = []
+        columns = StepColumns(batch)
         for i, ids in enumerate(prompts):
-            r = way.backend.request(f"r{i}", ids.tolist())
+            r: BenchRequest = (
+                columns.request(f"r{i}", ids.tolist(), hash_block_size=BLOCK)
+                if way.columns
+                else way.backend.request(f"r{i}", ids.tolist())
+            )
             out = manager.allocate_slots(r, r.num_tokens)
             if out is None:
                 raise RuntimeError(f"{way.label}: {batch} prompts do not fit in the pool")
