@@ -5,7 +5,8 @@ Each is exactly the single-request call applied to each request in order (same r
 
 ``allocate_slots_batch`` (running requests, no new cache hits) works in three stages:
 
-1. Read every request's row and computed tokens (C-level ``map`` calls) and compare them with
+1. Read every request's row and computed tokens (``hybridkv.optimized.batch_fields``: the last
+   batch's rows remembered, column requests' counts one gather) and compare them with
    its row's ``quiet_below`` (``RowTables``, ``hybridkv.optimized.rows``): a request whose
    computed, new and lookahead tokens stay below it needs no new block, releases nothing from
    a window or chunk and fills no block; it would change nothing and gets no blocks, so it is
@@ -44,18 +45,16 @@ the results are touched one request at a time.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 from operator import attrgetter, countOf
-from typing import cast
 
 import numpy as np
 import numpy.typing as npt
 
 from hybridkv.optimized import path_counts as paths
+from hybridkv.optimized.batch_fields import step_fields
 from hybridkv.optimized.caching import cache_busy
 from hybridkv.optimized.state import ManagerState
-from hybridkv.optimized.step_columns import ColumnRequest, StepColumns
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import Request, RequestLike
 from hybridkv.spec.errors import check_non_negative
@@ -131,77 +130,6 @@ def _kept_free(reserved_blocks: int, watermark_blocks: int) -> bool:
     return all(type(value) is int and value >= 0 for value in (reserved_blocks, watermark_blocks))
 
 
-def _step_fields(s: ManagerState, requests: Sequence[RequestLike]) -> tuple[Ints, Ints] | None:
-    """Rows and computed tokens per request, each an int64 array; ``None`` unless every
-    request is running, listed once and hashed soundly (with caching). The rows of the last
-    step's requests are remembered (``RowTables.remember``), with their slots where they are
-    column requests of one ``StepColumns`` (then their counts are one gather)."""
-    found = s.rows.remembered(requests)
-    if found is not None:
-        rows, slots = found
-        s.pool.paths.ran(paths.BATCH_REMEMBERED)
-        if slots is not None:
-            columns, at = cast("tuple[StepColumns, Ints]", slots)
-            s.pool.paths.ran(paths.BATCH_COLUMNS)
-            return rows, columns.computed[at]
-    else:
-        read = _rows_of(s, requests)
-        if read is None:
-            return None
-        rows = read
-    computed = array("q", [r.num_computed_tokens for r in requests])
-    return rows, np.frombuffer(computed, dtype=np.int64)
-
-
-def _rows_of(s: ManagerState, requests: Sequence[RequestLike]) -> Ints | None:
-    """The requests' rows read afresh, and remembered where what was checked cannot change
-    while the same request objects come back: ``Request``s and ``ColumnRequest``s (their ids
-    fixed) hashed soundly by construction, or with caching off."""
-    # Comprehensions, not ``map(attrgetter(…))``: their attribute reads are the
-    # interpreter's cached ones, about twice as fast per request.
-    found = s.rows.rows_of([r.request_id for r in requests])
-    if None in found:
-        return None
-    rows = np.array(found, dtype=np.int64)
-    if np.bincount(rows, minlength=1).max() > 1:
-        return None  # a request listed twice
-    n = len(requests)
-    plain = countOf(map(type, requests), Request)
-    in_columns = countOf(map(type, requests), ColumnRequest) if plain < n else 0
-    own = plain + in_columns == n
-    sound = own and _sound_by_construction(s, cast("Sequence[Request]", requests))
-    if s.layout.caching and not sound and not _hashes_within_tokens(s, requests):
-        return None  # a request hashed at another block size: the single calls raise
-    if own and (sound or not s.layout.caching):
-        s.rows.remember(requests, rows, _slots(requests) if in_columns == n else None)
-    return rows
-
-
-def _slots(requests: Sequence[RequestLike]) -> tuple[StepColumns, Ints] | None:
-    """The column and slots of column requests all of one ``StepColumns``, else ``None``."""
-    columns = cast("ColumnRequest", requests[0]).columns
-    slots = columns.slots(requests)
-    return None if slots is None else (columns, slots)
-
-
-def _sound_by_construction(s: ManagerState, requests: Sequence[Request]) -> bool:
-    """Whether no request can have more block hashes than full blocks
-    (``check_block_hashes``): a ``Request`` hashed at the manager's block size, with at least
-    its lookahead, has none by construction (both are fixed when it is built)."""
-    n = len(requests)
-    return [r.hash_block_size for r in requests].count(s.layout.hash_block_size) == n and min(
-        [r.num_hash_lookahead_tokens for r in requests]
-    ) >= s.layout.lookahead
-
-
-def _hashes_within_tokens(s: ManagerState, requests: Sequence[RequestLike]) -> bool:
-    """Whether no request has more block hashes than full blocks, counted."""
-    num_tokens = np.array([r.num_tokens for r in requests], dtype=np.int64)
-    num_hashes = np.array([len(r.block_hashes) for r in requests], dtype=np.int64)
-    limit = np.maximum(num_tokens - s.layout.lookahead, 0) // s.layout.hash_block_size
-    return not bool((num_hashes > limit).any())
-
-
 def _allocate_vectorised(
     s: ManagerState,
     requests: Sequence[RequestLike],
@@ -223,7 +151,7 @@ def _allocate_vectorised(
         return [], []
     if not _applies(s, n, num_new_tokens, lookahead, kept_free):
         return None
-    fields = _step_fields(s, requests)
+    fields = step_fields(s, requests)
     if fields is None:
         return None
     rows, comp = fields
@@ -336,8 +264,7 @@ def _step_busy(
     pool.paths.ran(paths.BATCH_RELEASES if num_released else paths.BATCH_VECTORISED)
     if num_released:
         _release(s, release_flat, blocks)
-        nulls = np.maximum(nulls, skipped)
-        s.rows.columns[1][pair_index] = nulls
+        s.rows.columns[1][pair_index] = nulls = np.maximum(nulls, skipped)
     popped = pool.pop_n(total_new)
     active: list[int] = []
     if total_new:
@@ -345,8 +272,7 @@ def _step_busy(
         pair, rank = expand(per_pair, total_new)
         flat = (table_base + length.ravel())[pair] + rank
         tab[flat] = popped
-        length = length + new
-        s.rows.columns[0][pair_index] = length
+        s.rows.columns[0][pair_index] = length = length + new
         s.tables.touched_at(flat)
         active = np.flatnonzero(new.sum(1)).tolist()
     if to_cache is not None and bool(to_cache.any()):

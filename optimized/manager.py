@@ -59,8 +59,7 @@ __all__ = ["BlockIds", "TorchKVCacheManager", "Tuning"]
 
 
 class TorchKVCacheManager(ConnectorCalls, RequestCalls, TuningKnobs, PrefixCacheStatsCalls):
-    """Allocation and prefix caching for every KV cache group, on flat buffers (see the module
-    doc)."""
+    """Allocation and prefix caching for every KV cache group, on flat buffers (module doc)."""
 
     def __init__(
         self,

@@ -12,6 +12,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from batch_layouts import SPECS, layout
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,28 +20,6 @@ from hybridkv.optimized import TorchKVCacheManager, path_counts
 from hybridkv.optimized.batch import expand
 from hybridkv.optimized.rows import RowTables
 from hybridkv.reference import KVCacheManager, Request
-from hybridkv.spec import (
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroup,
-    KVCacheSpec,
-    SlidingWindowSpec,
-)
-
-SIZES = {"block_size": 4, "num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
-SPECS: tuple[KVCacheSpec, ...] = (
-    FullAttentionSpec(**SIZES),
-    SlidingWindowSpec(sliding_window=9, **SIZES),
-    SlidingWindowSpec(sliding_window=9, **SIZES),
-    ChunkedLocalAttentionSpec(attention_chunk_size=12, **SIZES),
-)
-
-
-def layout(num_blocks: int) -> KVCacheConfig:
-    return KVCacheConfig(
-        num_blocks, tuple(KVCacheGroup((f"l{i}",), s) for i, s in enumerate(SPECS))
-    )
 
 
 def make_requests(count: int, seed: int) -> list[Request]:

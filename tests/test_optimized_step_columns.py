@@ -12,33 +12,12 @@ import random
 
 import numpy as np
 import pytest
+from batch_layouts import layout
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.optimized import ColumnRequest, StepColumns, TorchKVCacheManager, path_counts
 from hybridkv.reference import KVCacheManager, Request
-from hybridkv.spec import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroup,
-    KVCacheSpec,
-    SlidingWindowSpec,
-)
-
-SIZES = {"block_size": 4, "num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
-SPECS: tuple[KVCacheSpec, ...] = (
-    FullAttentionSpec(**SIZES),
-    SlidingWindowSpec(sliding_window=9, **SIZES),
-    SlidingWindowSpec(sliding_window=9, **SIZES),
-)
-
-
-def layout(num_blocks: int) -> KVCacheConfig:
-    """A full-attention group and two sliding-window groups of one block size (the layout
-    whose steps defer their pool work and take the fused step)."""
-    return KVCacheConfig(
-        num_blocks, tuple(KVCacheGroup((f"l{i}",), s) for i, s in enumerate(SPECS))
-    )
 
 
 def test_a_column_requests_count_is_its_slot_of_the_column() -> None:
@@ -128,9 +107,9 @@ def test_batches_of_column_requests_equal_plain_requests_in_single_calls(
     through the column (one numpy operation) or the attribute, requests finished and new ones
     admitted on the way; every result and state equal, the column path taken."""
     rng = random.Random(seed)
-    batched = TorchKVCacheManager(layout(1200), 160, caching, max_num_reqs=32)
+    batched = TorchKVCacheManager(layout(1200, fused=True), 160, caching, max_num_reqs=32)
     batched.batch_min = batched.busy_batch_min = 2
-    reference = KVCacheManager(layout(1200), 160, caching)
+    reference = KVCacheManager(layout(1200, fused=True), 160, caching)
     columns = StepColumns(8)
     running: list[tuple[ColumnRequest, Request]] = []
 
