@@ -119,6 +119,13 @@ class ColumnRequest(Request):
                 f"num_computed_tokens must be an int that fits in 64 bits, got {value!r}"
             ) from None
 
+    def __reduce__(self) -> Any:
+        """Refused: a copy would share the slot (and give it back twice)."""
+        raise TypeError(
+            f"request {self.request_id!r} is a ColumnRequest: its num_computed_tokens is a slot "
+            "of its StepColumns, so it cannot be copied or pickled"
+        )
+
     def __del__(self) -> None:
         if getattr(self, "_holds_slot", False):
             self.columns.release(self.slot)

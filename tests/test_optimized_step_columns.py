@@ -7,7 +7,9 @@ reads their counts with one gather, and must give what the single calls give.
 
 from __future__ import annotations
 
+import copy
 import gc
+import pickle
 import random
 
 import numpy as np
@@ -83,6 +85,16 @@ def test_a_request_that_cannot_be_built_gives_its_slot_back_once() -> None:
     assert (first.slot, second.slot) == (0, 1)
     with pytest.raises(ValueError, match="capacity"):
         StepColumns(0)
+
+
+def test_a_column_request_is_not_copied_or_pickled_as_a_copy_would_share_its_slot() -> None:
+    columns = StepColumns(2)
+    request = columns.request("a", [1], hash_block_size=4)
+    for copier in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="ColumnRequest"):
+            copier(request)
+    gc.collect()
+    assert columns.free == []
 
 
 def test_slots_name_only_a_columns_own_requests() -> None:
