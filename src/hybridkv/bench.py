@@ -190,9 +190,22 @@ def run_table(
     for backend in bases:
         if backend.kind not in per_kind:
             per_kind[backend.kind] = memory(backend, sizes.pool_blocks)
+
+    def batched_rows(
+        title: str, b: int, vllm: tuple[float, float], mine: tuple[float, float], judged: bool
+    ) -> None:
+        (bs, ba), (ps, pa) = vllm, mine
+        row(title, (bs, None, ps), (fmt_us(bs, b), "", fmt_us(ps, b)))
+        row(
+            "  of which allocate_slots_batch",
+            (ba, None, pa),
+            (fmt_us(ba, b), "", fmt_us(pa, b)),
+            Target(25) if judged else None,
+        )
+
     for b in sizes.batches:
         t = decode(ways, b, sizes.steps, sizes.prompt)
-        (bs, ba), (os_, oa), (rs, ra), (ps, pa) = (t[w.label] for w in ways)
+        (bs, ba), (os_, oa), (rs, ra), batched = (t[w.label] for w in ways)
         last = b == max(sizes.batches)
         row(
             f"decode B={b}, B × allocate_slots: µs/step (per request)",
@@ -205,32 +218,13 @@ def run_table(
             (fmt_us(ba, b), fmt_us(ra, b), fmt_us(oa, b)),
             Target(12) if last else None,
         )
-        row(
-            f"decode B={b}, optimized allocate_slots_batch: µs/step (per request)",
-            (bs, None, ps),
-            (fmt_us(bs, b), "", fmt_us(ps, b)),
-        )
-        row(
-            "  of which allocate_slots_batch",
-            (ba, None, pa),
-            (fmt_us(ba, b), "", fmt_us(pa, b)),
-            Target(25) if last else None,
-        )
+        title = f"decode B={b}, optimized allocate_slots_batch: µs/step (per request)"
+        batched_rows(title, b, (bs, ba), batched, last)
     top = max(sizes.batches)
     in_columns = Way(opt, batched=True, columns=True)
     t = decode([Way(base), in_columns, Way(ref)], top, sizes.steps, sizes.prompt)
-    (bs, ba), (cs, ca) = t[base.name], t[in_columns.label]
-    row(
-        f"decode B={top}, allocate_slots_batch on step-column requests: µs/step (per request)",
-        (bs, None, cs),
-        (fmt_us(bs, top), "", fmt_us(cs, top)),
-    )
-    row(
-        "  of which allocate_slots_batch",
-        (ba, None, ca),
-        (fmt_us(ba, top), "", fmt_us(ca, top)),
-        Target(25),
-    )
+    title = f"decode B={top}, allocate_slots_batch on step-column requests: µs/step (per request)"
+    batched_rows(title, top, t[base.name], t[in_columns.label], True)
     # As in decode: the second optimized way ran ~15 % faster in the admission right after
     # the first (its caches warmed by it), whichever way came second.
     apart = [bases[0], bases[2], bases[1], explicit]
