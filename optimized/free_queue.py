@@ -32,7 +32,7 @@ import torch
 
 from hybridkv.optimized._buffers import BlockRecords
 from hybridkv.optimized.policy_seam import HeardPolicy
-from hybridkv.optimized.thresholds import INSERT_MIN
+from hybridkv.optimized.thresholds import INSERT_MIN, PENDING_MIN
 from hybridkv.spec.errors import InvariantError, require
 
 
@@ -44,6 +44,8 @@ class FreeQueue:
         self.num_blocks = n
         self.insert_min = INSERT_MIN
         """From this many blocks, the numpy paths (``Tuning.insert_min``; a test lowers it)."""
+        self.pending_min = PENDING_MIN
+        """From this many entries, the pending work's numpy paths (``Tuning.pending_min``)."""
         self.head = n
         self.tail = n + 1
         self.ref, self.prev, self.next = records.ref, records.prev, records.next
@@ -131,15 +133,7 @@ class FreeQueue:
         (the deferred releases of ``PendingWork``)."""
         count = blocks.shape[0]
         if count < self.insert_min:
-            counts = self.ref.a
-            keep: list[int] = []
-            for block in blocks.tolist():
-                left = counts[block] - 1
-                counts[block] = left
-                if left == 0:
-                    keep.append(block)
-            if keep:
-                self.link_after(self.prev.a[self.tail], keep)
+            self.release_cached_each(blocks.tolist())
             return
         ref = self.ref.n
         held = ref[blocks]
@@ -162,6 +156,19 @@ class FreeQueue:
             np.maximum.at(last, inverse, np.arange(count))
             freed = unique[zero][np.argsort(last[zero])]
         self.link_after_array(self.prev.a[self.tail], freed)
+
+    def release_cached_each(self, blocks: Sequence[int]) -> None:
+        """``release_cached`` one block at a time on the array views (few blocks: numpy's
+        calls would cost more)."""
+        counts = self.ref.a
+        keep: list[int] = []
+        for block in blocks:
+            left = counts[block] - 1
+            counts[block] = left
+            if left == 0:
+                keep.append(block)
+        if keep:
+            self.link_after(self.prev.a[self.tail], keep)
 
     def link_after_array(self, node: int, blocks: npt.NDArray[np.int64]) -> None:
         """``link_after`` for a numpy array of distinct blocks, in a few numpy calls."""

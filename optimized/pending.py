@@ -36,7 +36,8 @@ Data layout
                by that hash (a decode step's record holds one block of every group)
 
 ``apply`` expands the inserts into numpy columns (one entry per block) and turns the hashes
-into 4-byte keys with one join; fewer than ``insert_min`` entries it links one by one.
+into 4-byte keys with one join; below ``pending_min`` entries (releases and inserts
+together) it releases and links one by one.
 """
 
 from __future__ import annotations
@@ -61,8 +62,11 @@ class PendingTarget(Protocol):
     calls from ``insert_min`` entries, else one entry at a time)."""
 
     insert_min: int
+    pending_min: int
 
     def release_cached(self, blocks: npt.NDArray[np.int64]) -> None: ...
+
+    def release_cached_each(self, blocks: Sequence[int]) -> None: ...
 
     def chain_records(self, records: Sequence[InsertRecord]) -> None: ...
 
@@ -130,16 +134,21 @@ class PendingWork:
             self.insert_row(blocks, group_ids, pos, hashes[pos], src)
 
     def apply(self, pool: PendingTarget) -> None:
-        """Make the deferred releases, then the deferred inserts, and forget them."""
+        """Make the deferred releases, then the deferred inserts, and forget them: one entry
+        at a time below the pool's ``pending_min`` entries in all, else in numpy calls (made
+        at the start of the next step, they run cold: ``thresholds.PENDING_MIN``)."""
+        vector = len(self) >= pool.pending_min
         if self.released:
-            # The numpy view keeps the array alive; a fresh one takes the next releases.
-            released = np.frombuffer(self.released, dtype=np.int64)
-            self.released = array("q")
-            pool.release_cached(released)
+            released, self.released = self.released, array("q")
+            if vector:
+                # The numpy view keeps the array alive; a fresh one takes the next releases.
+                pool.release_cached(np.frombuffer(released, dtype=np.int64))
+            else:
+                pool.release_cached_each(released)
         if self.inserts:
             records, total = self.inserts, self.num_inserts
             self.inserts, self.num_inserts = [], 0
-            if total < pool.insert_min:  # a few steps' blocks: numpy's calls would cost more
+            if not vector:
                 pool.chain_records(records)
                 return
             counts = np.fromiter((len(r[3]) for r in records), dtype=np.int64, count=len(records))

@@ -209,13 +209,14 @@ class PrefixCache(CacheChains):
         hk_a, src_a, num_groups, mask = self.hk.a, self.src.a, self.num_groups, self.mask
         heads, hnext, end, sources = self.heads.a, self.hnext.a, self.end, self.sources
         stored = self.event_builder is not None and self.enable_kv_cache_events
+        extra_index, dups = self.extra_index, self.dups
         for block in blocks:
             hk = hk_a[block]
             tag = hk & 0xFFFFFFFF
-            if self.extra_index:
+            if extra_index:
                 # A primary entry made again later comes after the extras of its key.
                 key = (hk >> 32, tag % num_groups, tag // num_groups)
-                for _, before in self.extra_index.get(key, {}).values():
+                for _, before in extra_index.get(key, {}).values():
                     before.discard(block)
             group_id = tag % num_groups
             src = src_a[block]
@@ -240,8 +241,8 @@ class PrefixCache(CacheChains):
             if tag < len(recorded) and recorded[tag] == block:
                 # The source's record holds only its blocks still cached under their tags.
                 recorded[tag] = end
-            if self.dups:
-                self.dups.discard(block)
+            if dups:
+                dups.discard(block)
             source.refs -= 1
             if not source.refs:
                 self.maybe_drop_source(src)  # (a source with a cached block stays)

@@ -44,7 +44,13 @@ from hybridkv.optimized.hash_memo import HashMemo
 from hybridkv.optimized.layout import GroupLayout
 from hybridkv.optimized.row_thresholds import RowThresholds
 from hybridkv.optimized.rows import RowTables
-from hybridkv.optimized.thresholds import BATCH_MIN, BUSY_BATCH_MIN, INSERT_MIN, VECTOR_MIN
+from hybridkv.optimized.thresholds import (
+    BATCH_MIN,
+    BUSY_BATCH_MIN,
+    INSERT_MIN,
+    PENDING_MIN,
+    VECTOR_MIN,
+)
 from hybridkv.policies.protocol import EvictionPolicy
 from hybridkv.reference.events import EventBuilder
 
@@ -61,6 +67,7 @@ class Tuning:
     batch_min: int = BATCH_MIN
     busy_batch_min: int = BUSY_BATCH_MIN
     insert_min: int = INSERT_MIN
+    pending_min: int = PENDING_MIN
     fused_step: bool = True
     """Whether a running request's common crossing call takes ``FusedStep``
     (``hybridkv.optimized.fused_step``); off, ``step`` makes every call."""
@@ -101,8 +108,8 @@ class TuningKnobs:
     def tuning(self, tuning: Tuning) -> None:
         self.state.tuning = tuning
 
-    vector_min, batch_min, busy_batch_min, insert_min = map(
-        tuning_knob, ("vector_min", "batch_min", "busy_batch_min", "insert_min")
+    vector_min, batch_min, busy_batch_min, insert_min, pending_min = map(
+        tuning_knob, ("vector_min", "batch_min", "busy_batch_min", "insert_min", "pending_min")
     )
 
 
@@ -186,13 +193,15 @@ class ManagerState:
 
     @property
     def tuning(self) -> Tuning:
-        """The size thresholds; ``insert_min`` is the pool's own (its free queue reads it)."""
+        """The size thresholds; ``insert_min`` and ``pending_min`` are the pool's own (its free
+        queue and pending work read them)."""
         return self._tuning
 
     @tuning.setter
     def tuning(self, tuning: Tuning) -> None:
         self._tuning = tuning
         self.pool.insert_min = tuning.insert_min
+        self.pool.pending_min = tuning.pending_min
 
     @classmethod
     def build(

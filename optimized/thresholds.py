@@ -11,7 +11,8 @@ Layout
 Plain module constants, never reassigned. The four that tests and the conformance adapter set
 smaller, to drive the vectorised paths with a few requests, are copied onto each
 ``TorchKVCacheManager`` when it is built and changed there: ``vector_min``, ``batch_min``,
-``busy_batch_min`` and ``insert_min`` (the pool's copy of ``INSERT_MIN``). ``VECTOR_MIN_TOKENS``
+``busy_batch_min``, ``insert_min`` and ``pending_min`` (the pool's copies of ``INSERT_MIN`` and
+``PENDING_MIN``). ``VECTOR_MIN_TOKENS``
 is read by a free function (the hasher), so a test patches it where that function reads it, on
 ``hybridkv.optimized.hashing``.
 """
@@ -32,6 +33,14 @@ INSERT_MIN = 32
 """Fewer blocks than this are cached, touched or linked into the free queue one by one on the
 array views; from it, in vectorised calls (``insert_array``, ``touch_array``, ``link_after_array``,
 ``release_cached``)."""
+
+PENDING_MIN = 256
+"""Running steps' deferred releases and inserts (``hybridkv.optimized.pending``) are made in
+numpy calls from this many entries (releases and inserts together), else one by one. They are
+made at the start of the next step, after the scheduler's own work has left the caches cold,
+where each numpy call costs several times what it does warm: a decode step of 256 requests
+inside vLLM's scheduler (some 180 entries) is made faster one by one, one of 1,024 (some 900)
+in numpy calls."""
 
 PENDING_MAX = 8192
 """Running steps' deferred releases and inserts (``hybridkv.optimized.pending``) are made once

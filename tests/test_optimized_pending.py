@@ -5,7 +5,8 @@ A running request's ``allocate_slots`` leaves its window releases and its newly 
 inserts pending; every other call must see them made. Each test drives the optimized backend
 and the reference with the same calls, checks that work is indeed pending at the point that
 matters, then compares what the next call returns and the pool's state. Both sizes of the
-pool's passes run: the array loop and the numpy calls (``Tuning.insert_min`` lowered to 1).
+pool's passes run: the array loop and the numpy calls (``Tuning.insert_min`` and
+``pending_min`` lowered to 1).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ SIZES = {"num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
 def pool_pass(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     if request.param == "numpy":
         # Every pair's manager takes the numpy calls from one block on; the settle bound too.
-        monkeypatch.setattr(Pair, "tuning", Tuning(insert_min=1))
+        monkeypatch.setattr(Pair, "tuning", Tuning(insert_min=1, pending_min=1))
         monkeypatch.setattr(bulk_inserts, "INSERT_MIN", 1)
 
 

@@ -94,11 +94,18 @@ def reference_stand_in() -> Backend:
     return manager_backend("reference-again", KVCacheManager)
 
 
-SMALL_THRESHOLDS = {"batch_min": 2, "busy_batch_min": 2, "vector_min": 1, "insert_min": 2}
+SMALL_THRESHOLDS = {
+    "batch_min": 2,
+    "busy_batch_min": 2,
+    "vector_min": 1,
+    "insert_min": 2,
+    "pending_min": 2,
+}
 """The optimized backend's size thresholds on half the layouts (an odd pool): every batch of two
 requests or more, every lookup, and every touch, take, link or insert of two blocks or more
-takes the vectorised path. Each is a manager attribute that
-starts at its constant in ``hybridkv.optimized.thresholds``; the constants stay as they are."""
+(and the pending work of two entries or more) takes the vectorised path. Each is a manager
+attribute that starts at its constant in ``hybridkv.optimized.thresholds``; the constants stay
+as they are."""
 
 
 def optimized_backend(
