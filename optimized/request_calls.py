@@ -4,14 +4,15 @@
 block size and lookahead). ``trust_hash_counts`` names a request type whose owner hashes it at
 the manager's hash block size (vLLM's scheduler its ``Request``): a running request of that type
 then takes the quiet exit of ``allocate_slots`` without counting its hashes against its full
-blocks, as a ``Request`` hashed at that size does.
+blocks, as a ``Request`` hashed at that size does. ``quiet_thresholds`` hands a caller that
+makes that exit itself for such requests (the vLLM integration's running calls) what it reads.
 
 Data layout: ``trusted`` (a frozenset of exact types), read by the quiet exit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hybridkv.optimized.hash_memo import HashMemo
@@ -25,6 +26,10 @@ class RequestCalls:
     hash_block_size: int
     lookahead: int
     block_hasher: HashMemo
+    enable_caching: bool
+    _row_of: Callable[[str], int | None]
+    _quiet_below: memoryview
+    _has_align: bool
     trusted: frozenset[type] = frozenset()
     """Request types whose hash counts their owner guarantees (``trust_hash_counts``)."""
 
@@ -49,3 +54,21 @@ class RequestCalls:
         if not isinstance(request_type, type):
             raise TypeError(f"request_type must be a class, got {request_type!r}")
         self.trusted = self.trusted | {request_type}
+
+    def quiet_thresholds(
+        self, request_type: type
+    ) -> tuple[Callable[[str], int | None], memoryview] | None:
+        """What the quiet exit of ``allocate_slots`` reads, for a caller that makes that exit
+        itself for requests of exactly ``request_type``: the row of a request id (``None``: it
+        holds none) and each row's ``quiet_below``; ``None`` where the exit does not apply to
+        that type (caching on and its hash counts not trusted; a Mamba ``"align"`` group).
+
+        A call for such a request that holds a row, with no hit, external or encoder tokens,
+        lookahead, reserve or watermark and ``num_new_tokens`` a positive int, whose
+        ``num_computed_tokens + num_new_tokens`` stays below its row's ``quiet_below``, takes
+        no block, releases and caches nothing and counts nothing: ``allocate_slots`` returns
+        ``no_blocks``. The vLLM integration answers such a call without calling the manager
+        (its quiet decode calls, most of a step's, cost about a third as much)."""
+        if self._has_align or (self.enable_caching and request_type not in self.trusted):
+            return None
+        return self._row_of, self._quiet_below

@@ -482,3 +482,64 @@ def test_the_optimized_core_trusts_vllms_requests_hash_counts() -> None:
     core = _manager(backend="optimized").core
     assert isinstance(core, TorchKVCacheManager)
     assert core.trusted == frozenset({VllmRequest})
+
+
+def test_a_running_requests_quiet_call_is_answered_without_the_core(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The optimized core hands out its quiet exit for vLLM's requests (``quiet_thresholds``):
+    a running request's call that crosses no threshold of its row gets vLLM's shared empty
+    blocks from the integration, the core not called; a call that crosses one (its tokens fill a
+    block, or enter a new one) goes to the core, and both managers return vLLM's own blocks."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request as VllmRequest
+    from vllm.v1.request import RequestStatus
+
+    from hybridkv.optimized import TorchKVCacheManager
+
+    core_calls: list[int] = []
+    allocate = TorchKVCacheManager.allocate_slots
+
+    def counted(self: TorchKVCacheManager, *args: Any, **kwargs: Any) -> Any:
+        core_calls.append(args[1])
+        return allocate(self, *args, **kwargs)
+
+    monkeypatch.setattr(TorchKVCacheManager, "allocate_slots", counted)
+    init_none_hash(sha256_cbor)
+    hasher = get_request_block_hasher(16, sha256_cbor)
+    config = kv_cache_config_for("gemma3", 64, retention=None)
+    settings: dict[str, Any] = {
+        "max_model_len": 512,
+        "scheduler_block_size": 16,
+        "hash_block_size": 16,
+    }
+    ours = KVCacheManager(config, backend="optimized", **settings)
+    core = ours.core
+    assert isinstance(core, TorchKVCacheManager)
+    assert core.quiet_thresholds(VllmRequest) is not None
+    assert core.quiet_thresholds(dict) is None  # caching on, its hash counts not trusted
+    vllm = VllmManager(config, **settings)
+    params = SamplingParams(max_tokens=100)
+    results: dict[str, list[Any]] = {}
+    for name, manager in (("ours", ours), ("vllm", vllm)):
+        r = VllmRequest("a", list(range(1, 31)), params, None, block_hasher=hasher)
+        blocks, hit, _ = manager.get_computed_blocks(r)
+        assert manager.allocate_slots(r, r.num_tokens - hit, hit, blocks) is not None
+        r.num_computed_tokens = r.num_tokens
+        r.status = RequestStatus.RUNNING
+        steps = []
+        for token in range(100, 106):  # 30 → 36 tokens
+            r.append_output_token_ids([token])
+            before = len(core_calls)
+            out = manager.allocate_slots(r, 1)
+            assert out is not None
+            steps.append((out.get_block_ids(), len(core_calls) - before))
+            r.num_computed_tokens = r.num_tokens
+        results[name] = steps
+    assert [ids for ids, _ in results["ours"]] == [ids for ids, _ in results["vllm"]]
+    # Only the calls that cross a threshold reached the core: the 32nd token fills block 1
+    # (cached), the 33rd enters block 2.
+    assert [called for _, called in results["ours"]] == [0, 1, 1, 0, 0, 0]

@@ -10,7 +10,9 @@ the call that uses it.
 What the scheduler reads and where it comes from:
 
 - ``get_computed_blocks``, ``allocate_slots``, ``free``, ``cache_blocks``, ``get_blocks``,
-  ``get_block_ids``, ``reset_prefix_cache``, ``usage``, ``new_step_starts``: the core manager.
+  ``get_block_ids``, ``reset_prefix_cache``, ``usage``, ``new_step_starts``: the core manager
+  (a running request's ``allocate_slots`` that crosses no threshold of its row is answered
+  here, where the core hands out its quiet exit: ``quiet_thresholds``).
 - ``take_events``: the core's events, built by the core as vLLM's own structs
   (``BlockStored`` with every field, ``BlockRemoved``, ``AllBlocksCleared``;
   ``vllm_event_builder_class``).
@@ -34,13 +36,15 @@ What the scheduler reads and where it comes from:
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 from hybridkv.integrations.vllm.connector import ConnectorCalls
 from hybridkv.integrations.vllm.convert import from_vllm_config
 from hybridkv.integrations.vllm.cores import Backend, make_core
 from hybridkv.integrations.vllm.errors import refuse
 from hybridkv.integrations.vllm.metrics import observed_policy
+from hybridkv.integrations.vllm.stats_calls import StatsCalls
 from hybridkv.integrations.vllm.views import (
     BlockPoolView,
     BlockViews,
@@ -52,7 +56,7 @@ from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.spec.errors import ZERO
 
 
-class KVCacheManager(ConnectorCalls):
+class KVCacheManager(ConnectorCalls, StatsCalls):
     """vLLM 0.33's ``KVCacheManager`` API over a hybridkv backend."""
 
     def __init__(
@@ -160,6 +164,7 @@ class KVCacheManager(ConnectorCalls):
         self.init_connector_calls(
             self.config, bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
         )
+        from vllm.v1.request import Request as VllmRequest
         from vllm.v1.request import RequestStatus
 
         self._waiting_statuses = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -169,39 +174,15 @@ class KVCacheManager(ConnectorCalls):
         # core has one (the optimized backend's ``no_blocks``).
         self._core_allocate = self.core.allocate_slots
         self._core_no_blocks: object = getattr(self.core, "no_blocks", None)
-
-    # --- Statistics ----------------------------------------------------------------------
-
-    @property
-    def usage(self) -> float:
-        return float(self.core.usage)
-
-    def make_prefix_cache_stats(self) -> Any:
-        """vLLM's ``PrefixCacheStats`` since the last call, or ``None`` with ``log_stats`` off."""
-        if not self.log_stats:
-            return None
-        self.core.make_prefix_cache_stats()
-        stats, self.prefix_cache_stats = self.prefix_cache_stats, self._stats_class()
-        return stats
-
-    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
-        return bool(self.core.prefix_cache_lookup_enabled(request))
-
-    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
-        """Count one admitted lookup: the core counts (preempted requests apart), and vLLM's
-        live ``prefix_cache_stats`` object shows its counters."""
-        if self.log_stats:
-            self.core.record_prefix_cache_stats(request, num_hits)
-            self._publish_stats()
-
-    def _publish_stats(self) -> None:
-        """Copy the core's counters into vLLM's ``PrefixCacheStats`` object, which callers may
-        hold across steps (vLLM's scheduler tests do)."""
-        core_stats = self.core.prefix_cache_stats
-        if core_stats is None or self.prefix_cache_stats is None:
-            return
-        for name in _STATS_FIELDS:
-            setattr(self.prefix_cache_stats, name, getattr(core_stats, name))
+        # Where the core hands them out (``TorchKVCacheManager.quiet_thresholds``), the quiet
+        # exit's row lookup and thresholds: a quiet call of vLLM's request is answered here.
+        self._vllm_request = VllmRequest
+        thresholds = getattr(self.core, "quiet_thresholds", None)
+        quiet = thresholds(VllmRequest) if thresholds is not None else None
+        self._quiet_row_of = cast("Callable[[str], int | None]", {}.get)  # (never read then)
+        self._quiet_below: memoryview | None = None
+        if quiet is not None:
+            self._quiet_row_of, self._quiet_below = quiet
 
     # --- The scheduler's calls -----------------------------------------------------------
 
@@ -249,7 +230,24 @@ class KVCacheManager(ConnectorCalls):
             and num_new_tokens  # 0: the general path refuses it
         ):
             # A running request's call (vLLM's scheduler passes these keywords' defaults): the
-            # core's call with the defaults left out.
+            # core's quiet exit made here where the core hands it out (a step that crosses no
+            # threshold of the request's row: no block, nothing changes), else the core's call
+            # with the defaults left out.
+            quiet_below = self._quiet_below
+            if (
+                quiet_below is not None
+                and num_new_computed_tokens is ZERO
+                and num_lookahead_tokens is ZERO
+                and type(request) is self._vllm_request
+                and type(num_new_tokens) is int
+                and num_new_tokens > 0
+            ):
+                row = self._quiet_row_of(request.request_id)
+                if (
+                    row is not None
+                    and request.num_computed_tokens + num_new_tokens < quiet_below[row]
+                ):
+                    return self.empty_kv_cache_blocks
             new_blocks = self._core_allocate(
                 request,
                 num_new_tokens,
@@ -371,15 +369,3 @@ class KVCacheManager(ConnectorCalls):
         (``vllm_event_builder_class``): nothing to convert per step."""
         events: list[Any] = self.core.take_events()
         return events
-
-
-_STATS_FIELDS = (
-    "requests",
-    "queries",
-    "hits",
-    "reset",
-    "preempted_requests",
-    "preempted_queries",
-    "preempted_hits",
-)
-"""The counters of vLLM's ``PrefixCacheStats`` that the core's ``PrefixCacheStats`` holds."""
