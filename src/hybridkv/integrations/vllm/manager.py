@@ -174,15 +174,7 @@ class KVCacheManager(ConnectorCalls, StatsCalls):
         # core has one (the optimized backend's ``no_blocks``).
         self._core_allocate = self.core.allocate_slots
         self._core_no_blocks: object = getattr(self.core, "no_blocks", None)
-        # Where the core hands them out (``TorchKVCacheManager.quiet_thresholds``), the quiet
-        # exit's row lookup and thresholds: a quiet call of vLLM's request is answered here.
-        self._vllm_request = VllmRequest
-        thresholds = getattr(self.core, "quiet_thresholds", None)
-        quiet = thresholds(VllmRequest) if thresholds is not None else None
-        self._quiet_row_of = cast("Callable[[str], int | None]", {}.get)  # (never read then)
-        self._quiet_below: memoryview | None = None
-        if quiet is not None:
-            self._quiet_row_of, self._quiet_below = quiet
+        self._bind_quiet_exit(VllmRequest)
 
     # --- The scheduler's calls -----------------------------------------------------------
 
@@ -203,6 +195,17 @@ class KVCacheManager(ConnectorCalls, StatsCalls):
             blocks, hit, boundary = self.core.get_computed_blocks(request, max_cache_hit_length)
         return self._blocks(blocks), hit, boundary
 
+    def _bind_quiet_exit(self, vllm_request: type) -> None:
+        """Where the core hands them out (``TorchKVCacheManager.quiet_thresholds``), the quiet
+        exit's row lookup and thresholds: a quiet call of vLLM's request is answered here."""
+        self._vllm_request: Any = vllm_request
+        thresholds = getattr(self.core, "quiet_thresholds", None)
+        quiet = thresholds(vllm_request) if thresholds is not None else None
+        self._quiet_row_of = cast("Callable[[str], int | None]", {}.get)  # (never read then)
+        self._quiet_below: memoryview | None = None
+        if quiet is not None:
+            self._quiet_row_of, self._quiet_below = quiet
+
     def allocate_slots(
         self,
         request: Any,
@@ -218,8 +221,7 @@ class KVCacheManager(ConnectorCalls, StatsCalls):
         has_scheduled_reqs: bool = True,
         skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> KVCacheBlocks | None:
-        """Slots for new tokens (vLLM's full keyword set; see the README's picture); the
-        ``num_encoder_tokens`` size a cross-attention group's table (encoder-decoder models)."""
+        """Slots for new tokens (vLLM's full keyword set; see the README's picture)."""
         if (
             new_computed_blocks is None
             and num_external_computed_tokens is ZERO
@@ -229,13 +231,10 @@ class KVCacheManager(ConnectorCalls, StatsCalls):
             and request.status is self._running_status  # no watermark
             and num_new_tokens  # 0: the general path refuses it
         ):
-            # A running request's call (vLLM's scheduler passes these keywords' defaults): the
-            # core's quiet exit made here where the core hands it out (a step that crosses no
-            # threshold of the request's row: no block, nothing changes), else the core's call
-            # with the defaults left out.
-            quiet_below = self._quiet_below
+            # A running request's call: the core's quiet exit made here (``quiet_thresholds``).
+            below = self._quiet_below
             if (
-                quiet_below is not None
+                below is not None
                 and num_new_computed_tokens is ZERO
                 and num_lookahead_tokens is ZERO
                 and type(request) is self._vllm_request
@@ -243,24 +242,16 @@ class KVCacheManager(ConnectorCalls, StatsCalls):
                 and num_new_tokens > 0
             ):
                 row = self._quiet_row_of(request.request_id)
-                if (
-                    row is not None
-                    and request.num_computed_tokens + num_new_tokens < quiet_below[row]
-                ):
+                if row is not None and request.num_computed_tokens + num_new_tokens < below[row]:
                     return self.empty_kv_cache_blocks
-            new_blocks = self._core_allocate(
+            return self._running_call(
                 request,
                 num_new_tokens,
                 num_new_computed_tokens,
-                None,
                 num_lookahead_tokens,
                 delay_cache_blocks,
+                skip_zeroing_group_ids,
             )
-            if new_blocks is None:
-                return None
-            if new_blocks is self._core_no_blocks:
-                return self.empty_kv_cache_blocks
-            return self._new_blocks(request, new_blocks, None, 0, skip_zeroing_group_ids)
         return self._general_call(
             request,
             num_new_tokens,
@@ -275,6 +266,31 @@ class KVCacheManager(ConnectorCalls, StatsCalls):
             has_scheduled_reqs,
             skip_zeroing_group_ids,
         )
+
+    def _running_call(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        num_lookahead_tokens: int,
+        delay_cache_blocks: bool,
+        skip_zeroing_group_ids: tuple[int, ...],
+    ) -> KVCacheBlocks | None:
+        """A running request's call that is not the quiet exit: the core's call with vLLM's
+        default keywords left out, its result as vLLM reads it."""
+        new_blocks = self._core_allocate(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            None,
+            num_lookahead_tokens,
+            delay_cache_blocks,
+        )
+        if new_blocks is None:
+            return None
+        if new_blocks is self._core_no_blocks:
+            return self.empty_kv_cache_blocks
+        return self._new_blocks(request, new_blocks, None, 0, skip_zeroing_group_ids)
 
     def _general_call(
         self,
@@ -292,7 +308,8 @@ class KVCacheManager(ConnectorCalls, StatsCalls):
         skip_zeroing_group_ids: tuple[int, ...],
     ) -> KVCacheBlocks | None:
         """``allocate_slots`` with every keyword passed on: a waiting request's (the watermark
-        kept free), an admission's, a connector's or an encoder's call."""
+        kept free), an admission's, a connector's or an encoder's call (``num_encoder_tokens``
+        size a cross-attention group's table: encoder-decoder models)."""
         if (
             num_new_tokens == 0
             and num_new_computed_tokens == 0
