@@ -67,8 +67,8 @@ class RequestCalls:
         lookahead, reserve or watermark and ``num_new_tokens`` a positive int, whose
         ``num_computed_tokens + num_new_tokens`` stays below its row's ``quiet_below``, takes
         no block, releases and caches nothing and counts nothing: ``allocate_slots`` returns
-        ``no_blocks``. The vLLM integration answers such a call without calling the manager
-        (its quiet decode calls, most of a step's, cost about a third as much)."""
+        ``no_blocks``. The vLLM integration answers such a call without calling the manager:
+        most of a decode step's calls are such."""
         if self._has_align or (self.enable_caching and request_type not in self.trusted):
             return None
         return self._row_of, self._quiet_below
