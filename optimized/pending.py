@@ -59,9 +59,8 @@ InsertRecord = tuple[int, int, BlockHash, Sequence[int], Sequence[int]]
 
 class PendingTarget(Protocol):
     """What ``apply`` writes back into: the block pool's release and chain passes (in numpy
-    calls from ``insert_min`` entries, else one entry at a time)."""
+    calls from its ``pending_min`` entries, else one entry at a time)."""
 
-    insert_min: int
     pending_min: int
 
     def release_cached(self, blocks: npt.NDArray[np.int64]) -> None: ...
