@@ -39,7 +39,7 @@ def free_batch(s: ManagerState, requests: Sequence[RequestLike]) -> bool:
         if row is not None and rid not in seen:
             seen.add(rid)
             order.append((rid, row))
-    if len(order) < s.tuning.batch_min or s.layout.columns.mamba_align or s.pool.policy:
+    if len(order) < s.tuning.free_batch_min or s.layout.columns.mamba_align or s.pool.policy:
         return False
     pool.paths.ran(paths.FREE_BATCH)
     w = s.layout.max_blocks_per_req

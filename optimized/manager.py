@@ -21,7 +21,6 @@ the quiet exit of ``allocate_slots`` reads: the row counters (one comparison wit
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
 
 import torch
 
@@ -299,13 +298,8 @@ class TorchKVCacheManager(ConnectorCalls, RequestCalls, TuningKnobs, PrefixCache
         keywords) for r, n in zip(requests, num_new_tokens)]`` (``num_new_tokens`` may be one
         int for all), vectorised across the requests (``hybridkv.optimized.batch``)."""
         counts = batch.counts_of(requests, num_new_tokens)
-        one = partial(
-            self.allocate_slots,
-            num_lookahead_tokens=num_lookahead_tokens,
-            delay_cache_blocks=delay_cache_blocks,
-        )
-        # Single calls made here leave their table changes to one flush: one copy per step.
-        with self._s.tables.one_copy():
+        one = self.allocate_slots  # called as is: a ``partial`` with keywords doubles a call
+        with self._s.tables.one_copy():  # the single calls' table changes: one copy
             served = batch.allocate_slots_batch(
                 self._s,
                 requests,
@@ -317,12 +311,17 @@ class TorchKVCacheManager(ConnectorCalls, RequestCalls, TuningKnobs, PrefixCache
             )
             if served is None:
                 return [
-                    one(r, c, reserved_blocks=reserved_blocks, watermark_blocks=watermark_blocks)
+                    one(
+                        r, c, ZERO, None, num_lookahead_tokens, delay_cache_blocks,
+                        reserved_blocks=reserved_blocks, watermark_blocks=watermark_blocks,
+                    )
                     for r, c in zip(requests, counts, strict=True)
-                ]
+                ]  # fmt: skip
             out, single = served
             for i, count in single:
-                out[i] = one(requests[i], count)
+                out[i] = one(
+                    requests[i], count, ZERO, None, num_lookahead_tokens, delay_cache_blocks
+                )
             return out
 
     def free_batch(self, requests: Sequence[RequestLike]) -> None:

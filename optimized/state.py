@@ -47,6 +47,7 @@ from hybridkv.optimized.rows import RowTables
 from hybridkv.optimized.thresholds import (
     BATCH_MIN,
     BUSY_BATCH_MIN,
+    FREE_BATCH_MIN,
     INSERT_MIN,
     PENDING_MIN,
     VECTOR_MIN,
@@ -65,6 +66,7 @@ class Tuning:
 
     vector_min: int = VECTOR_MIN
     batch_min: int = BATCH_MIN
+    free_batch_min: int = FREE_BATCH_MIN
     busy_batch_min: int = BUSY_BATCH_MIN
     insert_min: int = INSERT_MIN
     pending_min: int = PENDING_MIN
@@ -108,8 +110,16 @@ class TuningKnobs:
     def tuning(self, tuning: Tuning) -> None:
         self.state.tuning = tuning
 
-    vector_min, batch_min, busy_batch_min, insert_min, pending_min = map(
-        tuning_knob, ("vector_min", "batch_min", "busy_batch_min", "insert_min", "pending_min")
+    vector_min, batch_min, free_batch_min, busy_batch_min, insert_min, pending_min = map(
+        tuning_knob,
+        (
+            "vector_min",
+            "batch_min",
+            "free_batch_min",
+            "busy_batch_min",
+            "insert_min",
+            "pending_min",
+        ),
     )
 
 

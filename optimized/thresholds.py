@@ -8,11 +8,11 @@ tests run both sides of every switch).
 
 Layout
 ------
-Plain module constants, never reassigned. The four that tests and the conformance adapter set
+Plain module constants, never reassigned. The six that tests and the conformance adapter set
 smaller, to drive the vectorised paths with a few requests, are copied onto each
 ``TorchKVCacheManager`` when it is built and changed there: ``vector_min``, ``batch_min``,
-``busy_batch_min``, ``insert_min`` and ``pending_min`` (the pool's copies of ``INSERT_MIN`` and
-``PENDING_MIN``). ``VECTOR_MIN_TOKENS``
+``free_batch_min``, ``busy_batch_min``, ``insert_min`` and ``pending_min`` (the pool's copies
+of ``INSERT_MIN`` and ``PENDING_MIN``). ``VECTOR_MIN_TOKENS``
 is read by a free function (the hasher), so a test patches it where that function reads it, on
 ``hybridkv.optimized.hashing``.
 """
@@ -21,9 +21,15 @@ from __future__ import annotations
 
 # --- Whole-step calls (``hybridkv.optimized.batch``) ------------------------------------------
 
-BATCH_MIN = 16
-"""A batched call of fewer requests makes the single-request calls: below this, their cost is
-less than the vectorised step's fixed cost in numpy calls."""
+BATCH_MIN = 192
+"""An ``allocate_slots_batch`` of fewer requests makes the single-request calls: below this,
+their cost is less than the vectorised step's fixed cost in numpy calls (reading and comparing
+every request's counts, cold after the scheduler's own work); the two meet between 128 and
+256 requests of a decode step (``docs/optimized-backend.md``, "Scaling")."""
+
+FREE_BATCH_MIN = 16
+"""A ``free_batch`` of fewer requests frees them one by one; from it, in numpy calls (whose
+fixed cost a few requests' blocks already repay)."""
 
 BUSY_BATCH_MIN = 64
 """Fewer requests than this with work to do in a step (in a decode step most have none) are

@@ -137,7 +137,11 @@ def test_the_optimized_backend_takes_small_thresholds_on_odd_pools() -> None:
         assert getattr(odd.manager, attribute) == value
         # The production value, from the constants (which the small ones leave unchanged).
         assert getattr(even.manager, attribute) == getattr(thresholds, attribute.upper())
-    assert (thresholds.BATCH_MIN, thresholds.BUSY_BATCH_MIN) == (16, 64)
+    assert (thresholds.BATCH_MIN, thresholds.FREE_BATCH_MIN, thresholds.BUSY_BATCH_MIN) == (
+        192,
+        16,
+        64,
+    )
 
 
 def test_the_shares_are_reported() -> None:

@@ -44,7 +44,7 @@ def test_decode_steps_equal_single_calls(
 ) -> None:
     """40 requests, 30 decode steps; a short pool makes some requests get ``None``."""
     batched = TorchKVCacheManager(layout(num_blocks), 200, caching, max_num_reqs=48)
-    batched.busy_batch_min = busy_batch_min
+    batched.batch_min, batched.busy_batch_min = 16, busy_batch_min  # 40: the vectorised step
     single = TorchKVCacheManager(layout(num_blocks), 200, caching, max_num_reqs=48)
     reference = KVCacheManager(layout(num_blocks), 200, caching)
     twins = [make_requests(40, seed) for seed in (1, 1, 1)]

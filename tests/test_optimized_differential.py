@@ -230,7 +230,7 @@ def run_traffic(
     )
     b = ref.hash_block_size
     opt.vector_min = vector_min
-    opt.batch_min = opt.busy_batch_min = batch_min
+    opt.batch_min = opt.free_batch_min = opt.busy_batch_min = batch_min
     twins: dict[str, Twin] = {}
     prefixes = [[], [5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8]]
     aligned = any(getattr(spec, "mamba_cache_mode", None) == "align" for spec in specs)

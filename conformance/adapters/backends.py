@@ -96,6 +96,7 @@ def reference_stand_in() -> Backend:
 
 SMALL_THRESHOLDS = {
     "batch_min": 2,
+    "free_batch_min": 2,
     "busy_batch_min": 2,
     "vector_min": 1,
     "insert_min": 2,
@@ -117,8 +118,9 @@ def optimized_backend(
     """``hybridkv.optimized.TorchKVCacheManager`` (or ``manager_class``, a patched copy) when it
     (and torch) can be imported.
 
-    Its batched calls take the vectorised paths only from ``batch_min`` requests (16) with
-    ``busy_batch_min`` (64) needing work, and its lookups from ``vector_min`` probes: more
+    Its batched calls take the vectorised paths only from ``batch_min`` requests (192; a
+    ``free_batch`` from ``free_batch_min``, 16) with ``busy_batch_min`` (64) needing work, and
+    its lookups from ``vector_min`` probes: more
     than the differential machine's few live requests. So on layouts with an odd ``num_blocks``
     the thresholds are ``SMALL_THRESHOLDS`` (the vectorised paths), on the others the
     production ones (the single-request paths below them)."""
