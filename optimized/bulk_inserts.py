@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from itertools import islice
 
 import numpy as np
 import numpy.typing as npt
@@ -26,7 +27,7 @@ from hybridkv.optimized import path_counts as paths
 from hybridkv.optimized._buffers import BlockRecords
 from hybridkv.optimized.extra_keys import ExtraKeys
 from hybridkv.optimized.path_counts import PathCounts
-from hybridkv.optimized.pending import InsertRecord, PendingWork
+from hybridkv.optimized.pending import PendingInserts, PendingWork
 from hybridkv.optimized.sources import GROUP_MIX, hash_key, keys_of
 from hybridkv.optimized.thresholds import INSERT_MIN, SETTLE_MAX
 from hybridkv.reference.block_hash import BlockHash
@@ -136,16 +137,20 @@ class BulkInserts(ExtraKeys):
         behind: npt.NDArray[np.int64] = chained[~first | (old_heads != self.end)]
         return behind
 
-    def chain_records(self, records: Sequence[InsertRecord]) -> None:
-        """``chain_entries`` of pending records, one entry at a time (for fewer entries than
-        ``insert_min``, where numpy's calls cost more than the links): each entry becomes its
-        bucket's head, linked to the one before, as ``insert`` makes it."""
+    def chain_records(self, inserts: PendingInserts) -> None:
+        """``chain_entries`` of pending inserts, one entry at a time (for few entries, where
+        numpy's calls cost more than the links): each entry becomes its bucket's head, linked
+        to the one before, as ``insert`` makes it."""
         heads, hnext, hk, srcs = self.heads.a, self.hnext.a, self.hk.a, self.src.a
         mask, num_groups, end, unsettled = self.mask, self.num_groups, self.end, self.unsettled
-        for src, pos, block_hash, blocks, group_ids in records:
+        entries = zip(inserts.blocks, inserts.groups, strict=True)
+        records = zip(
+            inserts.sources, inserts.positions, inserts.hashes, inserts.counts, strict=True
+        )
+        for src, pos, block_hash, count in records:
             key = hash_key(block_hash)
             high, base = key << 32, pos * num_groups
-            for block, group_id in zip(blocks, group_ids, strict=True):
+            for block, group_id in islice(entries, count):
                 bucket = (key + group_id * GROUP_MIX) & mask
                 behind = heads[bucket]
                 hnext[block] = behind
@@ -170,9 +175,9 @@ class BulkInserts(ExtraKeys):
         each source records its blocks and counts them, and the memo registers it, at once."""
         num_groups, end, sources = self.num_groups, self.end, self.sources
         memo_srcs = self.memo_srcs if self.memo is not None else ()
-        records: list[InsertRecord] = []
+        add = self.pending.inserts.add
         for blocks, pos, block_hash, src in rows:
-            records.append((src, pos, block_hash, blocks, group_ids))
+            add(blocks, group_ids, pos, block_hash, src)
             source = sources[src]
             assert source is not None
             first = pos * num_groups
@@ -184,7 +189,6 @@ class BulkInserts(ExtraKeys):
                 # already, as ``check_memo`` checks; it leaves with its last one).
                 self.memo.remember(src, source)  # type: ignore[union-attr]
             source.refs += num_groups
-        self.pending.insert_rows(records, num_groups)
 
     def defer_entries(
         self, entries: Sequence[tuple[int, int, int]], hashes: Sequence[BlockHash], src: int

@@ -31,20 +31,23 @@ Data layout
 ::
 
     released   array('q'): the blocks of deferred releases, in walk order
-    inserts    list of (source, position, hash, blocks, group ids), in call order: the blocks
-               one call caches at one position, each in the group at the same index, all keyed
-               by that hash (a decode step's record holds one block of every group)
+    inserts    ``PendingInserts``, columns in call order:
+      blocks, groups               array('q'), one value per entry (a block and its group)
+      positions, sources, counts   array('q'), one value per record: the entries one call
+                                   caches at one position, consecutive in ``blocks``, all
+                                   keyed by one hash (a decode step's: one block per group)
+      hashes                       list of the records' block hashes
 
-``apply`` expands the inserts into numpy columns (one entry per block) and turns the hashes
-into 4-byte keys with one join; below ``pending_min`` entries (releases and inserts
-together) it releases and links one by one.
+The columns are written as the steps defer (a few appends, where the step's values are at
+hand), so that ``apply`` reads them as numpy views: no pass over Python objects made a whole
+step before and cold by then. It turns the hashes into 4-byte keys with one join; below
+``pending_min`` entries (releases and inserts together) it releases and links one by one.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from itertools import chain
 from typing import Protocol
 
 import numpy as np
@@ -53,8 +56,40 @@ import numpy.typing as npt
 from hybridkv.optimized.sources import keys_of
 from hybridkv.reference.block_hash import BlockHash
 
-InsertRecord = tuple[int, int, BlockHash, Sequence[int], Sequence[int]]
-"""(source, position, hash, blocks, group ids): one call's inserts at one position."""
+
+class PendingInserts:
+    """Deferred inserts as columns (see the module docstring)."""
+
+    __slots__ = ("blocks", "counts", "groups", "hashes", "positions", "sources")
+
+    def __init__(self) -> None:
+        self.blocks = array("q")
+        self.groups = array("q")
+        self.positions = array("q")
+        self.sources = array("q")
+        self.counts = array("q")
+        self.hashes: list[BlockHash] = []
+
+    def __len__(self) -> int:
+        """Entries (blocks) waiting."""
+        return len(self.blocks)
+
+    def add(
+        self,
+        blocks: Sequence[int],
+        group_ids: Sequence[int],
+        pos: int,
+        block_hash: BlockHash,
+        src: int,
+    ) -> None:
+        """One record: ``blocks[i]`` of group ``group_ids[i]`` at ``pos``, all under
+        ``block_hash``, from source ``src``."""
+        self.blocks.extend(blocks)
+        self.groups.extend(group_ids)
+        self.positions.append(pos)
+        self.sources.append(src)
+        self.counts.append(len(blocks))
+        self.hashes.append(block_hash)
 
 
 class PendingTarget(Protocol):
@@ -67,7 +102,7 @@ class PendingTarget(Protocol):
 
     def release_cached_each(self, blocks: Sequence[int]) -> None: ...
 
-    def chain_records(self, records: Sequence[InsertRecord]) -> None: ...
+    def chain_records(self, inserts: PendingInserts) -> None: ...
 
     def chain_entries(
         self,
@@ -82,19 +117,23 @@ class PendingTarget(Protocol):
 class PendingWork:
     """Deferred releases and inserts of running requests' steps (see the module docstring)."""
 
-    __slots__ = ("inserts", "num_inserts", "released")
+    __slots__ = ("inserts", "released")
 
     def __init__(self) -> None:
         self.released = array("q")
-        self.inserts: list[InsertRecord] = []
-        self.num_inserts = 0
+        self.inserts = PendingInserts()
 
     def __bool__(self) -> bool:
-        return bool(self.released) or bool(self.inserts)
+        return bool(self.released) or bool(self.inserts.counts)
 
     def __len__(self) -> int:
         """Deferred releases and inserts together."""
-        return len(self.released) + self.num_inserts
+        return len(self.released) + len(self.inserts.blocks)
+
+    @property
+    def num_inserts(self) -> int:
+        """Deferred inserts (one per block)."""
+        return len(self.inserts.blocks)
 
     def release(self, blocks: Sequence[int]) -> None:
         """Defer dropping one holder of each block (cached blocks only), in walk order."""
@@ -110,13 +149,7 @@ class PendingWork:
     ) -> None:
         """Defer caching ``blocks[i]`` of group ``group_ids[i]`` at position ``pos``, all under
         ``block_hash`` from source ``src`` (a decode step's newly full block in every group)."""
-        self.inserts.append((src, pos, block_hash, blocks, group_ids))
-        self.num_inserts += len(blocks)
-
-    def insert_rows(self, records: Sequence[InsertRecord], blocks_each: int) -> None:
-        """``insert_row`` of each record, each of ``blocks_each`` blocks."""
-        self.inserts.extend(records)
-        self.num_inserts += blocks_each * len(records)
+        self.inserts.add(blocks, group_ids, pos, block_hash, src)
 
     def insert(
         self, entries: Sequence[tuple[int, int, int]], hashes: Sequence[BlockHash], src: int
@@ -144,16 +177,16 @@ class PendingWork:
                 pool.release_cached(np.frombuffer(released, dtype=np.int64))
             else:
                 pool.release_cached_each(released)
-        if self.inserts:
-            records, total = self.inserts, self.num_inserts
-            self.inserts, self.num_inserts = [], 0
+        if self.inserts.counts:
+            inserts, self.inserts = self.inserts, PendingInserts()
             if not vector:
-                pool.chain_records(records)
+                pool.chain_records(inserts)
                 return
-            counts = np.fromiter((len(r[3]) for r in records), dtype=np.int64, count=len(records))
-            blocks = np.fromiter(chain.from_iterable(r[3] for r in records), np.int64, total)
-            groups = np.fromiter(chain.from_iterable(r[4] for r in records), np.int64, total)
-            positions = np.repeat(np.fromiter((r[1] for r in records), np.int64), counts)
-            srcs = np.repeat(np.fromiter((r[0] for r in records), np.int64), counts)
-            keys = np.repeat(keys_of([r[2] for r in records]), counts)
+            # Views of the columns (each keeps its array alive; fresh ones take the next).
+            counts = np.frombuffer(inserts.counts, dtype=np.int64)
+            positions = np.repeat(np.frombuffer(inserts.positions, dtype=np.int64), counts)
+            srcs = np.repeat(np.frombuffer(inserts.sources, dtype=np.int64), counts)
+            keys = np.repeat(keys_of(inserts.hashes), counts)
+            blocks = np.frombuffer(inserts.blocks, dtype=np.int64)
+            groups = np.frombuffer(inserts.groups, dtype=np.int64)
             pool.chain_entries(blocks, groups, positions, srcs, keys)

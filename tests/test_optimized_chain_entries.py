@@ -13,11 +13,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.optimized.block_pool import TorchBlockPool, hash_key
+from hybridkv.optimized.pending import PendingInserts
 from hybridkv.reference.block_hash import BlockHash
 
 NUM_BLOCKS = 64
 GROUPS = 3
 HASHES = [BlockHash(bytes([i]) * 32) for i in range(6)]
+
+
+def one_by_one(entries: list[tuple[int, int, int, int]]) -> PendingInserts:
+    """Pending inserts of ``(block, group, position, hash index)`` entries, a record each."""
+    inserts = PendingInserts()
+    for b, g, pos, h in entries:
+        inserts.add([b], [g], pos, HASHES[h], 7)
+    return inserts
 
 
 def table(pool: TorchBlockPool) -> tuple[list[int], ...]:
@@ -67,10 +76,10 @@ def test_vectorised_inserts_link_the_chains_as_one_insert_after_another(
                 kept.append(entry)
         second = kept
     for pool in pools:
-        pool.chain_records([(7, pos, HASHES[h], [b], [g]) for b, g, pos, h in first])
+        pool.chain_records(one_by_one(first))
     columns = np.array([(b, g, pos, 7, hash_key(HASHES[h])) for b, g, pos, h in second])
     pools[0].chain_entries(*(columns[:, i].astype(np.int64) for i in range(5)))
-    pools[1].chain_records([(7, pos, HASHES[h], [b], [g]) for b, g, pos, h in second])
+    pools[1].chain_records(one_by_one(second))
     for pool in pools:
         pool.settle_duplicates()
     assert table(pools[0]) == table(pools[1])
