@@ -82,8 +82,9 @@ class PendingInserts:
         block_hash: BlockHash,
         src: int,
     ) -> None:
-        """One record: ``blocks[i]`` of group ``group_ids[i]`` at ``pos``, all under
-        ``block_hash``, from source ``src``."""
+        """Defer caching ``blocks[i]`` of group ``group_ids[i]`` at ``pos``, all under
+        ``block_hash`` from source ``src``: one record (a decode step's newly full block in
+        every group)."""
         self.blocks.extend(blocks)
         self.groups.extend(group_ids)
         self.positions.append(pos)
@@ -139,18 +140,6 @@ class PendingWork:
         """Defer dropping one holder of each block (cached blocks only), in walk order."""
         self.released.extend(blocks)
 
-    def insert_row(
-        self,
-        blocks: Sequence[int],
-        group_ids: Sequence[int],
-        pos: int,
-        block_hash: BlockHash,
-        src: int,
-    ) -> None:
-        """Defer caching ``blocks[i]`` of group ``group_ids[i]`` at position ``pos``, all under
-        ``block_hash`` from source ``src`` (a decode step's newly full block in every group)."""
-        self.inserts.add(blocks, group_ids, pos, block_hash, src)
-
     def insert(
         self, entries: Sequence[tuple[int, int, int]], hashes: Sequence[BlockHash], src: int
     ) -> None:
@@ -163,7 +152,7 @@ class PendingWork:
             blocks.append(block)
             group_ids.append(group_id)
         for pos, (blocks, group_ids) in by_position.items():
-            self.insert_row(blocks, group_ids, pos, hashes[pos], src)
+            self.inserts.add(blocks, group_ids, pos, hashes[pos], src)
 
     def apply(self, pool: PendingTarget) -> None:
         """Make the deferred releases, then the deferred inserts, and forget them: one entry
