@@ -25,8 +25,6 @@ positions); ``flush`` sends indices and values together, in one copy.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -142,13 +140,26 @@ class BlockTables:
         self.on_device.view(-1).index_copy_(0, on_device[:n], on_device[n:].to(torch.int32))
         self.copies += 1
 
-    @contextmanager
-    def one_copy(self) -> Iterator[None]:
-        """Hold every flush until the end of the block, then flush once (a whole step's
-        changes in one copy); nested blocks leave the flush to the outermost."""
-        outer, self.held = self.held, True
-        try:
-            yield
-        finally:
-            self.held = outer
-            self.flush()
+    def one_copy(self) -> OneCopy:
+        """Hold every flush until the end of the ``with`` block, then flush once (a whole
+        step's changes in one copy); nested blocks leave the flush to the outermost."""
+        return OneCopy(self)
+
+
+class OneCopy:
+    """``BlockTables.one_copy``'s context: a class, not a ``contextlib`` generator, as every
+    batched call enters one, and a generator's machinery is a fixed cost a small batch feels."""
+
+    __slots__ = ("outer", "tables")
+
+    def __init__(self, tables: BlockTables) -> None:
+        self.tables = tables
+        self.outer = False
+
+    def __enter__(self) -> None:
+        tables = self.tables
+        self.outer, tables.held = tables.held, True
+
+    def __exit__(self, *exc: object) -> None:
+        self.tables.held = self.outer
+        self.tables.flush()
