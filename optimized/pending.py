@@ -84,7 +84,8 @@ class PendingInserts:
     ) -> None:
         """Defer caching ``blocks[i]`` of group ``group_ids[i]`` at ``pos``, all under
         ``block_hash`` from source ``src``: one record (a decode step's newly full block in
-        every group)."""
+        every group). Each of ``blocks`` and ``group_ids`` is a list or an ``array('q')`` (what
+        ``array.extend`` takes for the columns)."""
         self.blocks.extend(blocks)
         self.groups.extend(group_ids)
         self.positions.append(pos)
