@@ -132,11 +132,6 @@ class PendingWork:
         """Deferred releases and inserts together."""
         return len(self.released) + len(self.inserts.blocks)
 
-    @property
-    def num_inserts(self) -> int:
-        """Deferred inserts (one per block)."""
-        return len(self.inserts.blocks)
-
     def release(self, blocks: Sequence[int]) -> None:
         """Defer dropping one holder of each block (cached blocks only), in walk order."""
         self.released.extend(blocks)

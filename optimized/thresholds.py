@@ -25,7 +25,7 @@ BATCH_MIN = 192
 """An ``allocate_slots_batch`` of fewer requests makes the single-request calls: below this,
 their cost is less than the vectorised step's fixed cost in numpy calls (reading and comparing
 every request's counts, cold after the scheduler's own work); the two meet between 128 and
-256 requests of a decode step (``docs/optimized-backend.md``, "Scaling")."""
+256 requests of a decode step (``hybridkv bench --scaling``; ``docs/optimized-backend.md``)."""
 
 FREE_BATCH_MIN = 16
 """A ``free_batch`` of fewer requests frees them one by one; from it, in numpy calls (whose

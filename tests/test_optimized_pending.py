@@ -102,7 +102,7 @@ def test_a_lookup_sees_the_block_a_running_step_left_to_cache() -> None:
     pair.add("a", [1, 2, 3, 4, 5])
     pair.admit("a")
     pair.decode("a", 6)  # fills block 2 (tokens 5, 6): its insert waits
-    assert pair.opt.pool.pending.num_inserts
+    assert pair.opt.pool.pending.inserts
     pair.add("b", [1, 2, 3, 4, 5, 6, 9, 9])
     ref_req, opt_req = pair.requests["b"]
     found = pair.opt.get_computed_blocks(opt_req)
@@ -168,7 +168,7 @@ def test_freeing_a_request_makes_its_pending_inserts_first() -> None:
     pair.add("a", [1, 2, 3])
     pair.admit("a")
     pair.decode("a", 4)  # block 1 full: pending
-    assert pair.opt.pool.pending.num_inserts
+    assert pair.opt.pool.pending.inserts
     ref_req, opt_req = pair.requests["a"]
     pair.opt.free(opt_req)
     pair.ref.free(ref_req)
@@ -210,7 +210,7 @@ def test_cache_blocks_and_estimates_see_the_pending_inserts() -> None:
     pair.add("a", [1, 2, 3, 4, 5])
     pair.admit("a")
     pair.decode("a", 6)
-    assert pair.opt.pool.pending.num_inserts
+    assert pair.opt.pool.pending.inserts
     assert pair.opt.estimate_cached_tokens("a") == pair.ref.estimate_cached_tokens("a") == 6
     ref_req, opt_req = pair.requests["a"]
     pair.opt.cache_blocks(opt_req, 6)
@@ -225,7 +225,7 @@ def test_the_memo_adopts_a_pending_block_s_hash_at_once() -> None:
     pair.add("a", [1, 2, 3, 4, 5], memo=True)
     pair.admit("a")
     pair.decode("a", 6)
-    assert pair.opt.pool.pending.num_inserts
+    assert pair.opt.pool.pending.inserts
     memo = pair.opt.block_hasher
     starts: list[int] = []
 
