@@ -190,6 +190,32 @@ class BulkInserts(ExtraKeys):
                 self.memo.remember(src, source)  # type: ignore[union-attr]
             source.refs += num_groups
 
+    def defer_decode_rows(
+        self,
+        blocks: npt.NDArray[np.int64],
+        rows: list[list[int]],
+        positions: list[int],
+        hashes: list[BlockHash],
+        srcs: list[int],
+        group_ids: array[int],
+    ) -> None:
+        """``defer_rows`` of a whole step's decode rows, their blocks given twice: as one
+        ``[m, G]`` array (``blocks``, appended to the pending inserts at once) and as the
+        same rows' lists (``rows``, which each source records)."""
+        self.pending.inserts.add_rows(blocks, group_ids, positions, hashes, srcs)
+        num_groups, end, sources = self.num_groups, self.end, self.sources
+        memo_srcs = self.memo_srcs if self.memo is not None else ()
+        for row_blocks, pos, src in zip(rows, positions, srcs, strict=True):
+            source = sources[src]
+            assert source is not None
+            first = pos * num_groups
+            if first + num_groups > len(source.blocks):
+                source.reserve(first + num_groups, end)
+            source.blocks[first : first + num_groups] = array("i", row_blocks)
+            if not source.refs and src in memo_srcs:
+                self.memo.remember(src, source)  # type: ignore[union-attr]  # (as defer_rows)
+            source.refs += num_groups
+
     def defer_entries(
         self, entries: Sequence[tuple[int, int, int]], hashes: Sequence[BlockHash], src: int
     ) -> None:

@@ -344,27 +344,43 @@ def cache_busy(
     decode &= (found != 0).all(1)
     if not s.layout.columns.defers:
         decode[:] = False
-    row_blocks = found.tolist()
-    deferred: list[tuple[Sequence[int], int, BlockHash, int]] = []
-    for i, row, pos, blocks, plain in zip(
-        active.tolist(),
-        rows[active].tolist(),
-        positions.tolist(),
-        row_blocks,
-        decode.tolist(),
-        strict=True,
+    row_blocks, starts_at = found.tolist(), positions.tolist()
+    run: list[int] = []  # the decode rows not deferred yet (indices into ``active``)
+    hashes: list[BlockHash] = []
+    srcs: list[int] = []
+    for k, (i, row, pos, plain) in enumerate(
+        zip(active.tolist(), rows[active].tolist(), starts_at, decode.tolist(), strict=True)
     ):
         request = requests[i]
         if plain:
-            src = source_of(s, request, row, pos + 1, (pos + 1) * b)
-            deferred.append((blocks, pos, request.block_hashes[pos], src))
+            srcs.append(source_of(s, request, row, pos + 1, (pos + 1) * b))
+            hashes.append(request.block_hashes[pos])
+            run.append(k)
         else:
-            if deferred:  # the rows before this request's first: inserts keep their order
-                s.pool.defer_rows(deferred, s.layout.columns.group_ids)
-                deferred = []
+            if run:  # the rows before this request's first: inserts keep their order
+                _defer_run(s, found, row_blocks, starts_at, run, hashes, srcs)
+                run, hashes, srcs = [], [], []
             num_full = int((cached[i] + to_cache[i]).max())
             cache_uniform(s, request, int(row), num_full * b, defer=s.layout.columns.defers)
-    if deferred:
-        s.pool.defer_rows(deferred, s.layout.columns.group_ids)
+    if run:
+        _defer_run(s, found, row_blocks, starts_at, run, hashes, srcs)
     done = active[decode]
     s.rows.columns[2][pair_index[done]] = (positions[decode] + 1)[:, None]
+
+
+def _defer_run(
+    s: ManagerState,
+    found: Ints,
+    row_blocks: list[list[int]],
+    positions: list[int],
+    run: list[int],
+    hashes: list[BlockHash],
+    srcs: list[int],
+) -> None:
+    """Defer ``cache_busy``'s decode rows ``run`` (indices into ``found``, ``row_blocks`` and
+    ``positions``; ``hashes`` and ``srcs`` are theirs) at once (``defer_decode_rows``)."""
+    if len(run) == len(row_blocks):  # every row (a decode step's): no copies
+        blocks, rows, at = found, row_blocks, positions
+    else:
+        blocks, rows, at = found[run], [row_blocks[k] for k in run], [positions[k] for k in run]
+    s.pool.defer_decode_rows(blocks, rows, at, hashes, srcs, s.layout.columns.group_ids)

@@ -93,6 +93,25 @@ class PendingInserts:
         self.counts.append(len(blocks))
         self.hashes.append(block_hash)
 
+    def add_rows(
+        self,
+        blocks: npt.NDArray[np.int64],
+        group_ids: array[int],
+        positions: list[int],
+        hashes: list[BlockHash],
+        srcs: list[int],
+    ) -> None:
+        """``add`` of each row of ``blocks`` (``[m, G]``: row ``k`` holds one block per group,
+        in ``group_ids`` order, cached at ``positions[k]`` under ``hashes[k]`` from
+        ``srcs[k]``): a whole step's decode rows in one append per column."""
+        count, per_row = blocks.shape
+        self.blocks.frombytes(np.ascontiguousarray(blocks, dtype=np.int64).tobytes())
+        self.groups.extend(group_ids * count)
+        self.positions.fromlist(positions)
+        self.sources.fromlist(srcs)
+        self.counts.extend(array("q", (per_row,)) * count)
+        self.hashes.extend(hashes)
+
 
 class PendingTarget(Protocol):
     """What ``apply`` writes back into: the block pool's release and chain passes (in numpy

@@ -11,13 +11,16 @@ pool's passes run: the array loop and the numpy calls (``Tuning.insert_min`` and
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 
 from hybridkv.optimized import TorchKVCacheManager, bulk_inserts
 from hybridkv.optimized import step as optimized_step
 from hybridkv.optimized.hashing import hash_full_blocks_torch
+from hybridkv.optimized.pending import PendingInserts
 from hybridkv.optimized.state import Tuning
 from hybridkv.reference import KVCacheManager, Request
 from hybridkv.reference.block_hash import BlockHash
@@ -276,3 +279,19 @@ def test_new_step_starts_makes_the_previous_step_s_work() -> None:
     pair.opt.new_step_starts()
     assert not pair.opt.pool.pending
     pair.same_state()
+
+
+def test_add_rows_appends_what_add_appends_row_by_row() -> None:
+    """A whole step's decode rows appended at once (``PendingInserts.add_rows``) leave the
+    columns exactly as one ``add`` per row, in row order."""
+    group_ids = array("q", [0, 1, 2])
+    rows = [[11, 12, 13], [21, 22, 23]]
+    hashes = [BlockHash(b"\x01" * 32), BlockHash(b"\x02" * 32)]
+    one_by_one, at_once = PendingInserts(), PendingInserts()
+    for blocks, pos, block_hash, src in zip(rows, [4, 9], hashes, [3, 5], strict=True):
+        one_by_one.add(blocks, group_ids, pos, block_hash, src)
+    at_once.add_rows(np.array(rows, dtype=np.int32), group_ids, [4, 9], hashes, [3, 5])
+    for column in ("blocks", "groups", "positions", "sources", "counts", "hashes"):
+        assert getattr(at_once, column) == getattr(one_by_one, column), column
+    assert list(at_once.blocks) == [11, 12, 13, 21, 22, 23]
+    assert list(at_once.counts) == [3, 3]
