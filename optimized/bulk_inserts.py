@@ -167,17 +167,28 @@ class BulkInserts(ExtraKeys):
         return keys_of(hashes)
 
     def defer_rows(
-        self, rows: Sequence[tuple[Sequence[int], int, BlockHash, int]], group_ids: array[int]
+        self,
+        rows: Sequence[Sequence[int]],
+        positions: Sequence[int],
+        hashes: Sequence[BlockHash],
+        srcs: Sequence[int],
+        group_ids: array[int],
+        columns: npt.NDArray[np.int64] | None = None,
     ) -> None:
-        """``insert`` of each ``(blocks, position, block hash, source)`` row, its blocks one per
-        group in ``group_ids`` order (a decode step's newly full block in every group), with
-        the hash table's part left pending (``PendingWork``, the rows' records added at once):
-        each source records its blocks and counts them, and the memo registers it, at once."""
+        """``insert`` of each row's blocks, one per group in ``group_ids`` order (a decode
+        step's newly full block in every group), at ``positions[k]`` under ``hashes[k]`` from
+        ``srcs[k]``, with the hash table's part left pending (``PendingWork``): each source
+        records its blocks and counts them, and the memo registers it, at once. ``columns``,
+        the same rows as one ``[m, G]`` array (a batched step's), appends them to the pending
+        inserts at once instead of row by row."""
         num_groups, end, sources = self.num_groups, self.end, self.sources
         memo_srcs = self.memo_srcs if self.memo is not None else ()
-        add = self.pending.inserts.add
-        for blocks, pos, block_hash, src in rows:
-            add(blocks, group_ids, pos, block_hash, src)
+        inserts = self.pending.inserts
+        if columns is not None:
+            inserts.add_rows(columns, group_ids, list(positions), list(hashes), list(srcs))
+        for k, (blocks, pos, src) in enumerate(zip(rows, positions, srcs, strict=True)):
+            if columns is None:
+                inserts.add(blocks, group_ids, pos, hashes[k], src)
             source = sources[src]
             assert source is not None
             first = pos * num_groups
@@ -188,32 +199,6 @@ class BulkInserts(ExtraKeys):
                 # Its first cached blocks: it joins the memo (one with a cached block is in it
                 # already, as ``check_memo`` checks; it leaves with its last one).
                 self.memo.remember(src, source)  # type: ignore[union-attr]
-            source.refs += num_groups
-
-    def defer_decode_rows(
-        self,
-        blocks: npt.NDArray[np.int64],
-        rows: list[list[int]],
-        positions: list[int],
-        hashes: list[BlockHash],
-        srcs: list[int],
-        group_ids: array[int],
-    ) -> None:
-        """``defer_rows`` of a whole step's decode rows, their blocks given twice: as one
-        ``[m, G]`` array (``blocks``, appended to the pending inserts at once) and as the
-        same rows' lists (``rows``, which each source records)."""
-        self.pending.inserts.add_rows(blocks, group_ids, positions, hashes, srcs)
-        num_groups, end, sources = self.num_groups, self.end, self.sources
-        memo_srcs = self.memo_srcs if self.memo is not None else ()
-        for row_blocks, pos, src in zip(rows, positions, srcs, strict=True):
-            source = sources[src]
-            assert source is not None
-            first = pos * num_groups
-            if first + num_groups > len(source.blocks):
-                source.reserve(first + num_groups, end)
-            source.blocks[first : first + num_groups] = array("i", row_blocks)
-            if not source.refs and src in memo_srcs:
-                self.memo.remember(src, source)  # type: ignore[union-attr]  # (as defer_rows)
             source.refs += num_groups
 
     def defer_entries(

@@ -108,7 +108,9 @@ def cache_uniform(
         ):
             # A decode step: one newly full block in every group.
             src = source_of(s, request, row, num_full, num_full * b)
-            pool.defer_rows(((row_blocks, last, hashes[last], src),), s.layout.columns.group_ids)
+            pool.defer_rows(
+                (row_blocks,), (last,), (hashes[last],), (src,), s.layout.columns.group_ids
+            )
             cached[at : at + g_count] = array("q", (num_full,)) * g_count
             return
     start = cached[at]
@@ -378,9 +380,10 @@ def _defer_run(
     srcs: list[int],
 ) -> None:
     """Defer ``cache_busy``'s decode rows ``run`` (indices into ``found``, ``row_blocks`` and
-    ``positions``; ``hashes`` and ``srcs`` are theirs) at once (``defer_decode_rows``)."""
+    ``positions``; ``hashes`` and ``srcs`` are theirs) at once (``defer_rows`` with their
+    ``columns``)."""
     if len(run) == len(row_blocks):  # every row (a decode step's): no copies
         blocks, rows, at = found, row_blocks, positions
     else:
         blocks, rows, at = found[run], [row_blocks[k] for k in run], [positions[k] for k in run]
-    s.pool.defer_decode_rows(blocks, rows, at, hashes, srcs, s.layout.columns.group_ids)
+    s.pool.defer_rows(rows, at, hashes, srcs, s.layout.columns.group_ids, blocks)
