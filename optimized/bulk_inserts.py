@@ -19,6 +19,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from itertools import islice
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -173,7 +174,7 @@ class BulkInserts(ExtraKeys):
         hashes: Sequence[BlockHash],
         srcs: Sequence[int],
         group_ids: array[int],
-        columns: npt.NDArray[np.int64] | None = None,
+        columns: npt.NDArray[Any] | None = None,
     ) -> None:
         """``insert`` of each row's blocks, one per group in ``group_ids`` order (a decode
         step's newly full block in every group), at ``positions[k]`` under ``hashes[k]`` from

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -95,15 +95,15 @@ class PendingInserts:
 
     def add_rows(
         self,
-        blocks: npt.NDArray[np.int64],
+        blocks: npt.NDArray[Any],
         group_ids: array[int],
         positions: list[int],
         hashes: list[BlockHash],
         srcs: list[int],
     ) -> None:
-        """``add`` of each row of ``blocks`` (``[m, G]``: row ``k`` holds one block per group,
-        in ``group_ids`` order, cached at ``positions[k]`` under ``hashes[k]`` from
-        ``srcs[k]``): a whole step's decode rows in one append per column."""
+        """``add`` of each row of ``blocks`` (``[m, G]``, any integer dtype: row ``k`` holds one
+        block per group, in ``group_ids`` order, cached at ``positions[k]`` under ``hashes[k]``
+        from ``srcs[k]``): a whole step's decode rows in one append per column."""
         count, per_row = blocks.shape
         self.blocks.frombytes(np.ascontiguousarray(blocks, dtype=np.int64).tobytes())
         self.groups.extend(group_ids * count)
