@@ -169,27 +169,30 @@ class BulkInserts(ExtraKeys):
 
     def defer_rows(
         self,
-        rows: Sequence[Sequence[int]],
-        positions: Sequence[int],
-        hashes: Sequence[BlockHash],
-        srcs: Sequence[int],
+        rows: Sequence[Sequence[int]] | npt.NDArray[Any],
+        positions: list[int],
+        hashes: list[BlockHash],
+        srcs: list[int],
         group_ids: array[int],
-        columns: npt.NDArray[Any] | None = None,
     ) -> None:
         """``insert`` of each row's blocks, one per group in ``group_ids`` order (a decode
         step's newly full block in every group), at ``positions[k]`` under ``hashes[k]`` from
         ``srcs[k]``, with the hash table's part left pending (``PendingWork``): each source
-        records its blocks and counts them, and the memo registers it, at once. ``columns``,
-        the same rows as one ``[m, G]`` array (a batched step's), appends them to the pending
-        inserts at once instead of row by row."""
+        records its blocks and counts them, and the memo registers it, at once. Rows given as
+        one ``[m, G]`` integer array (a batched step's) go to the pending inserts at once
+        instead of row by row."""
         num_groups, end, sources = self.num_groups, self.end, self.sources
         memo_srcs = self.memo_srcs if self.memo is not None else ()
         inserts = self.pending.inserts
-        if columns is not None:
-            inserts.add_rows(columns, group_ids, list(positions), list(hashes), list(srcs))
+        add = None
+        if isinstance(rows, np.ndarray):
+            inserts.add_rows(rows, group_ids, positions, hashes, srcs)
+            rows = rows.tolist()
+        else:
+            add = inserts.add
         for k, (blocks, pos, src) in enumerate(zip(rows, positions, srcs, strict=True)):
-            if columns is None:
-                inserts.add(blocks, group_ids, pos, hashes[k], src)
+            if add is not None:
+                add(blocks, group_ids, pos, hashes[k], src)
             source = sources[src]
             assert source is not None
             first = pos * num_groups

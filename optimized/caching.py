@@ -108,9 +108,7 @@ def cache_uniform(
         ):
             # A decode step: one newly full block in every group.
             src = source_of(s, request, row, num_full, num_full * b)
-            pool.defer_rows(
-                (row_blocks,), (last,), (hashes[last],), (src,), s.layout.columns.group_ids
-            )
+            pool.defer_rows([row_blocks], [last], [hashes[last]], [src], s.layout.columns.group_ids)
             cached[at : at + g_count] = array("q", (num_full,)) * g_count
             return
     start = cached[at]
@@ -346,7 +344,7 @@ def cache_busy(
     decode &= (found != 0).all(1)
     if not s.layout.columns.defers:
         decode[:] = False
-    row_blocks, starts_at = found.tolist(), positions.tolist()
+    starts_at = positions.tolist()
     run: list[int] = []  # the decode rows not deferred yet (indices into ``active``)
     hashes: list[BlockHash] = []
     srcs: list[int] = []
@@ -360,12 +358,12 @@ def cache_busy(
             run.append(k)
         else:
             if run:  # the rows before this request's first: inserts keep their order
-                _defer_run(s, found, row_blocks, starts_at, run, hashes, srcs)
+                _defer_run(s, found, starts_at, run, hashes, srcs)
                 run, hashes, srcs = [], [], []
             num_full = int((cached[i] + to_cache[i]).max())
             cache_uniform(s, request, int(row), num_full * b, defer=s.layout.columns.defers)
     if run:
-        _defer_run(s, found, row_blocks, starts_at, run, hashes, srcs)
+        _defer_run(s, found, starts_at, run, hashes, srcs)
     done = active[decode]
     s.rows.columns[2][pair_index[done]] = (positions[decode] + 1)[:, None]
 
@@ -373,17 +371,15 @@ def cache_busy(
 def _defer_run(
     s: ManagerState,
     found: Ints,
-    row_blocks: list[list[int]],
     positions: list[int],
     run: list[int],
     hashes: list[BlockHash],
     srcs: list[int],
 ) -> None:
-    """Defer ``cache_busy``'s decode rows ``run`` (indices into ``found``, ``row_blocks`` and
-    ``positions``; ``hashes`` and ``srcs`` are theirs) at once (``defer_rows`` with their
-    ``columns``)."""
-    if len(run) == len(row_blocks):  # every row (a decode step's): no copies
-        blocks, rows, at = found, row_blocks, positions
+    """Defer ``cache_busy``'s decode rows ``run`` (indices into ``found``'s rows and
+    ``positions``; ``hashes`` and ``srcs`` are theirs) at once (``defer_rows`` of an array)."""
+    if len(run) == len(positions):  # every row (a decode step's): no copies
+        s.pool.defer_rows(found, positions, hashes, srcs, s.layout.columns.group_ids)
     else:
-        blocks, rows, at = found[run], [row_blocks[k] for k in run], [positions[k] for k in run]
-    s.pool.defer_rows(rows, at, hashes, srcs, s.layout.columns.group_ids, blocks)
+        at = [positions[k] for k in run]
+        s.pool.defer_rows(found[run], at, hashes, srcs, s.layout.columns.group_ids)
