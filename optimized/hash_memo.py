@@ -79,6 +79,15 @@ class HashMemo(BranchTree):
             return 0
         return last[2]
 
+    def last_agreement(self, packed: object) -> tuple[MemoSource, int] | None:
+        """The source of the last prompt walk's first run and that run's length in blocks,
+        when ``packed`` is that prompt's ids (``None`` otherwise): the prompt's hashes of those
+        blocks are that source's own (``walk`` adopts them), and its ids equal the source's."""
+        last = self.last_prompt
+        if last is None or last[0] is not packed:
+            return None
+        return last[1], last[2]
+
     def clear(self) -> None:
         super().clear()
         self.last_prompt = None

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from hybridkv.optimized import path_counts as paths
 from hybridkv.optimized.lookup import NO_HIT, GroupHit, HitBlocks, Lookup, TypeProbe, lead_run
+from hybridkv.optimized.memo_hit import memo_hit
 from hybridkv.optimized.state import ManagerState
 from hybridkv.optimized.type_hits import TYPE_HITS, HitProbe, TypeHit
 from hybridkv.reference.request import RequestLike
@@ -34,6 +35,12 @@ def longest_hit(
     length, and the shared-prefix boundary (the longest one type found alone, when longer);
     with ``report`` (``kv_cache_report_mode="full"``) and events on, a non-empty hit's blocks
     are reported as stored (``hybridkv.reference.reused_events``)."""
+    if s.layout.mixes_full_with_more_types:
+        s.pool.paths.ran(paths.HYBRID_WITH_FULL)
+    if not report:
+        read = memo_hit(s, request, max_length)
+        if read is not None:
+            return HitBlocks(read[0]), read[1], 0
     memos = type_probes(s, request, max_length)
     hits: Sequence[GroupHit]
     boundary = 0
@@ -42,8 +49,6 @@ def longest_hit(
         hits = type_hit(s, spec, memos[0], max_length, s.layout.type_eagle[0], spec.block_size)
         hit_length = len(hits[0]) * spec.block_size
     else:
-        if s.layout.mixes_full_with_more_types:
-            s.pool.paths.ran(paths.HYBRID_WITH_FULL)
         hits, hit_length, longest = hybrid_hit(s, memos, max_length)
         boundary = longest if longest > hit_length else 0
     if report and hit_length:

@@ -25,6 +25,9 @@ Data layout (G groups, R = ``max_num_reqs`` rows, W = ``max_blocks_per_req`` pos
     admission_caps[G]      the blocks a group ever holds at once (``None``: no cap)
     cross_groups           the cross-attention groups, whose tables the encoder tokens size
     columns                ``GroupColumns``, the same facts as numpy columns
+    memo_run               (full-attention groups, ((window groups, blocks a window hit ends
+                           with), …)) when a hit can be read from the memo's run
+                           (``hybridkv.optimized.memo_hit``), else None
 
 and the flags that choose a path: ``uniform`` (one block size, the hash block size too),
 ``has_align`` (a Mamba ``"align"`` group), ``general`` (either of the two calls for the
@@ -58,6 +61,9 @@ from hybridkv.spec import KVCacheConfig, KVCacheSpec, SlidingWindowSpec, rules
 from hybridkv.spec.errors import check_positive
 
 BlockIds = tuple[tuple[int, ...], ...]
+MemoRun = tuple[tuple[int, ...], tuple[tuple[tuple[int, ...], int], ...]]
+"""``GroupLayout.memo_run``: the full-attention groups, then per window type its groups and
+the cached blocks its hit ends with."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,7 @@ class GroupLayout:
     no_group_hits: tuple[GroupHit, ...] = field(init=False)
     mixes_full_with_more_types: bool = field(init=False)
     """Full attention and at least two other attention types (a hybrid of 3–4 types)."""
+    memo_run: MemoRun | None = field(init=False)
 
     @classmethod
     def build(
@@ -200,6 +207,29 @@ class GroupLayout:
         }
         for name, value in derived.items():
             object.__setattr__(self, name, value)
+        object.__setattr__(self, "memo_run", _memo_run(self))
+
+
+def _memo_run(layout: GroupLayout) -> MemoRun | None:
+    """The full-attention groups and the window types (their groups, and the cached blocks a
+    window hit ends with) of a layout whose hits the memo's run can answer: full attention
+    (at least one group) and sliding windows of the hash block size, with caching and without
+    EAGLE, lookahead hashes or reprefilled tokens; else ``None``."""
+    if layout.general or layout.lookahead or any(layout.type_eagle) or not layout.caching:
+        return None
+    full: list[int] = []
+    windows: list[tuple[tuple[int, ...], int]] = []
+    for spec, group_ids in layout.types:
+        if spec.kind == "full":
+            full.extend(group_ids)
+        elif isinstance(spec, SlidingWindowSpec):
+            needed = rules.sliding_window_contiguous_blocks(
+                spec.sliding_window, spec.block_size, False
+            )
+            windows.append((tuple(group_ids), max(1, needed)))
+        else:
+            return None
+    return (tuple(full), tuple(windows)) if full else None
 
 
 def _table_width(

@@ -48,6 +48,9 @@ LINKS_SHARED = "links: vectorised (shared buckets)"
 LOOKUP_WINDOW = "lookup: vectorised window probe"
 LOOKUP_SOURCE_RUN = "lookup: source run"
 LOOKUP_LEADING = "lookup: vectorised leading run"
+LOOKUP_MEMO_RUN = "lookup: the memo's run"
+"""A hit read from the record of the cached request whose hashes the prompt adopted
+(``hybridkv.optimized.memo_hit``)."""
 HYBRID_WITH_FULL = "lookup: 3-4 attention types with full attention"
 
 PATHS = (
@@ -72,6 +75,7 @@ PATHS = (
     LOOKUP_WINDOW,
     LOOKUP_SOURCE_RUN,
     LOOKUP_LEADING,
+    LOOKUP_MEMO_RUN,
     HYBRID_WITH_FULL,
 )
 """Every path counted, in the report's order (the quiet exit, counted by callers, apart)."""

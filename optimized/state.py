@@ -61,8 +61,9 @@ Key = tuple[bytes, int]
 
 @dataclass(frozen=True)
 class Tuning:
-    """The size thresholds a test may lower (``hybridkv.optimized.thresholds``) and the fused
-    step's switch: none changes a result, only which path computes it."""
+    """The size thresholds a test may lower (``hybridkv.optimized.thresholds``) and the
+    switches of the fused step and the memo's hits: none changes a result, only which path
+    computes it."""
 
     vector_min: int = VECTOR_MIN
     batch_min: int = BATCH_MIN
@@ -73,6 +74,9 @@ class Tuning:
     fused_step: bool = True
     """Whether a running request's common crossing call takes ``FusedStep``
     (``hybridkv.optimized.fused_step``); off, ``step`` makes every call."""
+    memo_hits: bool = True
+    """Whether a lookup may read its hit from the memo's run (``hybridkv.optimized.memo_hit``);
+    off, the general lookup answers every one."""
 
 
 class _HasTuning(Protocol):

@@ -35,6 +35,7 @@ from hybridkv.optimized.lookup import (
     first_difference,
     lead_run,
 )
+from hybridkv.optimized.state import Tuning
 from hybridkv.reference import KVCacheManager
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
@@ -70,10 +71,13 @@ def prompt(seed: int, length: int) -> list[int]:
 
 
 def managers(
-    num_blocks: int, groups: tuple[KVCacheGroup, ...]
+    num_blocks: int, groups: tuple[KVCacheGroup, ...], *, memo_hits: bool = True
 ) -> tuple[TorchKVCacheManager, KVCacheManager]:
+    """The optimized manager (``memo_hits=False``: every lookup takes the general path, whose
+    runs and probes a test counts) and the reference, on one config."""
     config = KVCacheConfig(num_blocks, groups)
-    return TorchKVCacheManager(config, 4096), KVCacheManager(config, 4096)
+    tuning = Tuning(memo_hits=memo_hits)
+    return TorchKVCacheManager(config, 4096, tuning=tuning), KVCacheManager(config, 4096)
 
 
 def cache_and_free(opt: TorchKVCacheManager, ref: KVCacheManager, tokens: list[int]) -> None:
@@ -204,7 +208,7 @@ def test_allocate_slots_takes_a_hit_back_and_a_copy_of_it_too() -> None:
 def test_a_lead_run_reads_every_type_of_a_prompt_cached_whole(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    opt, ref = managers(400, (FULL, *WINDOWS))
+    opt, ref = managers(400, (FULL, *WINDOWS), memo_hits=False)
     tokens = prompt(2, 401)
     cache_and_free(opt, ref, tokens)
     with lead_counts(monkeypatch) as counts, probes_made(monkeypatch) as probes:
@@ -236,7 +240,7 @@ def test_a_lead_run_stops_each_type_where_its_groups_lose_blocks(
 def test_the_end_of_a_cached_prefix_costs_one_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt whose first 40 of 50 blocks are cached (an admission): the lead run reads them,
     one probe of position 40 settles the full-attention scan, the windows need nothing more."""
-    opt, ref = managers(400, (FULL, *WINDOWS))
+    opt, ref = managers(400, (FULL, *WINDOWS), memo_hits=False)
     shared = prompt(3, 160)
     cache_and_free(opt, ref, [*shared, *prompt(4, 41)])
     tokens = [*shared, *prompt(5, 41)]
@@ -259,7 +263,7 @@ def test_a_window_type_reads_its_run_from_the_full_runs_source_without_a_probe(
     wide = tuple(
         KVCacheGroup((f"sw.{i}",), SlidingWindowSpec(sliding_window=100, **SIZES)) for i in (0, 1)
     )
-    opt, ref = managers(400, (FULL, *wide))
+    opt, ref = managers(400, (FULL, *wide), memo_hits=False)
     tokens = prompt(7, 401)
     cache_and_free(opt, ref, tokens)
     with lead_counts(monkeypatch) as counts, probes_made(monkeypatch) as probes:

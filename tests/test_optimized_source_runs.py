@@ -21,6 +21,7 @@ import pytest
 from hybridkv.optimized import TorchKVCacheManager
 from hybridkv.optimized.block_pool import TorchBlockPool, hash_key
 from hybridkv.optimized.lookup import Ints, Lookup, TypeProbe, lead_run
+from hybridkv.optimized.state import Tuning
 from hybridkv.reference import KVCacheManager
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.request import Request
@@ -47,9 +48,14 @@ HYBRID = (
 )
 
 
-def managers(num_blocks: int) -> tuple[TorchKVCacheManager, KVCacheManager]:
+def managers(
+    num_blocks: int, *, memo_hits: bool = True
+) -> tuple[TorchKVCacheManager, KVCacheManager]:
+    """The optimized manager (``memo_hits=False``: every lookup takes the general path, whose
+    runs a test counts) and the reference, on one config."""
     config = KVCacheConfig(num_blocks, HYBRID)
-    return TorchKVCacheManager(config, 4096), KVCacheManager(config, 4096)
+    tuning = Tuning(memo_hits=memo_hits)
+    return TorchKVCacheManager(config, 4096, tuning=tuning), KVCacheManager(config, 4096)
 
 
 def request(request_id: str, tokens: list[int]) -> Request:
@@ -108,7 +114,7 @@ def prompt(seed: int, length: int) -> list[int]:
 def test_a_long_cached_prompt_is_read_as_one_run_with_the_references_blocks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    opt, ref = managers(400)
+    opt, ref = managers(400, memo_hits=False)
     tokens = prompt(1, 401)
     cache_and_free(opt, ref, tokens)
     with runs_read(monkeypatch) as widths:

@@ -1,0 +1,112 @@
+"""A prompt's cache hit read from the run of the cached request whose hashes it adopted.
+
+When the hash memo (``hybridkv.optimized.hash_memo``) hashes a prompt, it compares the prompt's
+ids with a cached request's, block by block, and adopts that request's own hashes for the
+leading blocks that agree. The pool's source of that request (``Source``) records, per
+position and group, the block cached from it under exactly that key (an evicted block's entry
+is cleared). On a layout of full attention and sliding windows of the hash block size
+(``GroupLayout.memo_run``), the longest hit is then read from that record in a few numpy calls,
+where the general lookup (``hybridkv.optimized.hits``) would probe the table, read and check a
+run and verify it against the prompt: an admission of a request sharing a cached system prompt,
+the most common lookup, takes this path.
+
+The record answers alone when the full-attention groups' leading run of recorded blocks ends
+where the table holds no entry for the next position (one probe, unverified: any entry there
+sends the lookup to the general path), every window's last blocks before the run's end are
+recorded too (as the window rule asks: ``rules.sliding_window_contiguous_blocks``, all of
+them when the run is shorter), and none of the blocks read is a newer twin of another entry of
+its key (``dups``, which the lookup's probes would skip). Then the hit is the run: full
+attention's prefix rule and every window's agree at its end, so the hybrid rule
+(``rules.hybrid_hit_length``) returns it at once. Anything else returns ``None`` and the
+general lookup answers, with the same result it would have given.
+
+Data layout
+-----------
+The record (``Source.blocks``) is an int32 array indexed by tag, position × G + group, holding
+the block or the pool's chain end; its first ``length × G`` entries viewed as ``[length, G]``
+give each position's blocks in every group (a view for this call only: the array grows). The
+hit is one ``GroupHit`` per group, a copy of its column from the first block it keeps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from hybridkv.optimized import path_counts as paths
+from hybridkv.optimized.hit_blocks import GroupHit
+from hybridkv.optimized.sources import GROUP_MIX, Source, hash_key
+from hybridkv.optimized.state import ManagerState
+from hybridkv.reference.block_hash import BlockHash
+from hybridkv.reference.request import Request, RequestLike
+
+
+def memo_hit(
+    s: ManagerState, request: RequestLike, max_length: int
+) -> tuple[list[GroupHit], int] | None:
+    """The request's longest hit of at most ``max_length`` tokens (its blocks per group, its
+    length) read from the memo's run, or ``None`` when the run does not answer alone."""
+    pool, run_groups = s.pool, s.layout.memo_run
+    memo = pool.memo
+    if run_groups is None or memo is None or pool.extras or not isinstance(request, Request):
+        return None
+    if not s.tuning.memo_hits:
+        return None
+    agreement = memo.last_agreement(request.packed_token_ids)
+    if agreement is None:
+        return None
+    source, agreed = agreement
+    if not isinstance(source, Source):
+        return None
+    g_count, b, end = s.layout.num_groups, s.layout.block_size, pool.end
+    hashes = request.block_hashes
+    scan = min(max_length // b, len(hashes))
+    length = min(scan, agreed, len(source.blocks) // g_count)
+    if length <= 0:
+        return None
+    pool.settle_duplicates()  # the twins marked before the blocks are read
+    record = np.frombuffer(source.blocks, np.int32, length * g_count).reshape(length, g_count)
+    full, windows = run_groups
+    held = record[:, full[0]] != end if len(full) == 1 else (record[:, full] != end).all(1)
+    num = length if held.all() else int(held.argmin())
+    if num == 0 or (num < scan and _key_cached(s, hashes[num], num, full[0])):
+        return None
+    hits: list[GroupHit] = [GroupHit(0, record[:num, g].copy()) for g in full]
+    groups = list(full)
+    for group_ids, needed in windows:
+        first = max(num - needed, 0)
+        tail = record[first:num, group_ids]
+        if not bool((tail != end).all()):
+            return None
+        hits.extend(GroupHit(first, column.copy()) for column in tail.T)
+        groups.extend(group_ids)
+    if pool.dups and _any_twin(pool.dups, hits):
+        return None
+    ordered: list[GroupHit] = [hits[0]] * g_count
+    for g, hit in zip(groups, hits, strict=True):
+        ordered[g] = hit
+    pool.paths.ran(paths.LOOKUP_MEMO_RUN)
+    return ordered, num * b
+
+
+def _key_cached(s: ManagerState, block_hash: BlockHash, pos: int, group_id: int) -> bool:
+    """Whether the table holds an entry (verified or not) under the key of position ``pos``
+    in ``group_id``: one chain walk on the array views."""
+    pool = s.pool
+    key = hash_key(block_hash)
+    target = key << 32 | (pos * pool.num_groups + group_id)
+    hnext, hk, end = pool.hnext.a, pool.hk.a, pool.end
+    block = pool.heads.a[(key + group_id * GROUP_MIX) & pool.mask]
+    while block != end:
+        if hk[block] == target:
+            return True
+        block = hnext[block]
+    return False
+
+
+def _any_twin(dups: set[int], hits: list[GroupHit]) -> bool:
+    """Whether a block of ``hits`` has an older entry of its key (in ``dups``)."""
+    ids: npt.NDArray[Any] = np.concatenate([hit.ids for hit in hits])
+    return not dups.isdisjoint(ids.tolist())

@@ -1,0 +1,150 @@
+"""The memo's run (``hybridkv.optimized.memo_hit``): a hit read from the record of the cached
+request whose hashes a prompt adopted, pinned to the reference's hits and to the general
+lookup's (``Tuning(memo_hits=False)``), with when it answers and when it gives way."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridkv.optimized import TorchKVCacheManager, path_counts
+from hybridkv.optimized.state import Tuning
+from hybridkv.reference import KVCacheManager
+from hybridkv.reference.request import Request
+from hybridkv.spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroup,
+    SlidingWindowSpec,
+)
+
+SIZES = {"block_size": 4, "num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
+FULL = KVCacheGroup(("full",), FullAttentionSpec(**SIZES))
+WINDOWS = (
+    KVCacheGroup(("sw.0",), SlidingWindowSpec(sliding_window=8, **SIZES)),
+    KVCacheGroup(("sw.1",), SlidingWindowSpec(sliding_window=8, **SIZES)),
+)
+MEMO_RUN = path_counts.LOOKUP_MEMO_RUN
+
+Ids = tuple[tuple[int, ...], ...]
+
+
+def managers(
+    num_blocks: int, groups: tuple[KVCacheGroup, ...] = (FULL, *WINDOWS)
+) -> tuple[TorchKVCacheManager, TorchKVCacheManager, KVCacheManager]:
+    """The optimized manager with the memo's run, without it, and the reference."""
+    config = KVCacheConfig(num_blocks, groups)
+    return (
+        TorchKVCacheManager(config, 4096),
+        TorchKVCacheManager(config, 4096, tuning=Tuning(memo_hits=False)),
+        KVCacheManager(config, 4096),
+    )
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(length)]
+
+
+def admit(manager: TorchKVCacheManager | KVCacheManager, rid: str, tokens: list[int]) -> Ids:
+    """Look the prompt up and admit it whole (a request built without a hasher: the optimized
+    manager offers its memo); the hit's ids, its length apart."""
+    request = Request(rid, tokens, hash_block_size=4)
+    hit, length, _ = manager.get_computed_blocks(request)
+    found = tuple(tuple(group) for group in hit.get_block_ids())
+    assert manager.allocate_slots(request, len(tokens) - length, length, hit) is not None
+    return (*found, (length,))
+
+
+def test_an_admission_sharing_a_cached_system_prompt_reads_its_hit_from_the_memos_run() -> None:
+    """The design's common admission: a 160-token system prompt cached with one request's own
+    tokens, then a request of the same system prompt and tokens of its own. Its hashes of the
+    40 shared blocks are the first request's (the memo adopted them), so the hit is those 40
+    blocks of full attention and each window's last two, read from that request's record."""
+    opt, general, ref = managers(400)
+    system = prompt(1, 160)
+    for manager in (opt, general, ref):
+        admit(manager, "a", [*system, *prompt(2, 41)])
+    before = opt.fast_paths[MEMO_RUN]
+    got = admit(opt, "b", [*system, *prompt(3, 41)])
+    assert opt.fast_paths[MEMO_RUN] == before + 1
+    assert got == admit(ref, "b", [*system, *prompt(3, 41)])
+    assert got == admit(general, "b", [*system, *prompt(3, 41)])
+    assert got[-1] == (160,)
+    first = opt.get_block_ids("a")
+    assert got[0] == tuple(first[0][:40])  # the first request's blocks, in order
+    for g in (1, 2):  # each window: nulls, then the first request's blocks 38 and 39
+        assert got[g] == (0,) * 38 + tuple(first[g][38:40])
+    assert general.fast_paths[MEMO_RUN] == 0
+    opt.check_invariants()
+
+
+def test_the_run_gives_way_where_another_request_cached_the_next_block() -> None:
+    """Request ``b`` shares 40 blocks with ``a`` and 10 more with ``c``: the memo adopts ``a``'s
+    hashes for the 40, then ``c``'s; ``a``'s record ends at 40 while the table holds ``c``'s
+    block 40, so the general lookup answers, with the reference's 50-block hit."""
+    opt, general, ref = managers(600)
+    system, more = prompt(1, 160), prompt(4, 40)
+    for manager in (opt, general, ref):
+        admit(manager, "a", [*system, *prompt(2, 41)])
+        admit(manager, "c", [*system, *more, *prompt(5, 9)])
+    before = opt.fast_paths[MEMO_RUN]
+    tokens = [*system, *more, *prompt(6, 21)]
+    got = admit(opt, "b", tokens)
+    assert opt.fast_paths[MEMO_RUN] == before
+    assert got == admit(ref, "b", tokens) == admit(general, "b", tokens)
+    assert got[-1] == (200,)
+
+
+def test_a_layout_with_a_chunked_group_takes_the_general_lookup() -> None:
+    """Only full attention and sliding windows read the memo's run: a chunked-local group's
+    hit is not its prefix (``GroupLayout.memo_run`` is ``None``)."""
+    chunked = KVCacheGroup(("chunk",), ChunkedLocalAttentionSpec(attention_chunk_size=8, **SIZES))
+    opt, _, ref = managers(400, (FULL, chunked))
+    assert opt.state.layout.memo_run is None
+    system = prompt(1, 160)
+    for manager in (opt, ref):
+        admit(manager, "a", [*system, *prompt(2, 41)])
+    assert admit(opt, "b", [*system, *prompt(3, 9)]) == admit(ref, "b", [*system, *prompt(3, 9)])
+    assert opt.fast_paths[MEMO_RUN] == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 30), st.integers(0, 5), st.booleans()),
+        min_size=1,
+        max_size=14,
+    ),
+    st.integers(60, 140),
+)
+def test_any_run_of_admissions_hits_as_the_general_lookup_and_the_reference(
+    admissions: list[tuple[int, int, int, bool]], num_blocks: int
+) -> None:
+    """Prompts of one of four shared prefixes, cut anywhere, with tokens of their own, admitted
+    and freed in any order into a small pool (so that blocks of a run are evicted and cached
+    again by others): every hit equals the general lookup's and the reference's, the state
+    stays sound, and a request that does not fit fails alike in all three."""
+    opt, general, ref = managers(num_blocks)
+    three: tuple[TorchKVCacheManager | KVCacheManager, ...] = (opt, general, ref)
+    prefixes = [prompt(seed, 48) for seed in range(4)]
+    live: list[list[Request]] = []
+    for i, (which, cut, own, free_one) in enumerate(admissions):
+        tokens = [*prefixes[which][:cut], *prompt(100 + i, own * 3 + 1)]
+        requests = [Request(f"r{i}", tokens, hash_block_size=4) for _ in range(3)]
+        results = []
+        for manager, request in zip(three, requests, strict=True):
+            hit, length, _ = manager.get_computed_blocks(request)
+            out = manager.allocate_slots(request, len(tokens) - length, length, hit)
+            ids = tuple(tuple(group) for group in hit.get_block_ids())
+            results.append((ids, length, out is None))
+        assert results[0] == results[1] == results[2]
+        if not results[0][2]:
+            live.append(requests)
+        if free_one and live:
+            for manager, request in zip(three, live.pop(0), strict=True):
+                manager.free(request)
+        opt.check_invariants()
