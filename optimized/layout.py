@@ -212,16 +212,17 @@ class GroupLayout:
 
 def _memo_run(layout: GroupLayout) -> MemoRun | None:
     """The full-attention groups and the window types (their groups, and the cached blocks a
-    window hit ends with) of a layout whose hits the memo's run can answer: full attention
-    (at least one group) and sliding windows of the hash block size, with caching and without
-    EAGLE, lookahead hashes or reprefilled tokens; else ``None``."""
+    window hit ends with) of a layout whose hits the memo's run can answer: one full-attention
+    type and sliding windows of the hash block size, with caching and without EAGLE, lookahead
+    hashes or reprefilled tokens; else ``None`` (two full-attention types may each find a
+    different run, whose longest is the shared-prefix boundary the general lookup reports)."""
     if layout.general or layout.lookahead or any(layout.type_eagle) or not layout.caching:
         return None
-    full: list[int] = []
+    full: tuple[int, ...] = ()
     windows: list[tuple[tuple[int, ...], int]] = []
     for spec, group_ids in layout.types:
-        if spec.kind == "full":
-            full.extend(group_ids)
+        if spec.kind == "full" and not full:
+            full = tuple(group_ids)
         elif isinstance(spec, SlidingWindowSpec):
             needed = rules.sliding_window_contiguous_blocks(
                 spec.sliding_window, spec.block_size, False
@@ -229,7 +230,7 @@ def _memo_run(layout: GroupLayout) -> MemoRun | None:
             windows.append((tuple(group_ids), max(1, needed)))
         else:
             return None
-    return (tuple(full), tuple(windows)) if full else None
+    return (full, tuple(windows)) if full else None
 
 
 def _table_width(

@@ -112,6 +112,24 @@ def test_a_layout_with_a_chunked_group_takes_the_general_lookup() -> None:
     assert opt.fast_paths[MEMO_RUN] == 0
 
 
+def test_a_layout_with_two_full_attention_types_takes_the_general_lookup() -> None:
+    """Two full-attention types (other head sizes) may each find a run of another length,
+    the longer one being the shared-prefix boundary: the general lookup reports it."""
+    wide = KVCacheGroup(("wide",), FullAttentionSpec(**{**SIZES, "head_size": 2}))
+    opt, _, ref = managers(400, (FULL, wide, *WINDOWS))
+    assert opt.state.layout.memo_run is None
+    assert managers(400)[0].state.layout.memo_run == ((0,), (((1, 2), 2),))
+    system = prompt(1, 160)
+    for manager in (opt, ref):
+        admit(manager, "a", [*system, *prompt(2, 41)])
+    tokens = [*system, *prompt(3, 9)]
+    got = opt.get_computed_blocks(Request("b", tokens, hash_block_size=4))
+    want = ref.get_computed_blocks(Request("b", tokens, hash_block_size=4))
+    assert (got[0].get_block_ids(), *got[1:]) == (want[0].get_block_ids(), *want[1:])
+    assert got[1] == 160
+    assert opt.fast_paths[MEMO_RUN] == 0
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     st.lists(
