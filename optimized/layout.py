@@ -38,8 +38,9 @@ layout takes the per-group paths, one request at a time).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -210,6 +211,17 @@ class GroupLayout:
         object.__setattr__(self, "memo_run", _memo_run(self))
 
 
+_RUN_TYPES: dict[str, Callable[[Any], int]] = {
+    "full": lambda spec: 0,
+    "sliding_window": lambda spec: max(
+        1, rules.sliding_window_contiguous_blocks(spec.sliding_window, spec.block_size, False)
+    ),
+}
+"""The attention types whose hits a memo's run answers, by ``spec.kind``: the cached blocks
+a hit must end with (a window's, as ``type_hits`` counts them), 0 for full attention, whose
+hit is the run itself."""
+
+
 def _memo_run(layout: GroupLayout) -> MemoRun | None:
     """The full-attention groups and the window types (their groups, and the cached blocks a
     window hit ends with) of a layout whose hits the memo's run can answer: one full-attention
@@ -221,15 +233,16 @@ def _memo_run(layout: GroupLayout) -> MemoRun | None:
     full: tuple[int, ...] = ()
     windows: list[tuple[tuple[int, ...], int]] = []
     for spec, group_ids in layout.types:
-        if spec.kind == "full" and not full:
-            full = tuple(group_ids)
-        elif isinstance(spec, SlidingWindowSpec):
-            needed = rules.sliding_window_contiguous_blocks(
-                spec.sliding_window, spec.block_size, False
-            )
-            windows.append((tuple(group_ids), max(1, needed)))
-        else:
+        needed_by = _RUN_TYPES.get(spec.kind)
+        if needed_by is None:
             return None
+        needed = needed_by(spec)
+        if needed:
+            windows.append((tuple(group_ids), needed))
+        elif full:
+            return None  # a second full-attention type
+        else:
+            full = tuple(group_ids)
     return (full, tuple(windows)) if full else None
 
 

@@ -73,10 +73,7 @@ def prompt(seed: int, length: int) -> list[int]:
 def managers(
     num_blocks: int, groups: tuple[KVCacheGroup, ...], *, memo_hits: bool = True
 ) -> tuple[TorchKVCacheManager, KVCacheManager]:
-    """The optimized manager (``memo_hits=False``: every lookup takes the general path, whose
-    runs and probes a test counts) and the reference, on one config."""
-    config = KVCacheConfig(num_blocks, groups)
-    tuning = Tuning(memo_hits=memo_hits)
+    config, tuning = KVCacheConfig(num_blocks, groups), Tuning(memo_hits=memo_hits)
     return TorchKVCacheManager(config, 4096, tuning=tuning), KVCacheManager(config, 4096)
 
 
