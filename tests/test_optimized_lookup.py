@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import pickle
-import random
 from array import array
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,6 +21,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lookup_layouts import FULL, SIZES, WINDOWS, prompt
 
 from hybridkv.optimized import TorchKVCacheManager
 from hybridkv.optimized.block_pool import TorchBlockPool, hash_key
@@ -42,13 +42,6 @@ from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import Request
 from hybridkv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, SlidingWindowSpec, rules
 
-SIZES = {"block_size": 4, "num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
-FULL = KVCacheGroup(("full",), FullAttentionSpec(**SIZES))
-WINDOWS = (
-    KVCacheGroup(("sw.0",), SlidingWindowSpec(sliding_window=8, **SIZES)),
-    KVCacheGroup(("sw.1",), SlidingWindowSpec(sliding_window=8, **SIZES)),
-)
-
 
 def ids(*groups: tuple[int, ...]) -> KVCacheBlocks:
     return KVCacheBlocks(groups)
@@ -63,11 +56,6 @@ def hit_of(*groups: tuple[int, list[int]]) -> HitBlocks:
 
 def request(request_id: str, tokens: list[int]) -> Request:
     return Request(request_id, tokens, hash_block_size=4)
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1000) for _ in range(length)]
 
 
 def managers(

@@ -4,10 +4,9 @@ lookup's (``Tuning(memo_hits=False)``), with when it answers and when it gives w
 
 from __future__ import annotations
 
-import random
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lookup_layouts import FULL, SIZES, WINDOWS, prompt
 
 from hybridkv.optimized import TorchKVCacheManager, path_counts
 from hybridkv.optimized.state import Tuning
@@ -18,15 +17,8 @@ from hybridkv.spec import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroup,
-    SlidingWindowSpec,
 )
 
-SIZES = {"block_size": 4, "num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
-FULL = KVCacheGroup(("full",), FullAttentionSpec(**SIZES))
-WINDOWS = (
-    KVCacheGroup(("sw.0",), SlidingWindowSpec(sliding_window=8, **SIZES)),
-    KVCacheGroup(("sw.1",), SlidingWindowSpec(sliding_window=8, **SIZES)),
-)
 MEMO_RUN = path_counts.LOOKUP_MEMO_RUN
 
 Ids = tuple[tuple[int, ...], ...]
@@ -42,11 +34,6 @@ def managers(
         TorchKVCacheManager(config, 4096, tuning=Tuning(memo_hits=False)),
         KVCacheManager(config, 4096),
     )
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1000) for _ in range(length)]
 
 
 def admit(manager: TorchKVCacheManager | KVCacheManager, rid: str, tokens: list[int]) -> Ids:
