@@ -4,7 +4,7 @@ When the hash memo (``hybridkv.optimized.hash_memo``) hashes a prompt, it compar
 ids with a cached request's, block by block, and adopts that request's own hashes for the
 leading blocks that agree. The pool's source of that request (``Source``) records, per
 position and group, the block cached from it under exactly that key (an evicted block's entry
-is cleared). On a layout of full attention and sliding windows of the hash block size
+is cleared). On a layout of one full-attention type and sliding windows of the hash block size
 (``GroupLayout.memo_run``), the longest hit is then read from that record in a few numpy calls,
 where the general lookup (``hybridkv.optimized.hits``) would probe the table, read and check a
 run and verify it against the prompt: an admission of a request sharing a cached system prompt,
