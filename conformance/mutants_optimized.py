@@ -155,6 +155,16 @@ OPTIMIZED_MUTANTS: tuple[Mutant, ...] = (
         ("        if pool.dups:\n            good &=", "        if False:\n            good &="),
     ),
     optimized_mutant(
+        "opt_memo_run_skips_next_probe",
+        "the memo's run ends a hit where its record ends, without looking for a block another "
+        "request cached at the next position",
+        "memo_hit",
+        (
+            "    if num == 0 or (num < scan and _key_cached(s, hashes[num], num, full[0])):\n",
+            "    if num == 0:\n",
+        ),
+    ),
+    optimized_mutant(
         "opt_run_trusts_stale_blocks",
         "evicting a block leaves it in its source's record, so a lookup's run trusts a block "
         "the source no longer holds",

@@ -11,6 +11,7 @@ from lookup_layouts import FULL, SIZES, WINDOWS, prompt
 from hybridkv.optimized import TorchKVCacheManager, path_counts
 from hybridkv.optimized.state import Tuning
 from hybridkv.reference import KVCacheManager
+from hybridkv.reference.block_hash import hash_full_blocks
 from hybridkv.reference.request import Request
 from hybridkv.spec import (
     ChunkedLocalAttentionSpec,
@@ -84,6 +85,33 @@ def test_the_run_gives_way_where_another_request_cached_the_next_block() -> None
     assert opt.fast_paths[MEMO_RUN] == before
     assert got == admit(ref, "b", tokens) == admit(general, "b", tokens)
     assert got[-1] == (200,)
+
+
+def test_the_run_gives_way_where_its_blocks_are_newer_twins_of_another_requests() -> None:
+    """``c`` (hashed by ``hash_full_blocks``, named: the memo never holds it) and ``a`` compute
+    one system prompt in the same step, neither hitting the other; ``c``'s blocks are cached
+    first. The memo's branch is ``a``'s, whose blocks are newer twins of ``c``'s, so a later
+    request of that prompt must hit ``c``'s blocks (the first inserted, as vLLM's pool
+    returns): the general lookup answers."""
+    opt, general, ref = managers(600)
+    system = prompt(1, 160)
+    three: tuple[TorchKVCacheManager | KVCacheManager, ...] = (opt, general, ref)
+    for manager in three:
+        c = Request(
+            "c", [*system, *prompt(2, 41)], hash_block_size=4, block_hasher=hash_full_blocks
+        )
+        a = Request("a", [*system, *prompt(3, 41)], hash_block_size=4)
+        for r in (c, a):
+            assert manager.get_computed_blocks(r)[1] == 0
+            assert manager.allocate_slots(r, r.num_tokens, delay_cache_blocks=True) is not None
+        for r in (c, a):
+            manager.cache_blocks(r, r.num_tokens)
+    before = opt.fast_paths[MEMO_RUN]
+    tokens = [*system, *prompt(4, 41)]
+    got = admit(opt, "b", tokens)
+    assert opt.fast_paths[MEMO_RUN] == before
+    assert got == admit(ref, "b", tokens) == admit(general, "b", tokens)
+    assert got[0] == tuple(opt.get_block_ids("c")[0][:40])
 
 
 def test_a_layout_with_a_chunked_group_takes_the_general_lookup() -> None:
