@@ -160,7 +160,8 @@ OPTIMIZED_MUTANTS: tuple[Mutant, ...] = (
         "request cached at the next position",
         "memo_hit",
         (
-            "    if num == 0 or (num < scan and _key_cached(s, hashes[num], num, full[0])):\n",
+            "    if num == 0 or (num < scan and pool.candidates(hash_key(hashes[num]), full[0], "
+            "num)):\n",
             "    if num == 0:\n",
         ),
     ),

@@ -11,8 +11,8 @@ run and verify it against the prompt: an admission of a request sharing a cached
 the most common lookup, takes this path.
 
 The record answers alone when the full-attention groups' leading run of recorded blocks ends
-where the table holds no entry for the next position (one probe, unverified: any entry there
-sends the lookup to the general path), every window's last blocks before the run's end are
+where the table holds no entry for the next position (``candidates``, unverified: any entry
+there sends the lookup to the general path), every window's last blocks before the run's end are
 recorded too (as the window rule asks: ``rules.sliding_window_contiguous_blocks``, all of
 them when the run is shorter), and none of the blocks read is a newer twin of another entry of
 its key (``dups``, which the lookup's probes would skip). Then the hit is the run: full
@@ -36,10 +36,9 @@ import numpy as np
 import numpy.typing as npt
 
 from hybridkv.optimized import path_counts as paths
-from hybridkv.optimized.hit_blocks import GroupHit
-from hybridkv.optimized.sources import GROUP_MIX, Source, hash_key
+from hybridkv.optimized.hit_blocks import NO_HIT, GroupHit
+from hybridkv.optimized.sources import Source, hash_key
 from hybridkv.optimized.state import ManagerState
-from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.request import Request, RequestLike
 
 
@@ -50,9 +49,13 @@ def memo_hit(
     length) read from the memo's run, or ``None`` when the run does not answer alone."""
     pool, run_groups = s.pool, s.layout.memo_run
     memo = pool.memo
-    if run_groups is None or memo is None or pool.extras or not isinstance(request, Request):
-        return None
-    if not s.tuning.memo_hits:
+    if (
+        run_groups is None
+        or memo is None
+        or pool.extras
+        or not s.tuning.memo_hits
+        or not isinstance(request, Request)
+    ):
         return None
     agreement = memo.last_agreement(request.packed_token_ids)
     if agreement is None:
@@ -71,39 +74,23 @@ def memo_hit(
     full, windows = run_groups
     held = record[:, full[0]] != end if len(full) == 1 else (record[:, full] != end).all(1)
     num = length if held.all() else int(held.argmin())
-    if num == 0 or (num < scan and _key_cached(s, hashes[num], num, full[0])):
+    # Any entry under the next position's key (verified or not) may continue the hit.
+    if num == 0 or (num < scan and pool.candidates(hash_key(hashes[num]), full[0], num)):
         return None
-    hits: list[GroupHit] = [GroupHit(0, record[:num, g].copy()) for g in full]
-    groups = list(full)
+    hits = [NO_HIT] * g_count  # every group is full attention or a window (``memo_run``)
+    for g in full:
+        hits[g] = GroupHit(0, record[:num, g].copy())
     for group_ids, needed in windows:
         first = max(num - needed, 0)
         tail = record[first:num, group_ids]
         if not bool((tail != end).all()):
             return None
-        hits.extend(GroupHit(first, column.copy()) for column in tail.T)
-        groups.extend(group_ids)
+        for g, column in zip(group_ids, tail.T, strict=True):
+            hits[g] = GroupHit(first, column.copy())
     if pool.dups and _any_twin(pool.dups, hits):
         return None
-    ordered: list[GroupHit] = [hits[0]] * g_count
-    for g, hit in zip(groups, hits, strict=True):
-        ordered[g] = hit
     pool.paths.ran(paths.LOOKUP_MEMO_RUN)
-    return ordered, num * b
-
-
-def _key_cached(s: ManagerState, block_hash: BlockHash, pos: int, group_id: int) -> bool:
-    """Whether the table holds an entry (verified or not) under the key of position ``pos``
-    in ``group_id``: one chain walk on the array views."""
-    pool = s.pool
-    key = hash_key(block_hash)
-    target = key << 32 | (pos * pool.num_groups + group_id)
-    hnext, hk, end = pool.hnext.a, pool.hk.a, pool.end
-    block = pool.heads.a[(key + group_id * GROUP_MIX) & pool.mask]
-    while block != end:
-        if hk[block] == target:
-            return True
-        block = hnext[block]
-    return False
+    return hits, num * b
 
 
 def _any_twin(dups: set[int], hits: list[GroupHit]) -> bool:
