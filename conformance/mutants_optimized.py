@@ -103,8 +103,8 @@ OPTIMIZED_MUTANTS: tuple[Mutant, ...] = (
         "the optimized sliding-window lookup needs window tokens cached, not window − 1",
         "type_hits",
         (
-            "rules.sliding_window_contiguous_blocks(spec.sliding_window, b, p.drop)",
-            "rules.sliding_window_contiguous_blocks(spec.sliding_window + 1, b, p.drop)",
+            "sliding_window_contiguous_blocks(spec.sliding_window, spec.block_size, drop)",
+            "sliding_window_contiguous_blocks(spec.sliding_window + 1, spec.block_size, drop)",
         ),
     ),
     optimized_mutant(

@@ -56,6 +56,7 @@ from hybridkv.optimized.group_rules import (
     one_window,
 )
 from hybridkv.optimized.lookup import GroupHit
+from hybridkv.optimized.type_hits import window_blocks_needed
 from hybridkv.reference.engine_settings import EngineSettings
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.spec import KVCacheConfig, KVCacheSpec, SlidingWindowSpec, rules
@@ -213,13 +214,11 @@ class GroupLayout:
 
 _RUN_TYPES: dict[str, Callable[[Any], int]] = {
     "full": lambda spec: 0,
-    "sliding_window": lambda spec: max(
-        1, rules.sliding_window_contiguous_blocks(spec.sliding_window, spec.block_size, False)
-    ),
+    "sliding_window": lambda spec: window_blocks_needed(spec, False),
 }
 """The attention types whose hits a memo's run answers, by ``spec.kind``: the cached blocks
-a hit must end with (a window's, as ``type_hits`` counts them), 0 for full attention, whose
-hit is the run itself."""
+a hit must end with (a window's, ``window_blocks_needed``), 0 for full attention, whose hit is
+the run itself."""
 
 
 def _memo_run(layout: GroupLayout) -> MemoRun | None:

@@ -56,13 +56,19 @@ def _full_attention_hit(spec: FullAttentionSpec, p: HitProbe) -> TypeHit:
     return p.memo.blocks(0, rules.cdiv(hit_length, b))
 
 
+def window_blocks_needed(spec: SlidingWindowSpec, drop: bool) -> int:
+    """The cached blocks a sliding-window hit ends with (``drop``: the EAGLE drop's one more).
+    A window of one token needs no block before the hit (``rules``' count is 0), yet the scan
+    (vLLM's, the reference's, ``rules.sliding_window_hit_blocks``) still ends only at a cached
+    block: as with one block needed, which the scans are given."""
+    needed = rules.sliding_window_contiguous_blocks(spec.sliding_window, spec.block_size, drop)
+    return max(1, needed)
+
+
 def _sliding_window_hit(spec: SlidingWindowSpec, p: HitProbe) -> TypeHit:
     """The rightmost run of cached blocks that covers the window (Prefix caching, Case 2)."""
     b = spec.block_size
-    # A window of one token needs no block before the hit (``needed`` 0), yet the scan
-    # (vLLM's, the reference's, ``rules.sliding_window_hit_blocks``) still ends only at a
-    # cached block: as with one block needed, which the aligned scan below is given.
-    needed = max(1, rules.sliding_window_contiguous_blocks(spec.sliding_window, b, p.drop))
+    needed = window_blocks_needed(spec, p.drop)
     if p.align == b:
         num, first = p.memo.window_hit(p.length, needed)
         if p.drop and num > 0:
