@@ -74,10 +74,8 @@ class HashMemo(BranchTree):
         ``source``'s ids (0 unless ``packed`` is that prompt's ids and ``source`` its first
         run's source). Both id arrays only grow, so what was equal then is equal now: a
         lookup right after the walk need not compare those ids again."""
-        last = self.last_prompt
-        if last is None or last[0] is not packed or last[1] is not source:
-            return 0
-        return last[2]
+        agreement = self.last_agreement(packed)
+        return agreement[1] if agreement is not None and agreement[0] is source else 0
 
     def last_agreement(self, packed: object) -> tuple[MemoSource, int] | None:
         """The source of the last prompt walk's first run and that run's length in blocks,
