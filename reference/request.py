@@ -120,8 +120,9 @@ def pack_token_ids(field: str, token_ids: Iterable[object]) -> tuple[list[int], 
     tokens = list(token_ids)
     if all_small_plain_ints(tokens) or countOf(map(type, tokens), int) == len(tokens):
         ints = cast("list[int]", tokens)
+        packed = array("Q")
         try:
-            packed = array("Q", ints)
+            packed.fromlist(ints)  # a list's items read in place (the constructor iterates)
         except OverflowError:
             pass
         else:
