@@ -3,7 +3,8 @@
 Modules: ``manager`` (the public API: validation and dispatch), ``state`` (everything a manager
 holds, in one object, with its shared steps), ``layout`` (the per-group constants, computed
 once), and the phases of a request's life as functions of the state: ``hits`` (lookup),
-``allocation`` and ``admission`` (a first allocation), ``step`` (a running request's step),
+``allocation`` and ``admission`` (a first allocation; ``one_pass_admission``: a plain one, every
+group's table as one matrix), ``step`` (a running request's step),
 ``caching`` and ``general_caching`` (entering full blocks into the prefix cache), ``mamba``
 (the per-request path of a Mamba ``"align"`` group), ``batch`` and ``batch_free`` (whole-step
 calls) and ``invariants`` (observation and self-checks). Beneath them: ``block_pool``

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from hybridkv.optimized import general_caching, step
+from hybridkv.optimized import general_caching, one_pass_admission, step
 from hybridkv.optimized import path_counts as paths
 from hybridkv.optimized.layout import BlockIds, GroupLayout
 from hybridkv.optimized.lookup import GroupHit
@@ -66,6 +66,15 @@ def allocate(
         if num_encoder and s.layout.cross_groups:
             return step_with_encoder(s, request, row, computed, need, num_encoder, kept_free)
         return step.step(s, request, row, computed, need, cache_up_to, kept_free)
+    if (
+        s.layout.columns.defers
+        and s.tuning.one_pass_admission
+        and not num_external
+        and pool.policy is None
+    ):
+        plain = one_pass_admission.admit(s, request, local, need, cache_up_to, hits, kept_free)
+        if not isinstance(plain, one_pass_admission.NotPlain):
+            return plain
     # Admission: skipped positions, then the adopted hits, then the external tokens' blocks,
     # then new blocks.
     required = required_positions(s.layout, need, num_encoder)

@@ -53,6 +53,11 @@ class BulkInserts(ExtraKeys):
         # Running requests' releases and inserts not made yet (``PendingWork``): the manager
         # applies them before anything reads what they change.
         self.pending = PendingWork()
+        groups = np.arange(num_groups, dtype=np.int64)[:, None]
+        self.group_tags = groups
+        """The groups as an int64 ``[G, 1]`` column (a tag's low part)."""
+        self.group_mix = groups * GROUP_MIX
+        """Each group's spread of a key over the buckets, an int64 ``[G, 1]`` column."""
 
     def insert_array(
         self,
@@ -80,6 +85,30 @@ class BulkInserts(ExtraKeys):
             ):
                 self.heard_cached(block, group_id, pos, src, steps[group_id])
 
+    def insert_matrix(
+        self, blocks: npt.NDArray[np.int64], start: int, keys: npt.NDArray[np.int64], src: int
+    ) -> None:
+        """``insert_array`` of a ``[G, n]`` matrix of blocks, row g group g's blocks at
+        positions ``start`` … ``start + n − 1`` (``keys``: those positions' table keys), in
+        group-then-position order (an admission's new blocks): their tags are the positions
+        × G + the groups, the source's record a slice of ``n × G`` entries."""
+        g_count, count = blocks.shape
+        if count == 0:
+            return
+        tags = self.group_tags[:g_count] + np.arange(start, start + count) * g_count
+        buckets = (keys + self.group_mix[:g_count]) & self.mask
+        self._link(blocks.ravel(), buckets.ravel(), (keys << 32 | tags).ravel(), src)
+        source = self.source(src)
+        source.record_positions(start, blocks, self.end)
+        source.refs += g_count * count
+        if src in self.memo_srcs and self.memo is not None:
+            self.memo.remember(src, source)
+        if self.policy is not None:
+            steps = self.policy_steps
+            for g, group_blocks in enumerate(blocks.tolist()):
+                for pos, block in enumerate(group_blocks, start):
+                    self.heard_cached(block, g, pos, src, steps[g])
+
     def chain_entries(
         self,
         blocks: npt.NDArray[np.int64],
@@ -91,6 +120,16 @@ class BulkInserts(ExtraKeys):
         """The hash table's part of ``insert`` for entries whose sources already record and
         count them (``defer_rows``), in order, in a few numpy calls."""
         buckets = (keys + groups * GROUP_MIX) & self.mask
+        self._link(blocks, buckets, keys << 32 | (positions * self.num_groups + groups), srcs)
+
+    def _link(
+        self,
+        blocks: npt.NDArray[np.int64],
+        buckets: npt.NDArray[np.int64],
+        hk: npt.NDArray[np.int64],
+        srcs: npt.NDArray[np.int64] | int,
+    ) -> None:
+        """``chain_entries`` given each entry's bucket and ``hk`` value (key and tag)."""
         heads = self.heads.n
         ordered = np.sort(buckets)
         if not (ordered[1:] == ordered[:-1]).any():
@@ -104,7 +143,7 @@ class BulkInserts(ExtraKeys):
         else:
             self.paths.ran(paths.LINKS_SHARED)
             behind = self._chain_sharing(blocks, buckets, heads)
-        self.hk.n[blocks] = keys << 32 | (positions * self.num_groups + groups)
+        self.hk.n[blocks] = hk
         self.src.n[blocks] = srcs
         if behind.shape[0]:
             self.unsettled_many.append(behind)

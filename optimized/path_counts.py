@@ -52,6 +52,8 @@ LOOKUP_MEMO_RUN = "lookup: the memo's run"
 """A hit read from the record of the cached request whose hashes the prompt adopted
 (``hybridkv.optimized.memo_hit``)."""
 HYBRID_WITH_FULL = "lookup: 3-4 attention types with full attention"
+ADMISSION_ONE_PASS = "admission: one pass (every group's table as one matrix)"
+"""A plain admission (``hybridkv.optimized.one_pass_admission``)."""
 
 PATHS = (
     RUNNING_STEP,
@@ -77,6 +79,7 @@ PATHS = (
     LOOKUP_LEADING,
     LOOKUP_MEMO_RUN,
     HYBRID_WITH_FULL,
+    ADMISSION_ONE_PASS,
 )
 """Every path counted, in the report's order (the quiet exit, counted by callers, apart)."""
 

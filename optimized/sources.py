@@ -91,6 +91,17 @@ class Source:
         if size > len(blocks):
             blocks.extend(array("i", [end]) * (max(size, 2 * len(blocks)) - len(blocks)))
 
+    def record_positions(self, start: int, blocks: npt.NDArray[np.int64], end: int) -> None:
+        """``record`` of a ``[G, n]`` matrix of blocks at positions ``start`` … ``start + n −
+        1`` of every group: tags ``start × G`` … ``(start + n) × G − 1``, one slice."""
+        g_count, count = blocks.shape
+        first, top = start * g_count, (start + count) * g_count
+        if top > len(self.blocks):
+            self.reserve(top + top // 4, end)  # a prompt's records: room for its decode too
+        view = np.frombuffer(self.blocks, dtype=np.int32)  # for this call only (see below)
+        view[first:top] = blocks.T.ravel()
+        del view
+
     def record_array(
         self, tags: npt.NDArray[np.int64], blocks: npt.NDArray[np.int64], end: int
     ) -> None:

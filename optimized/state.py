@@ -77,6 +77,10 @@ class Tuning:
     memo_hits: bool = True
     """Whether a lookup may read its hit from the memo's run (``hybridkv.optimized.memo_hit``);
     off, the general lookup answers every one."""
+    one_pass_admission: bool = True
+    """Whether a plain admission writes every group's table as one matrix
+    (``hybridkv.optimized.one_pass_admission``); off, ``admission.allocate`` adopts, takes and
+    caches group by group."""
 
 
 class _HasTuning(Protocol):
