@@ -303,6 +303,7 @@ FIRST_CHECK: dict[str, str] = {
     "opt_window_vector_off_by_one": "differential machine, roomy pools",
     "opt_hybrid_one_pass": "golden traces",
     "opt_memo_run_skips_next_probe": "golden traces",
+    "opt_one_pass_counts_queued_hits_free": "golden traces",
     "full_hit_no_stop": "longest-hit oracle",
 }
 """Mutants caught late or slowly in the cheapest-first order, and the check that catches them

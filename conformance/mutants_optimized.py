@@ -166,6 +166,16 @@ OPTIMIZED_MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     optimized_mutant(
+        "opt_one_pass_counts_queued_hits_free",
+        "the one-pass admission counts the hit's blocks waiting in the free queue as free, so it "
+        "admits a request whose hit and new blocks together do not fit",
+        "one_pass_admission",
+        (
+            "    if queued + new_count + kept_free > pool.num_free_blocks:\n",
+            "    if new_count + kept_free > pool.num_free_blocks:\n",
+        ),
+    ),
+    optimized_mutant(
         "opt_run_trusts_stale_blocks",
         "evicting a block leaves it in its source's record, so a lookup's run trusts a block "
         "the source no longer holds",
