@@ -14,15 +14,17 @@ Canonical CBOR of ``[parent, token_ids, None]`` with a 32-byte parent is
   viewed without copying as ``uint64`` and narrowed to ``uint32`` once none is 2**32 or more.
 - Each id's size class ``c`` (0: below 24, 1: below 2**8, 2: below 2**16, 3: below 2**32) gives
   its head byte (the id itself, or ``0x17 + c``) and its encoded size (1, 2, 3 or 5 bytes).
-- Each id gets an 8-byte lane, one ``uint64``: the head byte, then the id's four bytes
-  big-endian (``byteswap``), then three unused bytes. Its encoding is the head and the last
-  ``size − 1`` of those four bytes, so a per-class mask (``_KEEP``, a ``uint64`` of 0/1 bytes)
-  says which of the lane's bytes it keeps.
-- ``out[blocks, h + 8 × block_size + 1]`` holds each block's array header (``h`` bytes), its
+- Each id gets a 5-byte lane: the head byte, then the id's four bytes big-endian (written
+  through a ``>u4`` view of the lanes, strided by 5 bytes: numpy swaps the bytes as it
+  stores). Its encoding is the head and the last ``size − 1`` of those four bytes: ``keep``
+  holds, per lane byte, whether the CBOR keeps it (the head always; ``b0`` from class 1, ``b1``
+  from class 2, ``b3`` and ``b2`` in class 3), each of the five written as one column.
+- ``out[blocks, h + 5 × block_size + 1]`` holds each block's array header (``h`` bytes), its
   ids' lanes and ``0xf6``, and ``keep`` of the same shape which of those bytes the CBOR holds;
-  one ``np.compress`` of ``out`` by ``keep`` is every block's tail, back to back, and the
-  cumulative count of kept bytes per block gives their bounds. Every buffer holds at most
-  eight bytes per id: no index array per output byte is built.
+  one ``np.compress`` of ``out`` by ``keep`` is every block's tail, back to back. A block's
+  size is ``h + 1 + block_size`` plus its ids' payload bytes (``c``, and 1 more in class 3):
+  one cumulative sum over the ids, read at every block's last id, gives their bounds. Every
+  buffer holds at most five bytes per id: no index array per output byte is built.
 
 Only SHA-256 then runs once per block, as the chain requires: a copy of the state after
 ``0x83 0x58 0x20``, updated with the parent digest and a memoryview slice of the block's tail.
@@ -82,9 +84,6 @@ _NONZERO = bytes([0] + [1] * 255)
 _AT_LEAST_24 = bytes([0] * 24 + [1] * 232)
 _NOT = bytes([1, 0] + [0] * 254)  # of a 0/1 byte
 _HEAD = bytes([0, 0x18, 0x19, 0x1A] + [0] * 252)  # of a size class 1-3 (class 0: dropped)
-# The bytes of an id's lane (head, b3, b2, b1, b0, 0, 0, 0) its CBOR keeps, per size class,
-# as 0/1 bytes of a little-endian uint64: the head always, then the payload's bytes.
-_KEEP = np.array([0x01, 0x01_00000001, 0x01_01000001, 0x01_01010101], dtype=np.uint64)
 
 
 def encode_tails(
@@ -116,24 +115,33 @@ def encode_tails(
     t = np.frombuffer(ids, dtype=np.uint64, count=count, offset=8 * start)
     if int(t.max()) >= _WIDE:
         return None
-    ids32 = t.astype(np.uint32)
+    ids32 = t.astype(np.uint32).reshape(num_blocks, block_size)
     # Size class 0-3 of every id (payload of 0, 1, 2 or 4 bytes).
     c = (ids32 >= 24).view(np.uint8) + (ids32 >= 1 << 8).view(np.uint8)
-    c += (ids32 >= 1 << 16).view(np.uint8)
-    # Each id's lane: head byte, then the id's 4 bytes big-endian, 3 bytes unused.
-    lanes = ids32.byteswap().astype(np.uint64) << np.uint64(8)
-    lanes |= np.minimum(ids32, 23).astype(np.uint8) + c
+    wide = ids32 >= 1 << 16
+    c += wide.view(np.uint8)
     frame = np.frombuffer(cbor_head(4, block_size), dtype=np.uint8)
     h = len(frame)
-    out = np.empty((num_blocks, h + 8 * block_size + 1), dtype=np.uint8)
+    width = h + 5 * block_size + 1
+    out = np.empty((num_blocks, width), dtype=np.uint8)
     keep = np.empty(out.shape, dtype=np.bool_)
     out[:, :h] = frame
     out[:, -1] = CBOR_NULL[0]
     keep[:, :h] = keep[:, -1] = True
-    out[:, h:-1] = lanes.view(np.uint8).reshape(num_blocks, 8 * block_size)
-    keep[:, h:-1] = _KEEP[c].view(np.bool_).reshape(num_blocks, 8 * block_size)
+    # Each id's lane: head byte, then the id's 4 bytes big-endian.
+    lanes = out[:, h:-1].reshape(num_blocks, block_size, 5)
+    np.add(np.minimum(ids32, 23).astype(np.uint8), c, out=lanes[:, :, 0])
+    big = np.ndarray(ids32.shape, dtype=">u4", buffer=out, offset=h + 1, strides=(width, 5))
+    big[...] = ids32
+    kept = keep[:, h:-1].reshape(num_blocks, block_size, 5)
+    kept[:, :, 0] = True
+    np.greater_equal(c, 1, out=kept[:, :, 4])
+    np.greater_equal(c, 2, out=kept[:, :, 3])
+    kept[:, :, 1] = kept[:, :, 2] = wide
     data = np.compress(keep.ravel(), out.ravel())
-    ends = np.cumsum(np.count_nonzero(keep, axis=1))
+    payload = np.cumsum(c.ravel() + wide.ravel().view(np.uint8), dtype=np.int64)
+    ends = np.arange(1, num_blocks + 1, dtype=np.int64) * (h + 1 + block_size)
+    ends += payload[block_size - 1 :: block_size]
     return memoryview(data.data), [0, *ends.tolist()]
 
 
