@@ -296,7 +296,7 @@ def _release(s: ManagerState, flat: Ints, blocks: Ints) -> None:
     release their blocks, all cached: to the pending work where the layout defers."""
     s.tables.host.n[flat] = 0
     if s.layout.columns.defers:
-        s.pool.pending.release(blocks.tolist())
+        s.pool.pending.release_array(blocks)
     else:
         s.pool.release_cached(blocks)
     s.tables.touched_at(flat)

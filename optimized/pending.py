@@ -151,9 +151,13 @@ class PendingWork:
         """Deferred releases and inserts together."""
         return len(self.released) + len(self.inserts.blocks)
 
-    def release(self, blocks: Sequence[int]) -> None:
+    def release(self, blocks: list[int]) -> None:
         """Defer dropping one holder of each block (cached blocks only), in walk order."""
-        self.released.extend(blocks)
+        self.released.fromlist(blocks)  # a list's items read in place
+
+    def release_array(self, blocks: npt.NDArray[np.int64]) -> None:
+        """``release`` of an int64 array of blocks (a whole step's), copied as bytes."""
+        self.released.frombytes(blocks.tobytes())
 
     def insert(
         self, entries: Sequence[tuple[int, int, int]], hashes: Sequence[BlockHash], src: int
