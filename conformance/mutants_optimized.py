@@ -212,9 +212,8 @@ OPTIMIZED_MUTANTS: tuple[Mutant, ...] = (
         "a vectorised adoption leaves evictable hit blocks in the free queue",
         "free_queue",
         (
-            "        for block in blocks[ref[blocks] == 0].tolist():\n"
-            "            self.remove(block)\n",
-            "        for block in blocks[ref[blocks] == 0].tolist():\n            pass\n",
+            "        for block in blocks[refs == 0].tolist():\n            self.remove(block)\n",
+            "        for block in blocks[refs == 0].tolist():\n            pass\n",
         ),
     ),
 )

@@ -101,17 +101,20 @@ class FreeQueue:
             touched.append(block)
         self.policy.touched(touched)
 
-    def touch_array(self, blocks: npt.NDArray[Any]) -> bool:
+    def touch_array(self, blocks: npt.NDArray[Any], refs: npt.NDArray[Any] | None = None) -> bool:
         """``touch`` for a numpy array of distinct non-null blocks (order does not matter: a
         block leaves the queue wherever it is; under a policy, which hears the order, it is
-        the array's); whether the references were counted as one array."""
+        the array's); whether the references were counted as one array. ``refs``: the
+        blocks' reference counts, when the caller read them already."""
         if blocks.shape[0] < self.insert_min or self.policy is not None:
             self.touch(blocks.tolist())
             return False
         ref = self.ref.n
-        for block in blocks[ref[blocks] == 0].tolist():
+        if refs is None:
+            refs = ref[blocks]
+        for block in blocks[refs == 0].tolist():
             self.remove(block)
-        ref[blocks] += 1
+        ref[blocks] = refs + 1
         return True
 
     def link_after(self, node: int, blocks: Sequence[int]) -> None:

@@ -76,12 +76,13 @@ def admit(
     parts = [hit.ids[max(skip - hit.nulls, 0) :] for hit, skip in zip(hits, skipped, strict=True)]
     adopted = np.concatenate(parts)
     new_count = g_count * (width - length)
-    queued = int(np.count_nonzero(pool.ref.n[adopted] == 0))  # hits in the free queue
+    refs = pool.ref.n[adopted]
+    queued = int(np.count_nonzero(refs == 0))  # hits in the free queue
     if queued + new_count + kept_free > pool.num_free_blocks:
         return None
     pool.paths.ran(paths.ADMISSION_ONE_PASS)
     row = s.rows.take(request.request_id)
-    if pool.touch_array(adopted):
+    if pool.touch_array(adopted, refs):
         pool.paths.ran(paths.TOUCH_VECTORISED)
     tables = np.zeros((g_count, width), dtype=np.int32)
     for g, part in enumerate(parts):

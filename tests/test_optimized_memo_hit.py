@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lookup_layouts import FULL, SIZES, WINDOWS, prompt
+from lookup_layouts import (
+    ADMISSIONS,
+    FULL,
+    SIZES,
+    WINDOWS,
+    admission_prompts,
+    managers_beside,
+    prompt,
+)
 
 from hybridkv.optimized import TorchKVCacheManager, path_counts
 from hybridkv.optimized.state import Tuning
@@ -16,7 +24,6 @@ from hybridkv.reference.request import Request
 from hybridkv.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
-    KVCacheConfig,
     KVCacheGroup,
 )
 
@@ -29,12 +36,7 @@ def managers(
     num_blocks: int, groups: tuple[KVCacheGroup, ...] = (FULL, *WINDOWS)
 ) -> tuple[TorchKVCacheManager, TorchKVCacheManager, KVCacheManager]:
     """The optimized manager with the memo's run, without it, and the reference."""
-    config = KVCacheConfig(num_blocks, groups)
-    return (
-        TorchKVCacheManager(config, 4096),
-        TorchKVCacheManager(config, 4096, tuning=Tuning(memo_hits=False)),
-        KVCacheManager(config, 4096),
-    )
+    return managers_beside(num_blocks, Tuning(memo_hits=False), groups)
 
 
 def admit(manager: TorchKVCacheManager | KVCacheManager, rid: str, tokens: list[int]) -> Ids:
@@ -147,11 +149,7 @@ def test_a_layout_with_two_full_attention_types_takes_the_general_lookup() -> No
 
 @settings(max_examples=40, deadline=None)
 @given(
-    st.lists(
-        st.tuples(st.integers(0, 3), st.integers(0, 30), st.integers(0, 5), st.booleans()),
-        min_size=1,
-        max_size=14,
-    ),
+    ADMISSIONS,
     st.integers(60, 140),
 )
 def test_any_run_of_admissions_hits_as_the_general_lookup_and_the_reference(
@@ -163,10 +161,8 @@ def test_any_run_of_admissions_hits_as_the_general_lookup_and_the_reference(
     stays sound, and a request that does not fit fails alike in all three."""
     opt, general, ref = managers(num_blocks)
     three: tuple[TorchKVCacheManager | KVCacheManager, ...] = (opt, general, ref)
-    prefixes = [prompt(seed, 48) for seed in range(4)]
     live: list[list[Request]] = []
-    for i, (which, cut, own, free_one) in enumerate(admissions):
-        tokens = [*prefixes[which][:cut], *prompt(100 + i, own * 3 + 1)]
+    for i, tokens, free_one in admission_prompts(admissions):
         requests = [Request(f"r{i}", tokens, hash_block_size=4) for _ in range(3)]
         results = []
         for manager, request in zip(three, requests, strict=True):

@@ -9,13 +9,21 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lookup_layouts import FULL, SIZES, WINDOWS, prompt
+from lookup_layouts import (
+    ADMISSIONS,
+    FULL,
+    SIZES,
+    WINDOWS,
+    admission_prompts,
+    managers_beside,
+    prompt,
+)
 
 from hybridkv.optimized import TorchKVCacheManager, path_counts
 from hybridkv.optimized.state import Tuning
 from hybridkv.reference import KVCacheManager
 from hybridkv.reference.request import Request
-from hybridkv.spec import ChunkedLocalAttentionSpec, KVCacheConfig, KVCacheGroup
+from hybridkv.spec import ChunkedLocalAttentionSpec, KVCacheGroup
 
 ONE_PASS = path_counts.ADMISSION_ONE_PASS
 
@@ -26,12 +34,7 @@ def managers(
     num_blocks: int, groups: tuple[KVCacheGroup, ...] = (FULL, *WINDOWS)
 ) -> tuple[TorchKVCacheManager, TorchKVCacheManager, KVCacheManager]:
     """The optimized manager with the one-pass admission, without it, and the reference."""
-    config = KVCacheConfig(num_blocks, groups)
-    return (
-        TorchKVCacheManager(config, 4096),
-        TorchKVCacheManager(config, 4096, tuning=Tuning(one_pass_admission=False)),
-        KVCacheManager(config, 4096),
-    )
+    return managers_beside(num_blocks, Tuning(one_pass_admission=False), groups)
 
 
 def admit(manager: Manager, request: Request, **keywords: bool) -> Any:
@@ -145,11 +148,7 @@ def test_delayed_caching_and_chunked_groups_take_their_own_paths() -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(
-    st.lists(
-        st.tuples(st.integers(0, 3), st.integers(0, 30), st.integers(0, 5), st.booleans()),
-        min_size=1,
-        max_size=14,
-    ),
+    ADMISSIONS,
     st.integers(30, 120),
 )
 def test_any_run_of_admissions_equals_the_group_by_group_path_and_the_reference(
@@ -161,10 +160,8 @@ def test_any_run_of_admissions_equals_the_group_by_group_path_and_the_reference(
     equals the group-by-group admission's and the reference's."""
     opt, general, ref = managers(num_blocks)
     three: tuple[Manager, ...] = (opt, general, ref)
-    prefixes = [prompt(seed, 48) for seed in range(4)]
     live: list[list[Request]] = []
-    for i, (which, cut, own, free_one) in enumerate(admissions):
-        tokens = [*prefixes[which][:cut], *prompt(100 + i, own * 3 + 1)]
+    for i, tokens, free_one in admission_prompts(admissions):
         same_everywhere(three, tokens, f"r{i}", live)
         if free_one and live:
             for manager, request in zip(three, live.pop(0), strict=True):
