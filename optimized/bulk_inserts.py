@@ -91,7 +91,9 @@ class BulkInserts(ExtraKeys):
         """``insert_array`` of a ``[G, n]`` matrix of blocks, row g group g's blocks at
         positions ``start`` … ``start + n − 1`` (``keys``: those positions' table keys), in
         group-then-position order (an admission's new blocks): their tags are the positions
-        × G + the groups, the source's record a slice of ``n × G`` entries."""
+        × G + the groups, the source's record a slice of ``n × G`` entries. For a pool
+        without an eviction policy (one hears each insert: ``insert_array``)."""
+        assert self.policy is None
         g_count, count = blocks.shape
         if count == 0:
             return
@@ -103,11 +105,6 @@ class BulkInserts(ExtraKeys):
         source.refs += g_count * count
         if src in self.memo_srcs and self.memo is not None:
             self.memo.remember(src, source)
-        if self.policy is not None:
-            steps = self.policy_steps
-            for g, group_blocks in enumerate(blocks.tolist()):
-                for pos, block in enumerate(group_blocks, start):
-                    self.heard_cached(block, g, pos, src, steps[g])
 
     def chain_entries(
         self,
