@@ -29,6 +29,7 @@ import numpy.typing as npt
 
 from hybridkv.optimized import general_caching, one_pass_admission, step
 from hybridkv.optimized import path_counts as paths
+from hybridkv.optimized.hit_blocks import ids_past
 from hybridkv.optimized.layout import BlockIds, GroupLayout
 from hybridkv.optimized.lookup import GroupHit
 from hybridkv.optimized.state import ManagerState
@@ -66,19 +67,19 @@ def allocate(
         if num_encoder and s.layout.cross_groups:
             return step_with_encoder(s, request, row, computed, need, num_encoder, kept_free)
         return step.step(s, request, row, computed, need, cache_up_to, kept_free)
+    # Admission: skipped positions, then the adopted hits, then the external tokens' blocks,
+    # then new blocks.
+    skipped = [rule.skipped_positions(local + num_external) for rule in s.layout.rules]
     if (
         s.layout.columns.defers
         and s.tuning.one_pass_admission
         and not num_external
         and pool.policy is None
     ):
-        plain = one_pass_admission.admit(s, request, local, need, cache_up_to, hits, kept_free)
+        plain = one_pass_admission.admit(s, request, skipped, need, cache_up_to, hits, kept_free)
         if not isinstance(plain, one_pass_admission.NotPlain):
             return plain
-    # Admission: skipped positions, then the adopted hits, then the external tokens' blocks,
-    # then new blocks.
     required = required_positions(s.layout, need, num_encoder)
-    skipped = [rule.skipped_positions(local + num_external) for rule in s.layout.rules]
     adopted = adopted_blocks(hits, skipped)
     total = int(np.count_nonzero(pool.ref.n[adopted] == 0))  # hits in the free queue
     for g, count in enumerate(required):
@@ -216,7 +217,7 @@ def whole_sequence_fits(
 def adopted_blocks(hits: Sequence[GroupHit], skipped: Sequence[int]) -> npt.NDArray[Any]:
     """The real blocks an admission adopts: each group's hit past its skipped positions
     (every group's blocks differ from the others', and a group's from each other)."""
-    parts = [hit.ids[max(skip - hit.nulls, 0) :] for hit, skip in zip(hits, skipped, strict=True)]
+    parts = ids_past(hits, skipped)
     adopted = np.concatenate(parts) if parts else np.empty(0, dtype=np.int32)
     real: npt.NDArray[Any] = adopted[adopted != 0]
     return real

@@ -68,6 +68,12 @@ NO_HIT = GroupHit(0, NO_IDS)
 """A group's empty hit."""
 
 
+def ids_past(hits: Sequence[GroupHit], skipped: Sequence[int]) -> list[Ints]:
+    """Each group's hit ids from its first position past its ``skipped`` ones (the blocks an
+    admission adopts, nulls among them where a hit is not ``dense``)."""
+    return [hit.ids[max(skip - hit.nulls, 0) :] for hit, skip in zip(hits, skipped, strict=True)]
+
+
 class HitBlocks(KVCacheBlocks):
     """A lookup's hit: equal to the ``KVCacheBlocks`` of the same ids (both ways, and hashing
     alike), immutable, and ``allocate_slots`` takes it back as the manager's own result.

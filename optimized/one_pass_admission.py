@@ -36,7 +36,7 @@ import numpy.typing as npt
 
 from hybridkv.optimized import path_counts as paths
 from hybridkv.optimized.caching import source_of
-from hybridkv.optimized.hit_blocks import GroupHit
+from hybridkv.optimized.hit_blocks import GroupHit, ids_past
 from hybridkv.optimized.state import ManagerState
 from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
 from hybridkv.reference.request import RequestLike
@@ -53,19 +53,18 @@ NOT_PLAIN: Final = NotPlain()
 def admit(
     s: ManagerState,
     request: RequestLike,
-    local: int,
+    skipped: list[int],
     need: int,
     cache_up_to: int,
     hits: Sequence[GroupHit],
     kept_free: int,
 ) -> KVCacheBlocks | NotPlain | None:
-    """Admit a request with ``local`` computed tokens (its hit) needing ``need`` tokens'
-    positions, caching up to ``cache_up_to`` tokens (``-1``: none), on a plain layout (see the
-    module docstring): its new blocks, ``None`` when they do not fit with ``kept_free`` blocks
-    kept free (nothing changed), or ``NOT_PLAIN``."""
+    """Admit a request whose groups skip ``skipped`` positions (its computed tokens' windows
+    and chunks), needing ``need`` tokens' positions, caching up to ``cache_up_to`` tokens
+    (``-1``: none), on a plain layout (see the module docstring): its new blocks, ``None`` when
+    they do not fit with ``kept_free`` blocks kept free (nothing changed), or ``NOT_PLAIN``."""
     layout, pool = s.layout, s.pool
     g_count = layout.num_groups
-    skipped = skipped_positions(s, local)
     length = max(skipped[0], len(hits[0]))
     for hit, skip in zip(hits, skipped, strict=True):
         if not hit.dense or max(skip, len(hit)) != length:
@@ -73,7 +72,7 @@ def admit(
     width = rules.cdiv(need, layout.block_size)
     if width < length:
         return NOT_PLAIN  # a hit longer than the tokens it counts
-    parts = [hit.ids[max(skip - hit.nulls, 0) :] for hit, skip in zip(hits, skipped, strict=True)]
+    parts = ids_past(hits, skipped)  # dense: every id a block
     adopted = np.concatenate(parts)
     new_count = g_count * (width - length)
     refs = pool.ref.n[adopted]
@@ -100,17 +99,6 @@ def admit(
         enter(s, request, row, new[:, : cached - length], length)
     s.thresholds.refresh(row)
     return KVCacheBlocks(tuple(map(tuple, new.tolist())))
-
-
-def skipped_positions(s: ManagerState, num_computed_tokens: int) -> list[int]:
-    """Each group's positions its window or chunk skips (0 for the others), computed once per
-    distinct rule (``GroupLayout.release_plan``)."""
-    layout = s.layout
-    per_rule = [rule.skipped_positions(num_computed_tokens) for rule in layout.release_rules]
-    skipped = [0] * layout.num_groups
-    for g, index in layout.release_plan:
-        skipped[g] = per_rule[index]
-    return skipped
 
 
 def write_row(s: ManagerState, row: int, tables: npt.NDArray[Any], nulls: list[int]) -> None:
