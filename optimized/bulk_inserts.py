@@ -29,7 +29,7 @@ from hybridkv.optimized._buffers import BlockRecords
 from hybridkv.optimized.extra_keys import ExtraKeys
 from hybridkv.optimized.path_counts import PathCounts
 from hybridkv.optimized.pending import PendingInserts, PendingWork
-from hybridkv.optimized.sources import GROUP_MIX, hash_key, keys_of
+from hybridkv.optimized.sources import GROUP_MIX, Source, hash_key, keys_of
 from hybridkv.optimized.thresholds import INSERT_MIN, SETTLE_MAX
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.events import EventBuilder
@@ -75,9 +75,7 @@ class BulkInserts(ExtraKeys):
         self.chain_entries(blocks, groups, positions, np.full(count, src, dtype=np.int64), keys)
         source = self.source(src)
         source.record_array(positions * self.num_groups + groups, blocks, self.end)
-        source.refs += count
-        if src in self.memo_srcs and self.memo is not None:
-            self.memo.remember(src, source)
+        self._count_cached(src, source, count)
         if self.policy is not None:
             steps = self.policy_steps
             for block, group_id, pos in zip(
@@ -102,9 +100,7 @@ class BulkInserts(ExtraKeys):
         self._link(blocks.ravel(), buckets.ravel(), (keys << 32 | tags).ravel(), src)
         source = self.source(src)
         source.record_positions(start, blocks, self.end)
-        source.refs += g_count * count
-        if src in self.memo_srcs and self.memo is not None:
-            self.memo.remember(src, source)
+        self._count_cached(src, source, g_count * count)
 
     def chain_entries(
         self,
@@ -252,6 +248,11 @@ class BulkInserts(ExtraKeys):
         end, num_groups = self.end, self.num_groups
         for block, group_id, pos in entries:
             source.record(pos * num_groups + group_id, block, end)
-        source.refs += len(entries)
+        self._count_cached(src, source, len(entries))
+
+    def _count_cached(self, src: int, source: Source, count: int) -> None:
+        """Source ``src`` has ``count`` more cached blocks (recorded already); a memo source
+        is registered with the memo (once: ``remember``)."""
+        source.refs += count
         if src in self.memo_srcs and self.memo is not None:
             self.memo.remember(src, source)
