@@ -5,13 +5,13 @@ and two sliding windows of 8 tokens, blocks of 4 tokens, and the prompts they lo
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from hypothesis import strategies as st
 
 from hybridkv.optimized import TorchKVCacheManager
 from hybridkv.optimized.state import Tuning
-from hybridkv.reference import KVCacheManager
+from hybridkv.reference import KVCacheManager, Request
 from hybridkv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, SlidingWindowSpec
 
 SIZES = {"block_size": 4, "num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
@@ -57,3 +57,11 @@ def managers_beside(
         TorchKVCacheManager(config, 4096, tuning=off),
         KVCacheManager(config, 4096),
     )
+
+
+def free_oldest(
+    managers: Sequence[TorchKVCacheManager | KVCacheManager], live: list[list[Request]]
+) -> None:
+    """Free the oldest live request (one ``Request`` per manager) in every manager."""
+    for manager, request in zip(managers, live.pop(0), strict=True):
+        manager.free(request)

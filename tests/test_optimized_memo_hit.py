@@ -12,6 +12,7 @@ from lookup_layouts import (
     SIZES,
     WINDOWS,
     admission_prompts,
+    free_oldest,
     managers_beside,
     prompt,
 )
@@ -174,6 +175,5 @@ def test_any_run_of_admissions_hits_as_the_general_lookup_and_the_reference(
         if not results[0][2]:
             live.append(requests)
         if free_one and live:
-            for manager, request in zip(three, live.pop(0), strict=True):
-                manager.free(request)
+            free_oldest(three, live)
         opt.check_invariants()

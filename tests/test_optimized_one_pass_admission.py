@@ -15,6 +15,7 @@ from lookup_layouts import (
     SIZES,
     WINDOWS,
     admission_prompts,
+    free_oldest,
     managers_beside,
     prompt,
 )
@@ -164,7 +165,6 @@ def test_any_run_of_admissions_equals_the_group_by_group_path_and_the_reference(
     for i, tokens, free_one in admission_prompts(admissions):
         same_everywhere(three, tokens, f"r{i}", live)
         if free_one and live:
-            for manager, request in zip(three, live.pop(0), strict=True):
-                manager.free(request)
+            free_oldest(three, live)
         opt.check_invariants()
     assert general.fast_paths[ONE_PASS] == 0
