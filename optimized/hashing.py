@@ -62,6 +62,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
+from codecs import latin_1_encode, utf_16_le_decode
 from collections.abc import Sequence
 from itertools import accumulate, pairwise
 from typing import cast
@@ -242,7 +243,9 @@ def encode_bodies(packed: array[int], block_size: int) -> tuple[bytes, list[int]
     units[6::10] = b1
     units[7::10] = c2.to_bytes(n, "little").translate(_NOT)
     units[8::10] = b0
-    encoded = units.decode("utf-16-le").encode("latin-1", "ignore")  # drops U+0100
+    # Drops U+0100 (the codecs' functions called directly: no lookup of the codec by name,
+    # which a cold call pays for).
+    encoded = latin_1_encode(utf_16_le_decode(units)[0], "ignore")[0]
     # Each id's encoded size minus one, summed per block: the digits of ``extra × (1 + 256 +
     # … + 256**(block_size − 1))`` at every block's last id (no carry: a sum is at most 4 per
     # id and block sizes below 64 keep it under 256; larger blocks take the sums one by one).
@@ -255,7 +258,7 @@ def encode_bodies(packed: array[int], block_size: int) -> tuple[bytes, list[int]
     else:
         digits = extra.to_bytes(n, "little")
         sums = [sum(digits[i : i + block_size]) for i in range(0, n, block_size)]
-    offsets = [0, *accumulate(total + block_size for total in sums)]
+    offsets = list(accumulate(map(block_size.__add__, sums), initial=0))
     return encoded, offsets
 
 
@@ -320,10 +323,12 @@ def _chain(
 ) -> list[BlockHash]:
     """The chained hashes of blocks whose CBOR after the parent is ``header + body + null``."""
     digest: bytes = NONE_HASH if parent is None else parent
-    sha256, join = hashlib.sha256, b"".join
+    copy, join = hashlib.sha256(CBOR_PREFIX).copy, b"".join  # a copied state: no new context
     hashes: list[bytes] = []
     append = hashes.append
     for body in bodies:
-        digest = sha256(join((CBOR_PREFIX, digest, header, body, null))).digest()
+        state = copy()
+        state.update(join((digest, header, body, null)))
+        digest = state.digest()
         append(digest)
     return cast(list[BlockHash], hashes)

@@ -63,9 +63,9 @@ import numpy as np
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.spec.errors import require
 
-NUMPY_COMPARE_MIN = 4096
-"""From this many packed ids a comparison takes numpy views (below, a view's set-up costs more
-than the memoryview comparison it saves)."""
+NUMPY_COMPARE_MIN = 65536
+"""From this many packed ids a comparison takes numpy views (below, copying both ranges to
+``bytes`` and comparing those costs less, the more so when the memory is cold)."""
 
 MemoKey = tuple[BlockHash | None, bytes, str | None]
 WalkEnd = tuple[int, "Branch | None", "MemoKey | None"]
@@ -120,8 +120,8 @@ def agreeing_blocks(
 ) -> int:
     """The first block in ``[lo, hi)`` where two packed id arrays differ (``hi`` if none):
     one comparison up to ``hint`` (a likely first difference) and one of the rest, then a
-    bisection of the range that differs. Each comparison is one C loop over the arrays' memory,
-    without a copy (``_same``)."""
+    bisection of the range that differs. Each comparison is one C ``memcmp`` or vector pass
+    over the arrays' memory (``_same``)."""
     good, bad = lo, hi
     if lo < hint < hi:
         if _same(ours, theirs, lo * block_size, hint * block_size):
@@ -141,11 +141,11 @@ def agreeing_blocks(
 
 
 def _same(ours: memoryview, theirs: memoryview, start: int, stop: int) -> bool:
-    """Whether ids ``start … stop − 1`` agree: a memoryview comparison (unpacks item by item,
-    no set-up), or from ``NUMPY_COMPARE_MIN`` ids numpy views of the same memory (one vector
-    pass, no copy)."""
+    """Whether ids ``start … stop − 1`` agree: a comparison of both ranges copied to ``bytes``
+    (one ``memcmp``), or from ``NUMPY_COMPARE_MIN`` ids numpy views of the same memory (one
+    vector pass, no copy)."""
     if stop - start < NUMPY_COMPARE_MIN:
-        return ours[start:stop] == theirs[start:stop]
+        return ours[start:stop].tobytes() == theirs[start:stop].tobytes()
     count = stop - start
     a = np.frombuffer(ours, np.uint64, count, start * 8)
     b = np.frombuffer(theirs, np.uint64, count, start * 8)
