@@ -53,10 +53,7 @@ class BulkInserts(ExtraKeys):
         # Running requests' releases and inserts not made yet (``PendingWork``): the manager
         # applies them before anything reads what they change.
         self.pending = PendingWork()
-        groups = np.arange(num_groups, dtype=np.int64)[:, None]
-        self.group_tags = groups
-        """The groups as an int64 ``[G, 1]`` column (a tag's low part)."""
-        self.group_mix = groups * GROUP_MIX
+        self.group_mix = np.arange(num_groups, dtype=np.int64)[:, None] * GROUP_MIX
         """Each group's spread of a key over the buckets, an int64 ``[G, 1]`` column."""
 
     def insert_array(
@@ -95,7 +92,8 @@ class BulkInserts(ExtraKeys):
         g_count, count = blocks.shape
         if count == 0:
             return
-        tags = self.group_tags[:g_count] + np.arange(start, start + count) * g_count
+        # Position p's tag in group g is p × G + g: consecutive, position-major.
+        tags = np.arange(start * g_count, (start + count) * g_count).reshape(count, g_count).T
         buckets = (keys + self.group_mix[:g_count]) & self.mask
         self._link(blocks.ravel(), buckets.ravel(), (keys << 32 | tags).ravel(), src)
         source = self.source(src)
@@ -124,16 +122,18 @@ class BulkInserts(ExtraKeys):
     ) -> None:
         """``chain_entries`` given each entry's bucket and ``hk`` value (key and tag)."""
         heads = self.heads.n
-        ordered = np.sort(buckets)
-        if not (ordered[1:] == ordered[:-1]).any():
+        old_heads = heads[buckets]
+        heads[buckets] = blocks
+        # Of entries sharing a bucket, the last one written is its head: every entry reads
+        # back as its bucket's head exactly when each is alone in its bucket.
+        if bool((heads[buckets] == blocks).all()):
             # Each entry alone in its bucket (the common case): it links to the old head and
-            # becomes the head.
+            # is the head.
             self.paths.ran(paths.LINKS_APART)
-            old_heads = heads[buckets]
             self.hnext.n[blocks] = old_heads
-            heads[buckets] = blocks
             behind = blocks[old_heads != self.end]
         else:
+            heads[buckets] = old_heads  # entries sharing a bucket read the same old head
             self.paths.ran(paths.LINKS_SHARED)
             behind = self._chain_sharing(blocks, buckets, heads)
         self.hk.n[blocks] = hk

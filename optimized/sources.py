@@ -99,7 +99,7 @@ class Source:
         if top > len(self.blocks):
             self.reserve(top + top // 4, end)  # a prompt's records: room for its decode too
         view = np.frombuffer(self.blocks, dtype=np.int32)  # for this call only (see below)
-        view[first:top] = blocks.T.ravel()
+        view[first:top].reshape(count, g_count)[...] = blocks.T  # one strided copy
         del view
 
     def record_array(
