@@ -63,9 +63,10 @@ from hybridkv.spec import KVCacheConfig, KVCacheSpec, SlidingWindowSpec, rules
 from hybridkv.spec.errors import check_positive
 
 BlockIds = tuple[tuple[int, ...], ...]
-MemoRun = tuple[tuple[int, ...], tuple[tuple[tuple[int, ...], int], ...]]
-"""``GroupLayout.memo_run``: the full-attention groups, then per window type its groups and
-the cached blocks its hit ends with."""
+MemoRun = tuple[tuple[int, ...], tuple[tuple[tuple[int, ...], int, slice | tuple[int, ...]], ...]]
+"""``GroupLayout.memo_run``: the full-attention groups, then per window type its groups, the
+cached blocks its hit ends with, and its groups as an index of a record's columns (a slice
+where they are consecutive: a view, where a tuple of ids gathers a copy)."""
 
 
 @dataclass(frozen=True)
@@ -230,14 +231,16 @@ def _memo_run(layout: GroupLayout) -> MemoRun | None:
     if layout.general or layout.lookahead or any(layout.type_eagle) or not layout.caching:
         return None
     full: tuple[int, ...] = ()
-    windows: list[tuple[tuple[int, ...], int]] = []
+    windows: list[tuple[tuple[int, ...], int, slice | tuple[int, ...]]] = []
     for spec, group_ids in layout.types:
         needed_by = _RUN_TYPES.get(spec.kind)
         if needed_by is None:
             return None
         needed = needed_by(spec)
         if needed:
-            windows.append((tuple(group_ids), needed))
+            ids = tuple(group_ids)
+            consecutive = ids == tuple(range(ids[0], ids[0] + len(ids)))
+            windows.append((ids, needed, slice(ids[0], ids[-1] + 1) if consecutive else ids))
         elif full:
             return None  # a second full-attention type
         else:

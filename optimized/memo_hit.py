@@ -80,13 +80,14 @@ def memo_hit(
     hits = [NO_HIT] * g_count  # every group is full attention or a window (``memo_run``)
     for g in full:
         hits[g] = GroupHit(0, record[:num, g].copy())
-    for group_ids, needed in windows:
+    for group_ids, needed, columns in windows:
         first = max(num - needed, 0)
-        tail = record[first:num, group_ids]
+        tail = record[first:num, columns]
         if not bool((tail != end).all()):
             return None
-        for g, column in zip(group_ids, tail.T, strict=True):
-            hits[g] = GroupHit(first, column.copy())
+        kept = tail.T.copy()  # each group's blocks a row (the record may grow after the call)
+        for g, ids in zip(group_ids, kept, strict=True):
+            hits[g] = GroupHit(first, ids)
     if pool.dups and _any_twin(pool.dups, hits):
         return None
     pool.paths.ran(paths.LOOKUP_MEMO_RUN)

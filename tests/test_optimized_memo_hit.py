@@ -73,6 +73,26 @@ def test_an_admission_sharing_a_cached_system_prompt_reads_its_hit_from_the_memo
     opt.check_invariants()
 
 
+def test_window_groups_apart_read_their_hit_from_the_memos_run_too() -> None:
+    """Window groups that are not consecutive (a window, full attention, a window) index the
+    record's columns by their ids (a gather) where consecutive ones take a slice (a view):
+    the same hit as the reference's, each window's last two blocks after its nulls."""
+    groups = (WINDOWS[0], FULL, WINDOWS[1])
+    opt, general, ref = managers(400, groups)
+    assert opt.state.layout.memo_run == ((1,), (((0, 2), 2, (0, 2)),))
+    system = prompt(1, 160)
+    for manager in (opt, general, ref):
+        admit(manager, "a", [*system, *prompt(2, 41)])
+    got = admit(opt, "b", [*system, *prompt(3, 41)])
+    assert opt.fast_paths[MEMO_RUN] == 1
+    assert got == admit(ref, "b", [*system, *prompt(3, 41)])
+    assert got == admit(general, "b", [*system, *prompt(3, 41)])
+    first = opt.get_block_ids("a")
+    for g in (0, 2):
+        assert got[g] == (0,) * 38 + tuple(first[g][38:40])
+    opt.check_invariants()
+
+
 def test_the_run_gives_way_where_another_request_cached_the_next_block() -> None:
     """Request ``b`` shares 40 blocks with ``a`` and 10 more with ``c``: the memo adopts ``a``'s
     hashes for the 40, then ``c``'s; ``a``'s record ends at 40 while the table holds ``c``'s
@@ -136,7 +156,7 @@ def test_a_layout_with_two_full_attention_types_takes_the_general_lookup() -> No
     wide = KVCacheGroup(("wide",), FullAttentionSpec(**{**SIZES, "head_size": 2}))
     opt, _, ref = managers(400, (FULL, wide, *WINDOWS))
     assert opt.state.layout.memo_run is None
-    assert managers(400)[0].state.layout.memo_run == ((0,), (((1, 2), 2),))
+    assert managers(400)[0].state.layout.memo_run == ((0,), (((1, 2), 2, slice(1, 3)),))
     system = prompt(1, 160)
     for manager in (opt, ref):
         admit(manager, "a", [*system, *prompt(2, 41)])
