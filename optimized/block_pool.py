@@ -116,6 +116,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from hybridkv.optimized._buffers import BlockRecords
 from hybridkv.optimized.bulk_inserts import BulkInserts
@@ -186,14 +187,7 @@ class TorchBlockPool(BulkInserts, FreeQueue):
             for index in range(count):
                 walked[index] = block
                 block = nxt[block]
-            nxt[self.head] = block
-            prv[block] = self.head
-            self.num_free_blocks -= count
-            ids = np.array(walked, dtype=np.int64)
-            self.prev.n[ids] = -1
-            self.next.n[ids] = -1
-            self.ref.n[ids] = 1
-            self.evict_each(ids[self.src.n[ids] >= 0].tolist())
+            self._hold(np.array(walked, dtype=np.int64), block)
             return walked
         taken: list[int] = []
         cached: list[int] = []  # evicted once all are taken (eviction reads no queue link)
@@ -217,6 +211,38 @@ class TorchBlockPool(BulkInserts, FreeQueue):
         if cached:
             self.evict_each(cached)
         return taken
+
+    def pop_array(self, count: int) -> npt.NDArray[np.int64]:
+        """``pop_n`` as an int64 array. Where the queue's next ``count`` blocks are consecutive
+        ids (a pool's queue before its blocks change places: each block's successor is the
+        next id), one comparison of their links finds them, without the walk."""
+        nxt = self.next.a
+        first = nxt[self.head]
+        last = first + count - 1
+        if (
+            self.policy is not None
+            or count < self.insert_min
+            or count > self.num_free_blocks
+            or last >= self.num_blocks
+        ):
+            return np.array(self.pop_n(count), dtype=np.int64)
+        ids = np.arange(first, last + 1, dtype=np.int64)
+        if not bool((self.next.n[first:last] == ids[1:]).all()):
+            return np.array(self.pop_n(count), dtype=np.int64)
+        self._hold(ids, nxt[last])
+        return ids
+
+    def _hold(self, ids: npt.NDArray[np.int64], following: int) -> None:
+        """Unlink ``ids``, the queue's first blocks in order (``following`` comes after them),
+        hold each once, then evict the cached ones in the order taken (eviction reads none of
+        what changed)."""
+        self.next.a[self.head] = following
+        self.prev.a[following] = self.head
+        self.num_free_blocks -= ids.shape[0]
+        self.prev.n[ids] = -1
+        self.next.n[ids] = -1
+        self.ref.n[ids] = 1
+        self.evict_each(ids[self.src.n[ids] >= 0].tolist())
 
     # --- Under an eviction policy -----------------------------------------------------------
 

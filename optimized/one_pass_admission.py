@@ -86,7 +86,7 @@ def admit(
     tables = np.zeros((g_count, width), dtype=np.int32)
     for g, part in enumerate(parts):
         tables[g, length - part.shape[0] : length] = part  # after the group's nulls
-    new = np.array(pool.pop_n(new_count), dtype=np.int32).reshape(g_count, width - length)
+    new = pool.pop_array(new_count).reshape(g_count, width - length)
     tables[:, length:] = new
     write_row(s, row, tables, [length - part.shape[0] for part in parts])
     cached = length
@@ -124,4 +124,4 @@ def enter(
     cached = start + blocks.shape[1]
     src = source_of(s, request, row, cached, cached * s.layout.block_size)
     keys = s.pool.keys_of(request.block_hashes[start:cached])
-    s.pool.insert_matrix(blocks.astype(np.int64), start, keys, src)
+    s.pool.insert_matrix(blocks.astype(np.int64, copy=False), start, keys, src)
