@@ -265,13 +265,14 @@ def _step_busy(
     if num_released:
         _release(s, release_flat, blocks)
         s.rows.columns[1][pair_index] = nulls = np.maximum(nulls, skipped)
-    popped = pool.pop_n(total_new)
+    taken = pool.pop_array(total_new)
+    popped = taken.tolist()  # the results hold Python ints
     active: list[int] = []
     if total_new:
         per_pair = new.ravel()
         pair, rank = expand(per_pair, total_new)
         flat = (table_base + length.ravel())[pair] + rank
-        tab[flat] = popped
+        tab[flat] = taken
         s.rows.columns[0][pair_index] = length = length + new
         s.tables.touched_at(flat)
         active = np.flatnonzero(new.sum(1)).tolist()
