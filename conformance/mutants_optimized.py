@@ -176,6 +176,16 @@ OPTIMIZED_MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     optimized_mutant(
+        "opt_take_run_unchecked",
+        "a take of many blocks trusts that the free queue's next ones are consecutive ids "
+        "without comparing their links",
+        "block_pool",
+        (
+            "        if not bool((self.next.n[first:last] == ids[1:]).all()):\n",
+            "        if False:\n",
+        ),
+    ),
+    optimized_mutant(
         "opt_run_trusts_stale_blocks",
         "evicting a block leaves it in its source's record, so a lookup's run trusts a block "
         "the source no longer holds",

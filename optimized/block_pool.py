@@ -118,6 +118,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from hybridkv.optimized import path_counts as paths
 from hybridkv.optimized._buffers import BlockRecords
 from hybridkv.optimized.bulk_inserts import BulkInserts
 from hybridkv.optimized.free_queue import FreeQueue
@@ -229,6 +230,7 @@ class TorchBlockPool(BulkInserts, FreeQueue):
         ids = np.arange(first, last + 1, dtype=np.int64)
         if not bool((self.next.n[first:last] == ids[1:]).all()):
             return np.array(self.pop_n(count), dtype=np.int64)
+        self.paths.ran(paths.TAKE_RUN)
         self._hold(ids, nxt[last])
         return ids
 

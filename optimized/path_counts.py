@@ -54,6 +54,9 @@ LOOKUP_MEMO_RUN = "lookup: the memo's run"
 HYBRID_WITH_FULL = "lookup: 3-4 attention types with full attention"
 ADMISSION_ONE_PASS = "admission: one pass (every group's table as one matrix)"
 """A plain admission (``hybridkv.optimized.one_pass_admission``)."""
+TAKE_RUN = "take: a run of consecutive ids (no walk)"
+"""``pop_array`` of blocks whose ids follow each other in the free queue (found by one
+comparison of their links)."""
 
 PATHS = (
     RUNNING_STEP,
@@ -80,6 +83,7 @@ PATHS = (
     LOOKUP_MEMO_RUN,
     HYBRID_WITH_FULL,
     ADMISSION_ONE_PASS,
+    TAKE_RUN,
 )
 """Every path counted, in the report's order (the quiet exit, counted by callers, apart)."""
 
