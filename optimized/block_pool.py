@@ -222,6 +222,7 @@ class TorchBlockPool(BulkInserts, FreeQueue):
         last = first + count - 1
         if (
             self.policy is not None
+            or count <= 0
             or count < self.insert_min
             or count > self.num_free_blocks
             or last >= self.num_blocks

@@ -83,3 +83,12 @@ def test_takes_and_frees_in_any_order_leave_the_pool_as_pop_n_does(
             pool.free_blocks(back)
         assert state(ours) == state(theirs)
     ours.check_invariants()
+
+
+def test_a_take_of_no_blocks_takes_none_whatever_the_threshold() -> None:
+    """``pop_array(0)`` is empty and changes nothing, also with the walk's threshold at 0."""
+    ours, theirs = pools()
+    ours.insert_min = 0
+    assert ours.pop_array(0).tolist() == []
+    assert state(ours) == state(theirs)
+    ours.check_invariants()
