@@ -38,7 +38,10 @@ more than it saves.
 Packed ids
 ----------
 ``hash_packed_blocks`` returns the same hashes given the ids packed too (unsigned 64-bit, as
-``Request.packed_token_ids``). Long inputs take ``encode_tails`` on the packed copy; short ones
+``Request.packed_token_ids``). Long inputs take ``encode_tails`` on the packed copy; up to
+``FEW_BLOCKS_MAX`` blocks (a prompt's own blocks after an adopted prefix) take one ``cbor2``
+call per block on the ids' list (``_chain_lists``: its bytes of the block's ids are the CBOR
+between the array's header and ``0xf6``, as the definition's); the ones between
 ``encode_bodies``, which builds the CBOR of a few blocks from the packed bytes with bytes and
 str operations (each one C loop over the ids, no Python call per id and no table to read):
 
@@ -67,9 +70,10 @@ from collections.abc import Sequence
 from itertools import accumulate, pairwise
 from typing import cast
 
+import cbor2
 import numpy as np
 
-from hybridkv.optimized.thresholds import VECTOR_MIN_TOKENS
+from hybridkv.optimized.thresholds import FEW_BLOCKS_MAX, VECTOR_MIN_TOKENS
 from hybridkv.reference.block_hash import (
     CBOR_NULL,
     CBOR_PREFIX,
@@ -298,6 +302,9 @@ def hash_packed_blocks(
         if encoded is not None:
             hashes.extend(_chain_tails(parent, *encoded))
             return hashes
+    elif num_full_blocks - index <= FEW_BLOCKS_MAX and type(token_ids) is list:
+        hashes.extend(_chain_lists(parent, token_ids, block_size, index, num_full_blocks))
+        return hashes
     else:
         ids = packed[index * block_size : num_full_blocks * block_size]
         bodies = encode_bodies(ids, block_size)
@@ -313,6 +320,26 @@ def hash_packed_blocks(
         )
     )
     return hashes
+
+
+def _chain_lists(
+    parent: BlockHash | None, token_ids: list[int], block_size: int, start: int, stop: int
+) -> list[BlockHash]:
+    """The chained hashes of blocks ``start … stop − 1`` of ``token_ids``: per block a copy of
+    the SHA-256 state after ``0x83 0x58 0x20``, updated with the parent digest, ``cbor2``'s
+    bytes of the block's ids (an array of ints, each in its shortest form, as the definition
+    encodes them) and ``0xf6``."""
+    digest: bytes = NONE_HASH if parent is None else parent
+    copy, dumps = hashlib.sha256(CBOR_PREFIX).copy, cbor2.dumps
+    hashes: list[bytes] = []
+    for at in range(start * block_size, stop * block_size, block_size):
+        state = copy()
+        state.update(digest)
+        state.update(dumps(token_ids[at : at + block_size]))
+        state.update(CBOR_NULL)
+        digest = state.digest()
+        hashes.append(digest)
+    return cast(list[BlockHash], hashes)
 
 
 def _chain(

@@ -99,6 +99,10 @@ VECTOR_MIN_TOKENS = 1024
 """Inputs with fewer tokens to encode than this (a decode step's new block) take the reference's
 path: setting up the CBOR tensors would cost more than it saves."""
 
+FEW_BLOCKS_MAX = 24
+"""Packed ids of at most this many blocks are hashed one ``cbor2`` call per block
+(``hash_packed_blocks``): ``encode_bodies``' fixed cost pays off only from about as many."""
+
 # --- The prefix-cache hash table (``hybridkv.optimized.block_pool``) --------------------------
 
 SETTLE_MAX = 1 << 14

@@ -173,6 +173,7 @@ packable = st.one_of(
     parent=st.one_of(st.none(), st.binary(min_size=32, max_size=32), st.binary(max_size=40)),
     start=st.integers(0, 3),
     vectorised=st.booleans(),
+    few=st.sampled_from([0, 24, 1 << 20]),
 )
 def test_hashes_from_the_packed_ids_equal_the_definition(
     tokens: list[int],
@@ -181,12 +182,19 @@ def test_hashes_from_the_packed_ids_equal_the_definition(
     parent: bytes | None,
     start: int,
     vectorised: bool,
+    few: int,
 ) -> None:
+    """Every path (the packed tails, ``encode_bodies``, one ``cbor2`` call per block: ``few``
+    blocks at most) gives the definition's hashes."""
     parent_hash = None if parent is None else BlockHash(parent)
     expected = hash_full_blocks_cbor2(
         tokens, block_size, start_block=start, parent_hash=parent_hash, cache_salt=salt
     )
-    with mock.patch.object(hashing, "VECTOR_MIN_TOKENS", 0 if vectorised else 1 << 20):
+    vector_min = 0 if vectorised else 1 << 20
+    with (
+        mock.patch.object(hashing, "VECTOR_MIN_TOKENS", vector_min),
+        mock.patch.object(hashing, "FEW_BLOCKS_MAX", few),
+    ):
         got = hash_packed_blocks(
             tokens,
             array("Q", tokens),
