@@ -278,8 +278,9 @@ def admission_floor(
     after one comparison of their packed ids and hashes the rest (the backend's hash function:
     the hash is vLLM's, fixed); reads the hit from the cached request's record (the full
     group's blocks, each window's last 64) and checks in one gather that each still holds its
-    key; holds them; takes one block per new position and group from a linked free queue
-    (walked in Python, unlinked in numpy calls); writes the row's tables; keys the new blocks
+    key; holds them; takes one block per new position and group from a linked free queue (its
+    next blocks found as one run of consecutive ids by one comparison of their links, else
+    walked in Python; unlinked in numpy calls); writes the row's tables; keys the new blocks
     in a hash table of chained buckets (numpy calls, no two in a bucket); returns the new
     blocks as ``KVCacheBlocks``' tuples."""
     groups, window = GROUPS, WINDOW // BLOCK
@@ -332,26 +333,32 @@ def admission_floor(
             raise RuntimeError("a hit block lost its key")
         ref[full] += 1
         ref[windows] += 1
-        walked = [0] * (groups * (num_full - num_shared))
-        block = nxt[head]
-        for index in range(len(walked)):
-            walked[index] = block
-            block = nxt[block]
+        count = groups * (num_full - num_shared)
+        first = nxt[head]
+        new = np.arange(first, first + count, dtype=np.int64)
+        if (nxt_n[first : first + count - 1] == new[1:]).all():
+            block = nxt[first + count - 1]
+        else:
+            walked = [0] * count
+            block = first
+            for index in range(count):
+                walked[index] = block
+                block = nxt[block]
+            new = np.array(walked, dtype=np.int64)
         nxt[head] = block
         prv_n[block] = head
-        new = np.array(walked, dtype=np.int64)
         nxt_n[new] = prv_n[new] = -1
         ref[new] = 1
-        new = new.reshape(groups, -1)
+        taken = new.reshape(groups, -1)
         tab[0, row, :num_shared] = full
         tab[1:, row, num_shared - window : num_shared] = windows
-        tab[:, row, num_shared:num_full] = new
+        tab[:, row, num_shared:num_full] = taken
         new_keys = np.frombuffer(b"".join(hashes[num_shared:]), dtype="<i4")[::8]
         buckets = (new_keys + mix) & mask
-        hnext[new] = heads[buckets]
-        heads[buckets] = new
-        hk[new] = new_keys.astype(np.int64) << 32 | group_ids
-        result = tuple(map(tuple, new.tolist()))
+        hnext[taken] = heads[buckets]
+        heads[buckets] = taken
+        hk[taken] = new_keys.astype(np.int64) << 32 | group_ids
+        result = tuple(map(tuple, taken.tolist()))
         times.append(time.perf_counter() - start)
         del result
     return statistics.median(times) * 1e6
