@@ -266,7 +266,6 @@ def _step_busy(
         _release(s, release_flat, blocks)
         s.rows.columns[1][pair_index] = nulls = np.maximum(nulls, skipped)
     taken = pool.pop_array(total_new)
-    popped = taken.tolist()  # the results hold Python ints
     active: list[int] = []
     if total_new:
         per_pair = new.ravel()
@@ -280,7 +279,7 @@ def _step_busy(
         cache_busy(s, requests, rows, pair_index, table_base, cached, to_cache)
         cached = s.rows.columns[2][pair_index]
     s.thresholds.refresh_rows(rows, length, nulls, cached)
-    return _results(s.layout.num_groups, len(requests), active, new, popped)
+    return _results(s.layout.num_groups, len(requests), active, new, taken.tolist())
 
 
 def _to_cache(b: int, cache_tokens: Ints, num_hashes: Ints | None, cached: Ints) -> Ints:
