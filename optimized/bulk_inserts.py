@@ -201,41 +201,43 @@ class BulkInserts(ExtraKeys):
 
     def defer_rows(
         self,
-        rows: Sequence[Sequence[int]] | npt.NDArray[Any],
+        rows: npt.NDArray[Any],
         positions: list[int],
         hashes: list[BlockHash],
         srcs: list[int],
         group_ids: array[int],
     ) -> None:
-        """``insert`` of each row's blocks, one per group in ``group_ids`` order (a decode
-        step's newly full block in every group), at ``positions[k]`` under ``hashes[k]`` from
-        ``srcs[k]``, with the hash table's part left pending (``PendingWork``): each source
-        records its blocks and counts them, and the memo registers it, at once. Rows given as
-        one ``[m, G]`` integer array (a batched step's) go to the pending inserts at once
-        instead of row by row."""
-        num_groups, end, sources = self.num_groups, self.end, self.sources
-        memo_srcs = self.memo_srcs if self.memo is not None else ()
-        inserts = self.pending.inserts
-        add = None
-        if isinstance(rows, np.ndarray):
-            inserts.add_rows(rows, group_ids, positions, hashes, srcs)
-            rows = rows.tolist()
-        else:
-            add = inserts.add
-        for k, (blocks, pos, src) in enumerate(zip(rows, positions, srcs, strict=True)):
-            if add is not None:
-                add(blocks, group_ids, pos, hashes[k], src)
-            source = sources[src]
-            assert source is not None
-            first = pos * num_groups
-            if first + num_groups > len(source.blocks):
-                source.reserve(first + num_groups, end)
-            source.blocks[first : first + num_groups] = array("i", blocks)
-            if not source.refs and src in memo_srcs:
-                # Its first cached blocks: it joins the memo (one with a cached block is in it
-                # already, as ``check_memo`` checks; it leaves with its last one).
-                self.memo.remember(src, source)  # type: ignore[union-attr]
-            source.refs += num_groups
+        """``insert`` of each row's blocks (``[m, G]``, any integer dtype), one per group in
+        ``group_ids`` order (a batched step's newly full block in every group), at
+        ``positions[k]`` under ``hashes[k]`` from ``srcs[k]``, with the hash table's part left
+        pending (``PendingWork``, the rows at once): each source records its blocks and counts
+        them, and the memo registers it, at once."""
+        self.pending.inserts.add_rows(rows, group_ids, positions, hashes, srcs)
+        for blocks, pos, src in zip(rows.tolist(), positions, srcs, strict=True):
+            self._record_row(blocks, pos, src)
+
+    def defer_row(
+        self, blocks: list[int], pos: int, block_hash: BlockHash, src: int, group_ids: array[int]
+    ) -> None:
+        """``defer_rows`` of one row (a running request's crossing call: its newly full block
+        in every group), without building the arrays of a batch."""
+        self.pending.inserts.add(blocks, group_ids, pos, block_hash, src)
+        self._record_row(blocks, pos, src)
+
+    def _record_row(self, blocks: list[int], pos: int, src: int) -> None:
+        """Source ``src`` records ``blocks`` at ``pos`` (one per group) and counts them; its
+        first cached blocks register it with the memo (one with a cached block is in it
+        already, as ``check_memo`` checks; it leaves with its last one)."""
+        source = self.sources[src]
+        assert source is not None
+        num_groups = self.num_groups
+        first = pos * num_groups
+        if first + num_groups > len(source.blocks):
+            source.reserve(first + num_groups, self.end)
+        source.blocks[first : first + num_groups] = array("i", blocks)
+        if not source.refs and self.memo is not None and src in self.memo_srcs:
+            self.memo.remember(src, source)
+        source.refs += num_groups
 
     def defer_entries(
         self, entries: Sequence[tuple[int, int, int]], hashes: Sequence[BlockHash], src: int

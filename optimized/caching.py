@@ -108,7 +108,7 @@ def cache_uniform(
         ):
             # A decode step: one newly full block in every group.
             src = source_of(s, request, row, num_full, num_full * b)
-            pool.defer_rows([row_blocks], [last], [hashes[last]], [src], s.layout.columns.group_ids)
+            pool.defer_row(row_blocks, last, hashes[last], src, s.layout.columns.group_ids)
             cached[at : at + g_count] = array("q", (num_full,)) * g_count
             return
     start = cached[at]

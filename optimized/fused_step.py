@@ -179,7 +179,7 @@ class FusedStep:
         if num_full:
             last = num_full - 1
             src = source_of(s, request, row, num_full, num_full * b)
-            pool.defer_rows([full], [last], [hashes[last]], [src], self._group_ids)
+            pool.defer_row(full, last, hashes[last], src, self._group_ids)
             rows.cached[at : at + g_count] = array("q", (num_full,)) * g_count
             rows.cache_at[row] = (num_full + 1) * b
         quiet = min(rows.capacity[row], rows.release_at[row]) + 1
