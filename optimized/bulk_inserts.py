@@ -29,7 +29,7 @@ from hybridkv.optimized._buffers import BlockRecords
 from hybridkv.optimized.extra_keys import ExtraKeys
 from hybridkv.optimized.path_counts import PathCounts
 from hybridkv.optimized.pending import PendingInserts, PendingWork
-from hybridkv.optimized.sources import GROUP_MIX, Source, hash_key, keys_of
+from hybridkv.optimized.sources import GROUP_MIX, hash_key, keys_of
 from hybridkv.optimized.thresholds import INSERT_MIN, SETTLE_MAX
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.events import EventBuilder
@@ -225,9 +225,7 @@ class BulkInserts(ExtraKeys):
         self._record_row(blocks, pos, src)
 
     def _record_row(self, blocks: list[int], pos: int, src: int) -> None:
-        """Source ``src`` records ``blocks`` at ``pos`` (one per group) and counts them; its
-        first cached blocks register it with the memo (one with a cached block is in it
-        already, as ``check_memo`` checks; it leaves with its last one)."""
+        """Source ``src`` records ``blocks`` at ``pos`` (one per group) and counts them."""
         source = self.sources[src]
         assert source is not None
         num_groups = self.num_groups
@@ -235,9 +233,7 @@ class BulkInserts(ExtraKeys):
         if first + num_groups > len(source.blocks):
             source.reserve(first + num_groups, self.end)
         source.blocks[first : first + num_groups] = array("i", blocks)
-        if not source.refs and self.memo is not None and src in self.memo_srcs:
-            self.memo.remember(src, source)
-        source.refs += num_groups
+        self._count_cached(src, source, num_groups)
 
     def defer_entries(
         self, entries: Sequence[tuple[int, int, int]], hashes: Sequence[BlockHash], src: int
@@ -251,10 +247,3 @@ class BulkInserts(ExtraKeys):
         for block, group_id, pos in entries:
             source.record(pos * num_groups + group_id, block, end)
         self._count_cached(src, source, len(entries))
-
-    def _count_cached(self, src: int, source: Source, count: int) -> None:
-        """Source ``src`` has ``count`` more cached blocks (recorded already); a memo source
-        is registered with the memo (once: ``remember``)."""
-        source.refs += count
-        if src in self.memo_srcs and self.memo is not None:
-            self.memo.remember(src, source)

@@ -132,18 +132,24 @@ class PrefixCache(CacheChains):
         self.src.a[block] = src
         source = self.sources[src]
         assert source is not None
-        source.refs += 1
         recorded = source.blocks
         if tag < len(recorded):
             recorded[tag] = block
         else:
             source.record(tag, block, end)
-        if src in self.memo_srcs and self.memo is not None:
-            self.memo.remember(src, source)
+        self._count_cached(src, source, 1)
         if len(self.unsettled) >= SETTLE_MAX:
             self.settle_duplicates()  # long without a lookup: bounded memory
         if self.policy is not None:
             self.heard_cached(block, group_id, pos, src, step or self.policy_steps[group_id])
+
+    def _count_cached(self, src: int, source: Source, count: int) -> None:
+        """Source ``src`` has ``count`` more cached blocks (recorded already); a memo source's
+        first ones register it with the memo (one with a cached block is in it already, as
+        ``check_memo`` checks; it leaves with its last one)."""
+        if not source.refs and self.memo is not None and src in self.memo_srcs:
+            self.memo.remember(src, source)
+        source.refs += count
 
     def heard_cached(self, block: int, group_id: int, hidx: int, src: int, step: int) -> None:
         """Tell the policy ``block`` holds the key at hash index ``hidx`` of source ``src``:
@@ -188,9 +194,7 @@ class PrefixCache(CacheChains):
                 source.record(tag, block, end)
                 recorded = source.blocks
                 size = len(recorded)
-        source.refs += len(entries)
-        if src in self.memo_srcs and self.memo is not None:
-            self.memo.remember(src, source)
+        self._count_cached(src, source, len(entries))
         if len(self.unsettled) >= SETTLE_MAX:
             self.settle_duplicates()  # long without a lookup: bounded memory
         if self.policy is not None:
