@@ -325,21 +325,15 @@ def hash_packed_blocks(
 def _chain_lists(
     parent: BlockHash | None, token_ids: list[int], block_size: int, start: int, stop: int
 ) -> list[BlockHash]:
-    """The chained hashes of blocks ``start … stop − 1`` of ``token_ids``: per block a copy of
-    the SHA-256 state after ``0x83 0x58 0x20``, updated with the parent digest, ``cbor2``'s
-    bytes of the block's ids (an array of ints, each in its shortest form, as the definition
-    encodes them) and ``0xf6``."""
-    digest: bytes = NONE_HASH if parent is None else parent
-    copy, dumps = hashlib.sha256(CBOR_PREFIX).copy, cbor2.dumps
-    hashes: list[bytes] = []
-    for at in range(start * block_size, stop * block_size, block_size):
-        state = copy()
-        state.update(digest)
-        state.update(dumps(token_ids[at : at + block_size]))
-        state.update(CBOR_NULL)
-        digest = state.digest()
-        hashes.append(digest)
-    return cast(list[BlockHash], hashes)
+    """The chained hashes of blocks ``start … stop − 1`` of ``token_ids``: ``_chain`` of
+    ``cbor2``'s bytes of each block's ids (an array of ints, each in its shortest form, as the
+    definition encodes them: the array's header and the ids)."""
+    dumps = cbor2.dumps
+    bodies = [
+        dumps(token_ids[at : at + block_size])
+        for at in range(start * block_size, stop * block_size, block_size)
+    ]
+    return _chain(parent, bodies, b"", CBOR_NULL)
 
 
 def _chain(
