@@ -69,9 +69,12 @@ class BulkInserts(ExtraKeys):
         count = blocks.shape[0]
         if count == 0:
             return
-        self.chain_entries(blocks, groups, positions, np.full(count, src, dtype=np.int64), keys)
+        buckets = (keys + groups * GROUP_MIX) & self.mask
+        tags = positions * self.num_groups + groups
         source = self.source(src)
-        source.record_array(positions * self.num_groups + groups, blocks, self.end)
+        if self._link(blocks, buckets, keys << 32 | tags, src):
+            source.waiting = self.settles
+        source.record_array(tags, blocks, self.end)
         self._count_cached(src, source, count)
         if self.policy is not None:
             steps = self.policy_steps
@@ -95,8 +98,9 @@ class BulkInserts(ExtraKeys):
         # Position p's tag in group g is p × G + g: consecutive, position-major.
         tags = np.arange(start * g_count, (start + count) * g_count).reshape(count, g_count).T
         buckets = (keys + self.group_mix[:g_count]) & self.mask
-        self._link(blocks.ravel(), buckets.ravel(), (keys << 32 | tags).ravel(), src)
         source = self.source(src)
+        if self._link(blocks.ravel(), buckets.ravel(), (keys << 32 | tags).ravel(), src):
+            source.waiting = self.settles
         source.record_positions(start, blocks, self.end)
         self._count_cached(src, source, g_count * count)
 
@@ -111,7 +115,8 @@ class BulkInserts(ExtraKeys):
         """The hash table's part of ``insert`` for entries whose sources already record and
         count them (``defer_rows``), in order, in a few numpy calls."""
         buckets = (keys + groups * GROUP_MIX) & self.mask
-        self._link(blocks, buckets, keys << 32 | (positions * self.num_groups + groups), srcs)
+        if self._link(blocks, buckets, keys << 32 | (positions * self.num_groups + groups), srcs):
+            self.unsettled_mixed = True  # entries of many sources: not marked one by one
 
     def _link(
         self,
@@ -119,8 +124,9 @@ class BulkInserts(ExtraKeys):
         buckets: npt.NDArray[np.int64],
         hk: npt.NDArray[np.int64],
         srcs: npt.NDArray[np.int64] | int,
-    ) -> None:
-        """``chain_entries`` given each entry's bucket and ``hk`` value (key and tag)."""
+    ) -> bool:
+        """``chain_entries`` given each entry's bucket and ``hk`` value (key and tag); whether
+        an entry joined the unsettled ones (its chain held another: the caller marks whose)."""
         heads = self.heads.n
         old_heads = heads[buckets]
         heads[buckets] = blocks
@@ -138,10 +144,12 @@ class BulkInserts(ExtraKeys):
             behind = self._chain_sharing(blocks, buckets, heads)
         self.hk.n[blocks] = hk
         self.src.n[blocks] = srcs
-        if behind.shape[0]:
-            self.unsettled_many.append(behind)
+        if not behind.shape[0]:
+            return False
+        self.unsettled_many.append(behind)
         if len(self.unsettled_many) >= SETTLE_MAX // INSERT_MIN:
             self.settle_duplicates()  # long without a lookup: bounded memory
+        return True
 
     def _chain_sharing(
         self,
@@ -176,6 +184,7 @@ class BulkInserts(ExtraKeys):
         to the one before, as ``insert`` makes it."""
         heads, hnext, hk, srcs = self.heads.a, self.hnext.a, self.hk.a, self.src.a
         mask, num_groups, end, unsettled = self.mask, self.num_groups, self.end, self.unsettled
+        waiting = len(unsettled)
         entries = zip(inserts.blocks, inserts.groups, strict=True)
         records = zip(
             inserts.sources, inserts.positions, inserts.hashes, inserts.counts, strict=True
@@ -192,6 +201,8 @@ class BulkInserts(ExtraKeys):
                 heads[bucket] = block
                 hk[block] = high | (base + group_id)
                 srcs[block] = src
+        if len(unsettled) > waiting:
+            self.unsettled_mixed = True  # entries of many sources: not marked one by one
         if len(unsettled) >= SETTLE_MAX:
             self.settle_duplicates()  # long without a lookup: bounded memory
 

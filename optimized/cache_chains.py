@@ -38,7 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from hybridkv.optimized._buffers import BlockRecords, IntBuffer
-from hybridkv.optimized.sources import GROUP_MIX
+from hybridkv.optimized.sources import GROUP_MIX, Source
 from hybridkv.optimized.thresholds import (
     MIN_BUCKETS,
     REACH_SCALAR_MAX,
@@ -73,6 +73,11 @@ class CacheChains:
         # numpy arrays.
         self.unsettled: list[int] = []
         self.unsettled_many: list[npt.NDArray[np.int64]] = []
+        # Passes of ``settle_duplicates`` made; a source whose ``waiting`` equals it has
+        # entries among the unsettled ones, and so may any source while ``unsettled_mixed``
+        # (entries of many sources linked at once, not marked per source).
+        self.settles = 0
+        self.unsettled_mixed = False
 
     def clear_chains(self) -> None:
         """Empty the table: no block holds a hash."""
@@ -82,6 +87,8 @@ class CacheChains:
         self.src.t.fill_(-1)
         self.dups = set()
         self.unsettled, self.unsettled_many = [], []
+        self.settles += 1
+        self.unsettled_mixed = False
 
     def bucket(self, key: int, group_id: int) -> int:
         return (key + group_id * GROUP_MIX) & self.mask
@@ -107,6 +114,8 @@ class CacheChains:
         chain step for all of them at once."""
         if not self.unsettled and not self.unsettled_many:
             return
+        self.settles += 1
+        self.unsettled_mixed = False
         waiting = len(self.unsettled) + sum(blocks.shape[0] for blocks in self.unsettled_many)
         if waiting <= SETTLE_SCALAR_MAX:
             # Few (an admission's entries): one by one on the array views.
@@ -151,6 +160,13 @@ class CacheChains:
         self.dups.update(flagged)
         # The few chains left: walked on the array views.
         self._walk_for_duplicates(blocks.tolist(), current.tolist())
+
+    def settle_for(self, source: Source) -> None:
+        """``settle_duplicates`` unless none of the waiting entries is ``source``'s: a lookup
+        that reads only that source's blocks needs only their marks, final once they are
+        settled (a later entry of the same key is the newer twin, never they)."""
+        if self.unsettled_mixed or source.waiting == self.settles:
+            self.settle_duplicates()
 
     def _walk_for_duplicates(self, blocks: list[int], nodes: list[int]) -> None:
         """Mark each of ``blocks`` that has an entry of its key, position and group on its
@@ -273,10 +289,17 @@ class CacheChains:
             tags = twins & 0xFFFFFFFF
             buckets = ((twins >> 32) + tags % self.num_groups * GROUP_MIX) & self.mask
             later = self._later_entries(set(buckets.tolist()))
+        hidden = self.hidden_waiting(later - self.dups)
         self.settle_duplicates()
         if not later <= self.dups:
             raise InvariantError(f"duplicate entries {sorted(later - self.dups)} unmarked")
+        require(not hidden, f"duplicate entries {sorted(hidden)} waited, their sources unmarked")
         require(all(src[b] >= 0 for b in self.dups), "an uncached block is marked duplicate")
+
+    def hidden_waiting(self, unmarked: set[int]) -> set[int]:
+        """Of these twins not marked yet, those ``settle_for`` would let a lookup read
+        unmarked (their sources not marked waiting): the pool reads their sources."""
+        return set()
 
     def _later_entries(self, buckets: set[int]) -> set[int]:
         """The entries of these buckets' (sound) chains with an older entry of their key."""

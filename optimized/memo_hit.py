@@ -69,7 +69,7 @@ def memo_hit(
     length = min(scan, agreed, len(source.blocks) // g_count)
     if length <= 0:
         return None
-    pool.settle_duplicates()  # the twins marked before the blocks are read
+    pool.settle_for(source)  # this source's twins marked before its blocks are read
     record = np.frombuffer(source.blocks, np.int32, length * g_count).reshape(length, g_count)
     full, windows = run_groups
     held = record[:, full[0]] != end if len(full) == 1 else (record[:, full] != end).all(1)

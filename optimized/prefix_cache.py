@@ -101,6 +101,14 @@ class PrefixCache(CacheChains):
         assert source is not None
         return source
 
+    def hidden_waiting(self, unmarked: set[int]) -> set[int]:
+        """Of these twins not marked yet, those whose source is not marked waiting while the
+        unsettled entries are not mixed: ``settle_for`` would not settle before reading them."""
+        if self.unsettled_mixed:
+            return set()
+        src = self.src.a
+        return {b for b in unmarked if self.source(src[b]).waiting != self.settles}
+
     def maybe_drop_source(self, index: int) -> None:
         """Forget a source that no cached block and no live row names any more."""
         source = self.source(index)
@@ -125,13 +133,14 @@ class PrefixCache(CacheChains):
         target = key << 32 | tag
         behind = heads[bucket]
         hnext[block] = behind
-        if behind != end:  # only then can an older twin sit behind it
-            self.unsettled.append(block)
         heads[bucket] = block
         hk[block] = target
         self.src.a[block] = src
         source = self.sources[src]
         assert source is not None
+        if behind != end:  # only then can an older twin sit behind it
+            self.unsettled.append(block)
+            source.waiting = self.settles
         recorded = source.blocks
         if tag < len(recorded):
             recorded[tag] = block
@@ -184,6 +193,7 @@ class PrefixCache(CacheChains):
             hnext[block] = behind
             if behind != end:  # only then can an older twin sit behind it
                 unsettled.append(block)
+                source.waiting = self.settles
             heads[bucket] = block
             tag = pos * num_groups + group_id
             hk[block] = high | tag

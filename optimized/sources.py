@@ -60,7 +60,7 @@ class Source:
     so that a lookup reads a whole run of a prompt's blocks from it at once instead of walking
     a chain per position."""
 
-    __slots__ = ("blocks", "hashes", "packed", "refs", "row_refs", "salt", "tokens")
+    __slots__ = ("blocks", "hashes", "packed", "refs", "row_refs", "salt", "tokens", "waiting")
 
     def __init__(
         self,
@@ -76,6 +76,9 @@ class Source:
         self.blocks = array("i")
         self.refs = 0  # cached blocks naming this source
         self.row_refs = 0  # live block-table rows naming it (the request may cache more)
+        # The pool's ``settles`` when an entry of this source last joined the unsettled
+        # ones (``CacheChains.settle_for``): equal to it, some may still wait.
+        self.waiting = -1
 
     def record(self, tag: int, block: int, end: int) -> None:
         """Remember that ``block`` was cached from this source under ``tag`` (``end``, the

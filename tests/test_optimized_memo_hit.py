@@ -137,6 +137,34 @@ def test_the_run_gives_way_where_its_blocks_are_newer_twins_of_another_requests(
     assert got[0] == tuple(opt.get_block_ids("c")[0][:40])
 
 
+def test_the_run_settles_no_twins_when_none_of_its_sources_entries_waits() -> None:
+    """Twins are marked (``settle_duplicates``) before a lookup trusts a run of blocks; the
+    memo's run reads only its source's blocks, so it settles only where an entry of that
+    source waits (``settle_for``). After ``a`` and then ``b`` are admitted, some of ``b``'s new
+    entries wait behind others on their chains; ``c``'s run reads ``a``'s blocks, settled
+    since, and leaves ``b``'s waiting: the hit is still the reference's and the general
+    lookup's, and the invariants (which settle them) hold."""
+    opt, general, ref = managers(600)
+    pool = opt.pool
+    system = prompt(1, 160)
+    for rid, own in (("a", 2), ("b", 3)):
+        for manager in (opt, general, ref):
+            admit(manager, rid, [*system, *prompt(own, 41)])
+    waiting = (list(pool.unsettled), [blocks.tolist() for blocks in pool.unsettled_many])
+    assert waiting != ([], [])  # (these prompts leave some of b's entries behind others)
+    settles, before = pool.settles, opt.fast_paths[MEMO_RUN]
+    tokens = [*system, *prompt(4, 41)]
+    got = admit(opt, "c", tokens)
+    assert opt.fast_paths[MEMO_RUN] == before + 1
+    assert pool.settles == settles  # nothing settled: b's entries still wait
+    kept = [blocks.tolist() for blocks in pool.unsettled_many[: len(waiting[1])]]
+    assert (pool.unsettled[: len(waiting[0])], kept) == waiting
+    assert got == admit(ref, "c", tokens) == admit(general, "c", tokens)
+    opt.check_invariants()
+    assert pool.settles == settles + 1
+    assert not pool.unsettled_many
+
+
 def test_a_layout_with_a_chunked_group_takes_the_general_lookup() -> None:
     """Only full attention and sliding windows read the memo's run: a chunked-local group's
     hit is not its prefix (``GroupLayout.memo_run`` is ``None``)."""

@@ -168,6 +168,21 @@ def test_a_key_on_a_block_without_a_source_disagrees(live: Live) -> None:
 # --- Duplicates, keys and extra keys -----------------------------------------------------------
 
 
+def test_a_waiting_duplicate_whose_source_is_not_marked_waiting_is_named(live: Live) -> None:
+    """A twin waits to be marked until the next settle; the memo's run settles only where its
+    source is marked waiting (``settle_for``), so a twin waiting under an unmarked source
+    could be read unmarked."""
+    pool = live.pool
+    block = live.state.table(FULL, live.row("b"))[0]
+    twin = _uncached_free_block(live)
+    src = pool.src.a[block]
+    pool.insert(twin, pool.block_hash(block), FULL, pool.hash_index(block), src)
+    assert twin in pool.unsettled
+    assert pool.source(src).waiting == pool.settles
+    pool.source(src).waiting = -1
+    live.check(rf"duplicate entries \[{twin}\] waited, their sources unmarked")
+
+
 def test_an_unmarked_duplicate_entry_is_named(live: Live) -> None:
     pool = live.pool
     block = live.state.table(FULL, live.row("b"))[0]
