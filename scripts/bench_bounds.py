@@ -26,6 +26,7 @@ docs/optimized-backend.md, "What bounds them", holds its output.
    those admissions' time: vLLM ÷ that floor is the most an admission could gain.
 
 Each figure is a median; the machine's noise moves them by up to 2×.
+``scripts/admission_parts.py`` splits the admission further, cold: each part taken out in turn.
 """
 
 from __future__ import annotations
