@@ -3,31 +3,15 @@ back after the admissions it was taken out for, and leaves the shared prefix's h
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from script_modules import load_script
 
 
 @pytest.fixture(scope="module")
 def script() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "scripts"))  # it imports bench_bounds beside it
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "admission_parts", ROOT / "scripts/admission_parts.py"
-        )
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["admission_parts"] = module
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    return load_script("admission_parts")
 
 
 def test_every_part_is_taken_out_only_inside_and_put_back(script: ModuleType) -> None:

@@ -3,27 +3,18 @@ so the infinite-cache bound of ``k`` copies is ``k`` times the trace's own."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from script_modules import load_script
 
 from hybridkv.block_trace import infinite_cache_bound, read_block_trace
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("tile_trace", ROOT / "scripts/tile_trace.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["tile_trace"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tile_trace")
 
 
 def _write(path: Path, *lines: tuple[int, int, list[int]]) -> Path:
