@@ -69,12 +69,10 @@ class BulkInserts(ExtraKeys):
         count = blocks.shape[0]
         if count == 0:
             return
-        buckets = (keys + groups * GROUP_MIX) & self.mask
-        tags = positions * self.num_groups + groups
         source = self.source(src)
-        if self._link(blocks, buckets, keys << 32 | tags, src):
+        if self._chain(blocks, groups, positions, src, keys):
             source.waiting = self.settles
-        source.record_array(tags, blocks, self.end)
+        source.record_array(positions * self.num_groups + groups, blocks, self.end)
         self._count_cached(src, source, count)
         if self.policy is not None:
             steps = self.policy_steps
@@ -114,9 +112,22 @@ class BulkInserts(ExtraKeys):
     ) -> None:
         """The hash table's part of ``insert`` for entries whose sources already record and
         count them (``defer_rows``), in order, in a few numpy calls."""
-        buckets = (keys + groups * GROUP_MIX) & self.mask
-        if self._link(blocks, buckets, keys << 32 | (positions * self.num_groups + groups), srcs):
+        if self._chain(blocks, groups, positions, srcs, keys):
             self.unsettled_mixed = True  # entries of many sources: not marked one by one
+
+    def _chain(
+        self,
+        blocks: npt.NDArray[np.int64],
+        groups: npt.NDArray[np.int64],
+        positions: npt.NDArray[np.int64],
+        srcs: npt.NDArray[np.int64] | int,
+        keys: npt.NDArray[np.int64],
+    ) -> bool:
+        """``_link`` of entries given by group and position (their buckets and tags computed
+        here); whether one joined the unsettled ones."""
+        buckets = (keys + groups * GROUP_MIX) & self.mask
+        tags = positions * self.num_groups + groups
+        return self._link(blocks, buckets, keys << 32 | tags, srcs)
 
     def _link(
         self,
