@@ -132,6 +132,8 @@ def main() -> None:
     unknown = [part for part in args.parts if part not in PARTS]
     if unknown:
         parser.error(f"unknown part(s) {unknown}: choose from {', '.join(PARTS)}")
+    if args.count < 1:
+        parser.error(f"--count must be at least 1, got {args.count}")
     torch.set_num_threads(1)
     with_vllm = vllm_version() is not None
     label = "one of vLLM's admissions" if with_vllm else "other work (vLLM does not import)"

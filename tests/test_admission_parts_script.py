@@ -27,3 +27,24 @@ def test_a_part_taken_out_still_admits_the_shared_prefix(script: ModuleType, par
     base, without = script.measure(part, 4, lambda: None)
     assert base > 0
     assert without > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bogus"], "unknown part(s) ['bogus']"),
+        (["none", "--count", "0"], "--count must be at least 1, got 0"),
+    ],
+)
+def test_bad_arguments_are_named_in_one_line(
+    script: ModuleType,
+    argv: list[str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr("sys.argv", ["admission_parts.py", *argv])
+    with pytest.raises(SystemExit) as exited:
+        script.main()
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err.splitlines()[-1]
