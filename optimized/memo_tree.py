@@ -63,9 +63,9 @@ import numpy as np
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.spec.errors import require
 
-NUMPY_COMPARE_MIN = 65536
-"""From this many packed ids a comparison takes numpy views (below, copying both ranges to
-``bytes`` and comparing those costs less, the more so when the memory is cold)."""
+NUMPY_COMPARE_MIN = 8192
+"""From this many packed ids a comparison takes numpy views (one vector pass, whose fixed cost
+a shorter range does not repay); below, the memoryviews compare item by item in C."""
 
 MemoKey = tuple[BlockHash | None, bytes, str | None]
 WalkEnd = tuple[int, "Branch | None", "MemoKey | None"]
@@ -120,7 +120,7 @@ def agreeing_blocks(
 ) -> int:
     """The first block in ``[lo, hi)`` where two packed id arrays differ (``hi`` if none):
     one comparison up to ``hint`` (a likely first difference) and one of the rest, then a
-    bisection of the range that differs. Each comparison is one C ``memcmp`` or vector pass
+    bisection of the range that differs. Each comparison is one C loop or vector pass
     over the arrays' memory (``_same``)."""
     good, bad = lo, hi
     if lo < hint < hi:
@@ -141,11 +141,14 @@ def agreeing_blocks(
 
 
 def _same(ours: memoryview, theirs: memoryview, start: int, stop: int) -> bool:
-    """Whether ids ``start … stop − 1`` agree: a comparison of both ranges copied to ``bytes``
-    (one ``memcmp``), or from ``NUMPY_COMPARE_MIN`` ids numpy views of the same memory (one
-    vector pass, no copy)."""
+    """Whether ids ``start … stop − 1`` agree: the two memoryview slices compared (one C loop
+    over their items), or from ``NUMPY_COMPARE_MIN`` ids numpy views of the same memory (one
+    vector pass). Neither copies the ranges: a copy of a prompt's ids (tens of KiB) is a fresh
+    allocation at the top of the heap, which the rest of the process (a scheduler's own work
+    between two admissions) keeps handing back to the system, so that each copy faults its
+    pages in again."""
     if stop - start < NUMPY_COMPARE_MIN:
-        return ours[start:stop].tobytes() == theirs[start:stop].tobytes()
+        return ours[start:stop] == theirs[start:stop]
     count = stop - start
     a = np.frombuffer(ours, np.uint64, count, start * 8)
     b = np.frombuffer(theirs, np.uint64, count, start * 8)
