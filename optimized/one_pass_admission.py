@@ -76,19 +76,18 @@ def admit(
     adopted = np.concatenate(parts)
     new_count = g_count * (width - length)
     refs = pool.ref.n[adopted]
-    queued = int(np.count_nonzero(refs == 0))  # hits in the free queue
-    if queued + new_count + kept_free > pool.num_free_blocks:
-        return None
+    # Hits in the free queue leave it, so they count against the free blocks: at most all of
+    # them, which is counted exactly only where that bound does not fit already.
+    if adopted.shape[0] + new_count + kept_free > pool.num_free_blocks:
+        queued = int(np.count_nonzero(refs == 0))
+        if queued + new_count + kept_free > pool.num_free_blocks:
+            return None
     pool.paths.ran(paths.ADMISSION_ONE_PASS)
     row = s.rows.take(request.request_id)
     if pool.touch_array(adopted, refs):
         pool.paths.ran(paths.TOUCH_VECTORISED)
-    tables = np.zeros((g_count, width), dtype=np.int32)
-    for g, part in enumerate(parts):
-        tables[g, length - part.shape[0] : length] = part  # after the group's nulls
     new = pool.pop_array(new_count).reshape(g_count, width - length)
-    tables[:, length:] = new
-    write_row(s, row, tables, [length - part.shape[0] for part in parts])
+    write_row(s, row, parts, new, length)
     cached = length
     if cache_up_to >= 0:
         cached = max(min(cache_up_to // layout.block_size, len(request.block_hashes)), length)
@@ -101,13 +100,28 @@ def admit(
     return KVCacheBlocks(tuple(map(tuple, new.tolist())))
 
 
-def write_row(s: ManagerState, row: int, tables: npt.NDArray[Any], nulls: list[int]) -> None:
-    """Write the row's tables (``[G, n]``: every group's first n positions) in one assignment,
-    its length n and each group's leading nulls."""
+def write_row(
+    s: ManagerState,
+    row: int,
+    parts: Sequence[npt.NDArray[Any]],
+    new: npt.NDArray[Any],
+    length: int,
+) -> None:
+    """Write the row's tables in place (a strided ``[G, n]`` view of the host tables): each
+    group's first ``length`` positions its leading nulls then its hit (``parts[g]``, ending at
+    ``length``), the rest its new blocks (``new``, ``[G, n − length]``); then its length n and
+    each group's leading nulls."""
     layout = s.layout
-    g_count, width = tables.shape
+    g_count, added = new.shape
+    width = length + added
     flat = s.tab.n.reshape(g_count, layout.max_num_reqs, layout.max_blocks_per_req)
-    flat[:, row, :width] = tables
+    tables = flat[:, row, :width]
+    nulls = [length - part.shape[0] for part in parts]
+    if any(nulls):
+        tables[:, :length] = 0
+    for g, part in enumerate(parts):
+        tables[g, nulls[g] : length] = part
+    tables[:, length:] = new
     counters, at = s.rows, row * g_count
     counters.length[at : at + g_count] = array("q", (width,)) * g_count
     counters.nulls[at : at + g_count] = array("q", nulls)

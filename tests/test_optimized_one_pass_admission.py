@@ -125,6 +125,25 @@ def test_a_hit_waiting_in_the_free_queue_counts_against_the_free_blocks() -> Non
         opt.check_invariants()
 
 
+def test_a_hit_another_request_holds_takes_no_free_block() -> None:
+    """``a`` holds its 20 cached tokens (5 blocks a group, 15 in all). ``b`` of the same 20
+    tokens and 12 of its own hits all 20 and takes its 9 hit blocks from ``a``, none from the
+    free queue, then needs 3 new blocks a group: it fits 9 free blocks (fewer than its hit and
+    new blocks together), not 8."""
+    tokens = prompt(1, 20)
+    for num_blocks, fits in ((25, True), (24, False)):
+        opt, general, ref = managers(num_blocks)
+        three: tuple[Manager, ...] = (opt, general, ref)
+        same_everywhere(three, tokens, "a")
+        assert opt.snapshot().num_free_blocks == num_blocks - 16
+        before = opt.fast_paths[ONE_PASS]
+        length, *rest = same_everywhere(three, [*tokens, *prompt(2, 12)], "b")
+        assert length == 20
+        assert (rest[0] is not None) == fits
+        assert opt.fast_paths[ONE_PASS] == before + fits
+        opt.check_invariants()
+
+
 def test_delayed_caching_and_chunked_groups_take_their_own_paths() -> None:
     """``delay_cache_blocks`` caches nothing now (the counters stay at the hit); a layout with
     a chunked-local group is plain too (one block size): both admit in one pass and match the
