@@ -1,6 +1,6 @@
 """Where a cold admission's time goes: each part taken out in turn, measured side by side.
 
-docs/optimized-backend.md ("This round") holds its output.
+docs/optimized-history.md ("Commits 18039e5 → 0f1b0ff") holds its output.
 
 ``python scripts/admission_parts.py [PART ...] [--count N]`` runs the benchmark's admission
 scenario (a 4,096-token system prompt cached by one request, then requests of it and 256 tokens
