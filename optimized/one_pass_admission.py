@@ -7,9 +7,10 @@ size that is the hash block size, caching on without events, sparse retention or
 hears each call (``GroupColumns.defers``) — an admission whose hit reaches one length S in
 every group (each group's skipped positions, then its adopted blocks: a lookup's hit always
 does, as does no hit) grows every table to one length R too. Then the row is one ``[G, R]``
-matrix (nulls, the hit, R − S new blocks) written with one assignment, its counters four
-slice writes, the new blocks one take reshaped, and the cached entries columns of that
-matrix: ``admit`` does the same work as ``admission.allocate`` in a fixed number of numpy
+strided view of the host tables (nulls, the hit, R − S new blocks) written in place (the
+nulls in one assignment, each group's hit in one, the new blocks in one), its counters four
+slice writes, the new blocks one take reshaped, and the cached entries columns of those new
+blocks: ``admit`` does the same work as ``admission.allocate`` in a fixed number of numpy
 calls instead of some per group, with the same result (the reference's: the same blocks in
 the same tables, taken in the same order, cached in the same order). Anything else
 (``admit`` returns ``NOT_PLAIN``) takes ``admission.allocate``.
@@ -18,7 +19,7 @@ Data layout (G groups, R rows, W = ``max_blocks_per_req`` positions)
 ----------------------------------------------------------------
 The host tables are one flat int32 buffer, group g's row r at ``(g × R + r) × W``
 (``GroupLayout.group_bases``): viewed as ``[G, R, W]``, ``[:, row, :]`` is the row's tables,
-a strided ``[G, W]`` view that one assignment fills. The free queue hands out blocks in
+a strided ``[G, W]`` view written in place. The free queue hands out blocks in
 group order (group 0's first, as ``step.extend`` splits one take), so the take as a
 ``[G, R − S]`` array is each group's new blocks; positions S … F − 1 of it (F: the full blocks
 ``allocate_slots`` caches) are the entries to cache, group by group, position by position,
