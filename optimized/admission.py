@@ -69,7 +69,7 @@ def allocate(
         return step.step(s, request, row, computed, need, cache_up_to, kept_free)
     # Admission: skipped positions, then the adopted hits, then the external tokens' blocks,
     # then new blocks.
-    skipped = [rule.skipped_positions(local + num_external) for rule in s.layout.rules]
+    skipped = s.layout.skipped_positions(local + num_external)
     if (
         s.layout.columns.defers
         and s.tuning.one_pass_admission
@@ -197,7 +197,7 @@ def whole_sequence_fits(
     row = s.rows.row_of(request.request_id)
     length = s.rows.length
     total = 0
-    skipped = [rule.skipped_positions(computed) for rule in s.layout.rules]
+    skipped = s.layout.skipped_positions(computed)
     positions = required_positions(s.layout, full_length, num_encoder)
     for g in range(s.layout.num_groups):
         required = positions[g]

@@ -153,7 +153,7 @@ def checked_hits(
             request,
             num_new_tokens,
             num_new_computed_tokens,
-            [len(hit) for hit in group_hits],
+            [hit.size for hit in group_hits],
             num_lookahead_tokens,
             config=layout.config,
             enable_caching=layout.caching,

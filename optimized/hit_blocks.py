@@ -25,17 +25,19 @@ Ints = npt.NDArray[Any]
 
 class GroupHit:
     """One group's hit: ``nulls`` null blocks, then the blocks ``ids`` (int32, owned); ``dense``
-    when none of those is null (a lookup's hits are)."""
+    when none of those is null (a lookup's hits are); ``size`` blocks in all (its ``len``, an
+    attribute for the paths that read every group's)."""
 
-    __slots__ = ("dense", "ids", "nulls")
+    __slots__ = ("dense", "ids", "nulls", "size")
 
     def __init__(self, nulls: int, ids: Ints, dense: bool = True) -> None:
         self.nulls = nulls
         self.ids = ids
         self.dense = dense
+        self.size: int = nulls + ids.shape[0]
 
     def __len__(self) -> int:
-        return self.nulls + int(self.ids.shape[0])
+        return self.size
 
     def cut(self, length: int) -> GroupHit:
         """The first ``length`` blocks of the hit."""

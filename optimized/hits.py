@@ -52,7 +52,7 @@ def longest_hit(
         hits, hit_length, longest = hybrid_hit(s, memos, max_length)
         boundary = longest if longest > hit_length else 0
     if report and hit_length:
-        pool, sizes = s.pool, [len(hit) for hit in hits]
+        pool, sizes = s.pool, [hit.size for hit in hits]
         pool.events += reused_block_events(
             pool.event_builder, request, sizes, s.layout.config, s.layout.hash_block_size
         )

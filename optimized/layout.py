@@ -13,6 +13,8 @@ Data layout (G groups, R = ``max_num_reqs`` rows, W = ``max_blocks_per_req`` pos
 ::
 
     rules[G]               GroupRule per group (kind, block size, window or chunk span)
+    distinct_rules         the distinct rules among them; rule_plan[G]: each group's index
+                           into it (Gemma's six window groups share one rule)
     releasing              (g, rule) of the groups whose windows or chunks release blocks
     release_rules          the distinct rules among them; release_plan: (g, index) into it
     one_window             (first, end, block size, window) when the releasing groups are one
@@ -85,6 +87,8 @@ class GroupLayout:
     max_num_reqs: int
     max_blocks_per_req: int
     rules: tuple[GroupRule, ...]
+    distinct_rules: tuple[GroupRule, ...] = field(init=False)
+    rule_plan: tuple[int, ...] = field(init=False)
     releasing: tuple[tuple[int, GroupRule], ...] = field(init=False)
     release_rules: tuple[GroupRule, ...] = field(init=False)
     release_plan: tuple[tuple[int, int], ...] = field(init=False)
@@ -188,7 +192,10 @@ class GroupLayout:
         kinds = {group.spec.kind for group in self.config.groups}
         releasing = tuple((g, rule) for g, rule in enumerate(self.rules) if rule.releases)
         release_rules = tuple(dict.fromkeys(rule for _, rule in releasing))
+        distinct_rules = tuple(dict.fromkeys(self.rules))
         derived = {
+            "distinct_rules": distinct_rules,
+            "rule_plan": tuple(distinct_rules.index(rule) for rule in self.rules),
             "max_model_len": settings.max_model_len,
             "lookahead": settings.num_hash_lookahead_tokens,
             "retention_interval": self.config.prefix_cache_retention_interval,
@@ -211,6 +218,12 @@ class GroupLayout:
         for name, value in derived.items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "memo_run", _memo_run(self))
+
+    def skipped_positions(self, num_computed_tokens: int) -> list[int]:
+        """Each group's leading positions that ``num_computed_tokens`` computed tokens leave
+        unread (``GroupRule.skipped_positions``), each distinct rule asked once."""
+        per_rule = [rule.skipped_positions(num_computed_tokens) for rule in self.distinct_rules]
+        return [per_rule[i] for i in self.rule_plan]
 
 
 _RUN_TYPES: dict[str, Callable[[Any], int]] = {

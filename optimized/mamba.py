@@ -117,7 +117,7 @@ def _adopt(
     as ``admission.adopt`` does, a Mamba group's table with nulls anywhere."""
     group_hits = [GroupHit.of(ids) for ids in hits]
     total = num_computed + num_external
-    skipped = [rule.skipped_positions(total) for rule in s.layout.rules]
+    skipped = s.layout.skipped_positions(total)
     admission.adopt(s, row, group_hits, skipped, admission.adopted_blocks(group_hits, skipped))
     for g, rule in enumerate(s.layout.rules):
         s.mamba.running.add((row, g))

@@ -66,9 +66,9 @@ def admit(
     they do not fit with ``kept_free`` blocks kept free (nothing changed), or ``NOT_PLAIN``."""
     layout, pool = s.layout, s.pool
     g_count = layout.num_groups
-    length = max(skipped[0], len(hits[0]))
+    length = max(skipped[0], hits[0].size)
     for hit, skip in zip(hits, skipped, strict=True):
-        if not hit.dense or max(skip, len(hit)) != length:
+        if not hit.dense or max(skip, hit.size) != length:
             return NOT_PLAIN  # a hit cut short in some group, or one a scheduler built
     width = rules.cdiv(need, layout.block_size)
     if width < length:
