@@ -264,10 +264,13 @@ class Sizes:
     scaling_batches: tuple[int, ...]
     scaling_pools: tuple[int, ...]
     scaling_steps: int
+    scaling_passes: int = 1
+    """``--scaling`` sweeps every (pool, B) this many times, each figure the fastest of its
+    passes: a slow phase of a shared machine slows some passes of a row, not all."""
 
 
 FULL = Sizes(
     (64, 256, 1024), 32, 2000, 131_072, 5, 256, 4096, 256, 1_000_000,
-    SCALING_BATCHES, SCALING_POOLS, 16,
+    SCALING_BATCHES, SCALING_POOLS, 16, 3,
 )  # fmt: skip
 QUICK = Sizes((16, 32), 4, 200, 4096, 3, 8, 512, 256, 20_000, (4, 8, 16, 32), (10**3, 10**4), 3)
