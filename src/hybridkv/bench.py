@@ -68,8 +68,11 @@ block, as vLLM does), and the output says so; the targets on ratios are then not
 ``--scaling`` measures instead the decode step (both ways) for B = 64, 128, …, 4,096 on pools of
 10⁴, 10⁵ and 10⁶ blocks, with ~100-token prompts (100 − i mod 16; 16 timed steps) so that the
 smaller pools hold some batches at all; a batch whose requests do not fit its pool is skipped
-and listed. It prints µs per request per step; ``--plot FILE.png`` (implies ``--scaling``, needs
-the ``plot`` extra) draws µs per step against B, log–log, on the largest pool.
+and listed. Every row is the fastest of three sweeps over all rows (a slow phase of a shared
+machine slows some sweeps of a row, not all). It prints µs per request per step, then each
+way's highest cost per request ÷ its lowest (the optimized backend's target: at most 1.5×);
+``--plot FILE.png`` (implies ``--scaling``, needs the ``plot`` extra) draws µs per step
+against B, log–log, on the largest pool.
 
 ``--threads 1`` (the default) runs torch with one intra-op thread, ``--threads default`` keeps
 torch's own setting; the output prints which. ``--busy-core`` keeps one core busy with a
