@@ -172,3 +172,35 @@ def test_hybridkv_bench_passes_the_options_through(monkeypatch: pytest.MonkeyPat
     result = CliRunner().invoke(main, ["bench", *options, "--format", "markdown"])
     assert result.exit_code == 0, result.output
     assert seen == [["python -m hybridkv.bench", *options, "--format", "markdown"]]
+
+
+def test_scaling_takes_each_rows_fastest_pass_and_prints_each_ways_spread(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two sweeps over two rows (B = 2 and 4), whose decode steps are made up: each row
+    reads the faster of its two passes, and the last line each way's highest µs per request
+    over the rows ÷ its lowest."""
+    from hybridkv import bench_scaling
+
+    made_up = iter([
+        [40.0, 60.0, 8.0, 6.0], [100.0, 100.0, 40.0, 40.0],  # first sweep: B = 2, then B = 4
+        [50.0, 50.0, 4.0, 5.0], [80.0, 160.0, 24.0, 12.0],  # second sweep
+    ])  # fmt: skip
+
+    def decode_made_up(ways: list[Way], batch: int, *args: object, **kwargs: object) -> object:
+        return {way.label: (us, us) for way, us in zip(ways, next(made_up), strict=True)}
+
+    monkeypatch.setattr(bench_scaling, "decode", decode_made_up)
+    sizes = Sizes(**{**TINY.__dict__, "scaling_batches": (2, 4), "scaling_pools": (10**6,)})
+    sizes = Sizes(**{**sizes.__dict__, "scaling_passes": 2})
+    stand_in, ref, opt, _ = hybridkv_backends("cpu")
+    curves = bench_scaling.run_scaling((stand_in, ref, opt), sizes, markdown=True)
+    assert curves[10**6]["optimized"] == [(2, 4.0), (4, 24.0)]
+    assert curves[10**6]["optimized, batched"] == [(2, 5.0), (4, 12.0)]
+    out = capsys.readouterr().out
+    # Per request: stand-in 20 and 20, reference 25 and 25, optimized 2 and 6, batched 2.5 and 3.
+    assert out.rstrip().endswith(
+        "each figure: the fastest of 2 pass(es) over every row; per request, the highest row ÷ "
+        "the lowest: stand-in 1.00×, reference 1.00×, optimized 3.00×, optimized, batched 1.20× "
+        "(target for the optimized backend: ≤ 1.5×)"
+    )

@@ -14,37 +14,22 @@ from hybridkv.bench_backends import SCALING_PROMPT, Backend, Way
 from hybridkv.bench_report import fmt_ratio, print_table, ratio
 from hybridkv.bench_scenarios import Sizes, decode, decode_blocks
 
+Curves = dict[int, dict[str, list[tuple[int, float]]]]
+"""Per pool, each way's ``(B, µs per step)``."""
 
-def run_scaling(
-    bases: Sequence[Backend], sizes: Sizes, markdown: bool
-) -> dict[int, dict[str, list[tuple[int, float]]]]:
+
+def run_scaling(bases: Sequence[Backend], sizes: Sizes, markdown: bool) -> Curves:
     """µs per request of the decode step for each pool and batch that fits, each the fastest of
-    ``sizes.scaling_passes`` sweeps over all of them; returns, per pool, each way's ``(B, µs per
-    step)``."""
+    ``sizes.scaling_passes`` sweeps over all of them; returns the curves."""
     base, ref, opt = bases
     ways = [Way(base), Way(ref), Way(opt), Way(opt, batched=True)]
     labels = [w.label for w in ways]
-    fits = [
-        (pool, b)
-        for pool in sizes.scaling_pools
-        for b in sizes.scaling_batches
-        if decode_blocks(b, sizes.scaling_steps, SCALING_PROMPT) <= pool
-    ]
-    passes: dict[tuple[int, int], list[list[float]]] = {row: [] for row in fits}
-    for _ in range(sizes.scaling_passes):
-        for pool, b in fits:
-            t = decode(ways, b, sizes.scaling_steps, SCALING_PROMPT, num_blocks=pool)
-            passes[pool, b].append([t[label][0] for label in labels])
-    curves: dict[int, dict[str, list[tuple[int, float]]]] = {
-        pool: {label: [] for label in labels} for pool in sizes.scaling_pools
-    }
-    per_request: dict[str, list[float]] = {label: [] for label in labels}
+    fastest = sweeps(ways, sizes)
+    curves: Curves = {pool: {label: [] for label in labels} for pool in sizes.scaling_pools}
     rows: list[tuple[str, ...]] = []
-    for pool, b in fits:
-        steps = [min(way) for way in zip(*passes[pool, b], strict=True)]
+    for (pool, b), steps in fastest.items():
         for label, us in zip(labels, steps, strict=True):
             curves[pool][label].append((b, us))
-            per_request[label].append(us / b)
         rows.append(
             (
                 f"{pool:,}", f"{b:,}", *(f"{us / b:.2f}" for us in steps),
@@ -56,20 +41,24 @@ def run_scaling(
         f"{base.name}÷opt", f"{base.name}÷opt, batched",
     )  # fmt: skip
     print_table(header, rows, markdown)
+    spreads = [
+        f"{label} {max(us for _, us in points) / min(us for _, us in points):.2f}×"
+        for label in labels
+        if (points := [(b, us / b) for pool in curves for b, us in curves[pool][label]])
+    ]
     print(
         f"\neach figure: the fastest of {sizes.scaling_passes} pass(es) over every row"
         + (
-            "; per request, the highest row ÷ the lowest: "
-            + ", ".join(f"{label} {max(us) / min(us):.2f}×" for label, us in per_request.items())
-            + " (target for the optimized backend: ≤ 1.5×)"
-            if rows
+            f"; per request, the highest row ÷ the lowest: {', '.join(spreads)} (target for "
+            "the optimized backend: ≤ 1.5×)"
+            if spreads
             else ""
         )
     )
     skipped = [
         f"pool {pool:,}: B = {', '.join(f'{b:,}' for b in too_big)}"
         for pool in sizes.scaling_pools
-        if (too_big := [b for b in sizes.scaling_batches if (pool, b) not in passes])
+        if (too_big := [b for b in sizes.scaling_batches if (pool, b) not in fastest])
     ]
     if skipped:
         blocks = decode_blocks(1, sizes.scaling_steps, SCALING_PROMPT) - 64
@@ -78,6 +67,23 @@ def run_scaling(
             + "; ".join(skipped)
         )
     return curves
+
+
+def sweeps(ways: Sequence[Way], sizes: Sizes) -> dict[tuple[int, int], list[float]]:
+    """Per (pool, B) that fits, each way's µs per decode step: the fastest of
+    ``sizes.scaling_passes`` sweeps over every (pool, B), in pool-then-B order."""
+    fits = [
+        (pool, b)
+        for pool in sizes.scaling_pools
+        for b in sizes.scaling_batches
+        if decode_blocks(b, sizes.scaling_steps, SCALING_PROMPT) <= pool
+    ]
+    passes: dict[tuple[int, int], list[list[float]]] = {row: [] for row in fits}
+    for _ in range(sizes.scaling_passes):
+        for pool, b in fits:
+            t = decode(ways, b, sizes.scaling_steps, SCALING_PROMPT, num_blocks=pool)
+            passes[pool, b].append([t[way.label][0] for way in ways])
+    return {row: [min(way) for way in zip(*runs, strict=True)] for row, runs in passes.items()}
 
 
 def plot(curves: dict[str, list[tuple[int, float]]], pool: int, path: str) -> None:
