@@ -272,8 +272,7 @@ def check_issued_allocation(
     _check_hit_group_count(len(hit_sizes), config)
     for group_id, size in enumerate(hit_sizes):
         block_size = config.groups[group_id].spec.block_size
-        if num_new_computed_tokens % block_size or size != num_new_computed_tokens // block_size:
-            _check_hit_count(group_id, size, num_new_computed_tokens, block_size)  # raises
+        _check_hit_count(group_id, size, num_new_computed_tokens, block_size)
     _check_admitted(request, any(hit_sizes), holds_blocks)
 
 
