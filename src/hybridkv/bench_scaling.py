@@ -42,9 +42,9 @@ def run_scaling(bases: Sequence[Backend], sizes: Sizes, markdown: bool) -> Curve
     )  # fmt: skip
     print_table(header, rows, markdown)
     spreads = [
-        f"{label} {max(us for _, us in points) / min(us for _, us in points):.2f}×"
+        f"{label} {max(costs) / min(costs):.2f}×"
         for label in labels
-        if (points := [(b, us / b) for pool in curves for b, us in curves[pool][label]])
+        if (costs := [us / b for pool in curves for b, us in curves[pool][label]])
     ]
     print(
         f"\neach figure: the fastest of {sizes.scaling_passes} pass(es) over every row"
