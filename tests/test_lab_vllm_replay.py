@@ -26,7 +26,8 @@ with warnings.catch_warnings():
 pytest.importorskip("torch")
 
 from hybridkv.block_trace import BlockTraceRequest
-from hybridkv.cli.replay_run import ReplaySetup, run_cell
+from hybridkv.cli.replay_run import run_cell
+from hybridkv.cli.replay_setup import ReplaySetup
 from hybridkv.integrations.vllm.model_layout import ModelLayout
 from hybridkv.lab import CostModel, ReplayConfig, ReplayResult
 from hybridkv.lab.vllm_replay import VllmEngine, VllmReplay

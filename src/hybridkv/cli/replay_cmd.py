@@ -18,13 +18,8 @@ import click
 from hybridkv.cli.options import MemorySize, UserError
 from hybridkv.cli.plan_cmd import model_options
 from hybridkv.cli.replay_output import check_plot, print_table, write_plot
-from hybridkv.cli.replay_run import (
-    COST_FIELDS,
-    TRACE_FORMATS,
-    CellResult,
-    ReplaySetup,
-    is_block_trace,
-)
+from hybridkv.cli.replay_run import is_block_trace
+from hybridkv.cli.replay_setup import COST_FIELDS, TRACE_FORMATS, CellResult, ReplaySetup
 from hybridkv.cli.replay_vllm import SCHEDULERS, check_scheduler
 
 if TYPE_CHECKING:

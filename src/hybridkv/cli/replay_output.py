@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from hybridkv.cli.options import UserError
 
 if TYPE_CHECKING:
-    from hybridkv.cli.replay_run import CellResult
+    from hybridkv.cli.replay_setup import CellResult
 
 PLOT_EXTRA = "--plot needs matplotlib: pip install '.[plot]' from a checkout (or hybridkv[plot])"
 

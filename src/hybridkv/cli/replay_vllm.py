@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from hybridkv.block_trace import BlockTraceRequest
     from hybridkv.cli.plan_data import Plan
-    from hybridkv.cli.replay_run import ReplaySetup
+    from hybridkv.cli.replay_setup import ReplaySetup
     from hybridkv.lab import ReplayResult
 
 SCHEDULERS = ("built-in", "vllm")
@@ -58,7 +58,7 @@ def run_vllm(
 ) -> ReplayResult:
     """Replay ``setup``'s trace through vLLM's scheduler on the plan's pool (under vLLM's
     grouping); ``UserError`` for what vLLM or the backend refuses."""
-    from hybridkv.cli.replay_run import EngineSettings
+    from hybridkv.cli.replay_setup import EngineSettings
     from hybridkv.lab import ReplayConfig
 
     check_scheduler(setup)

@@ -5,7 +5,7 @@
 tests' (dense retention, first-chunk admission, ``Scheduler``: one step in flight). Each single
 setting (``hybridkv replay --retention-interval``, ``--admission``, ``--async-scheduling``,
 ``--no-prefix-caching``) replaces the defaults' value of that setting alone, as it does for the
-built-in loop (``hybridkv.cli.replay_run.EngineSettings``).
+built-in loop (``hybridkv.cli.replay_setup.EngineSettings``).
 """
 
 from __future__ import annotations
