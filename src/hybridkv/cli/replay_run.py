@@ -1,7 +1,8 @@
 """One cell of a ``hybridkv replay`` grid: plan the model, build the manager, replay the trace.
 
-A cell is a frozen ``ReplaySetup`` (plain values only), so a grid's cells run in worker
-processes as well as in this one, and each returns a ``CellResult`` of plain values.
+A cell is a frozen ``ReplaySetup`` (plain values only, ``hybridkv.cli.replay_setup``), so a
+grid's cells run in worker processes as well as in this one, and each returns a ``CellResult``
+of plain values.
 
 Engine defaults (``defaults="engine"``) are vLLM 0.33's, as ``hybridkv plan`` assumes: sparse
 retention (``prefix_cache_retention_interval=0``), full-prompt admission, async scheduling's
