@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,6 +42,16 @@ from hybridkv.conformance.adapters import (
     reference_backend,
 )
 from hybridkv.conformance.extras import missing_extra
+from hybridkv.conformance.sections import (
+    raised,
+    run_crosshair,
+    run_golden,
+    run_machine,
+    run_mutants,
+    run_oracles,
+    sample_traces,
+    section,
+)
 from hybridkv.extras import first_missing, needs_line
 from hybridkv.policies import resolve_policy
 
@@ -132,105 +141,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _section(title: str) -> None:
-    print(f"\n== {title}", flush=True)
-
-
-def _verdict(ok: bool, what: str) -> None:
-    print(f"  {'PASS' if ok else 'FAIL'}  {what}", flush=True)
-
-
-def _raised(section: str, error: BaseException) -> None:
-    print(f"  FAIL  {section}: raised {type(error).__name__}: {error}")
-    print("    " + "".join(traceback.format_exception(error)).replace("\n", "\n    "))
-
-
-def known_bugs(error: BaseException, under_test: Sequence[Backend]) -> list[str]:
-    """The known bugs of the implementations under test that ``error`` is: an adapter's module
-    may name them with ``known_bug(error) -> str | None`` (``adapters.vllm`` does)."""
-    found = []
-    for name, factory in under_test:
-        module = sys.modules.get(getattr(factory, "__module__", ""))
-        explain = getattr(module, "known_bug", None)
-        note = explain(error) if callable(explain) else None
-        if isinstance(note, str):
-            found.append(f"known bug of {name}: {note}")
-    return found
-
-
-def _machine_failure(
-    error: Exception, argv: Sequence[str], seed: int | None, under_test: Sequence[Backend] = ()
-) -> None:
-    """What differed (the values side by side), the shortest failing example as scheduler
-    calls to paste, and the command that reruns it; a crash (not a difference) with its
-    traceback; and whether it is a known bug of an implementation under test."""
-    from hybridkv.conformance.invariants import ConformanceError
-
-    print(f"  FAILED: {type(error).__name__}: {error}".replace("\n", "\n    "))
-    for note in known_bugs(error, under_test):
-        print(f"  {note}")
-    script = getattr(error, "repro", None)
-    if not isinstance(error, ConformanceError):
-        print("    " + "".join(traceback.format_exception(error)).replace("\n", "\n    "))
-    if script is not None:
-        print("  the shortest failing example as scheduler calls (paste into Python; it raises")
-        print("  at the call that differs):")
-        print("    " + script.replace("\n", "\n    "))
-    print(_rerun_hint(argv, seed))
-
-
-def sample_traces(names: Sequence[str], count: int | None) -> list[str]:
-    """``count`` of ``names`` spread evenly over the sorted list (both sets), or all of them."""
-    if count is not None and count < 1:
-        raise ValueError(f"--traces must be at least 1, got {count}")
-    if count is None or count >= len(names):
-        return list(names)
-    return [names[i * len(names) // count] for i in range(count)]
-
-
-def run_golden(backends: Sequence[Backend], count: int | None = None) -> bool:
-    """Every (or a sample of ``count``) golden trace through each backend's adapter, with its
-    invariant checker after every operation; prints a PASS/FAIL line with counts per backend,
-    the failing traces (name, operation index, what differed or what was raised) and the
-    skipped ones (a feature refused by name)."""
-    from hybridkv.conformance.golden import check_trace, trace_names
-
-    ok = True
-    names = sample_traces(trace_names(), count)
-    for name, factory in backends:
-        start = time.monotonic()
-        results = [check_trace(trace, factory) for trace in names]
-        failed = [r for r in results if r.status == "fail"]
-        skipped = [r for r in results if r.status == "skipped"]
-        passed = len(results) - len(failed) - len(skipped)
-        ops = sum(r.matched for r in results)
-        not_shown = sum(r.states_not_shown for r in results)
-        seconds = time.monotonic() - start
-        _verdict(
-            not failed,
-            f"{name}: {passed}/{len(names)} traces identical, {len(failed)} failed, "
-            f"{len(skipped)} skipped (feature not implemented), {ops} operations matched"
-            + (f", {not_shown} pool states not shown (snapshot None)" if not_shown else "")
-            + f" ({seconds:.1f}s)",
-        )
-        for result in failed[:5]:
-            print("    FAIL " + result.detail.replace("\n", "\n    "))
-        if len(failed) > 5:
-            print(f"    … and {len(failed) - 5} more: {', '.join(r.trace for r in failed[5:])}")
-        if skipped:
-            print(f"    skipped: {', '.join(r.trace for r in skipped)}")
-            print(f"      first refusal: {skipped[0].detail}")
-        ok = ok and not failed
-    return ok
-
-
-def _rerun_hint(argv: Sequence[str], seed: int | None) -> str:
-    command = " ".join(["python -m hybridkv.conformance", *argv])
-    if seed is None:
-        return f"  rerun: {command}  (derandomized: the same command replays the same examples)"
-    return f"  rerun: {command}  (seed {seed})"
-
-
 def _missing_extra(args: argparse.Namespace) -> str | None:
     """Before any work, the one line naming a missing extra: the differential machine needs
     hypothesis, an asked-for optimized backend torch and numpy."""
@@ -239,6 +149,47 @@ def _missing_extra(args: argparse.Namespace) -> str | None:
         needed += ["torch", "numpy"]
     missing = first_missing(needed)
     return None if missing is None else needs_line("python -m hybridkv.conformance", missing)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What a run checks: ``backends`` in lockstep (the first the one compared with), of them
+    ``under_test`` (the ones reported), and the ``--adapter`` spec of an outside one by name."""
+
+    backends: list[Backend]
+    under_test: list[Backend]
+    adapter_specs: dict[str, str]
+
+
+def select(args: argparse.Namespace) -> Selection:
+    """The backends the command line names; ``ValueError`` or ``AdapterLoadError`` (before any
+    work) for options that exclude each other, a bad policy, a bad trace count or a missing
+    CrossHair."""
+    if args.adapter is not None:
+        if args.backend is not None:
+            raise ValueError(
+                "--adapter and --backend are exclusive (--adapter is compared with the reference)"
+            )
+        if args.eviction != "lru":
+            raise ValueError("--adapter and --eviction are exclusive (the adapter builds it)")
+        under_test = [load_backend(args.adapter)]
+        selection = Selection(
+            [reference_backend(), *under_test], under_test, {under_test[0][0]: args.adapter}
+        )
+    else:
+        choice = args.backend or (
+            "both" if optimized_backend(args.device) is not None else "reference"
+        )
+        resolve_policy(args.eviction)  # a bad name: refused here, by name
+        backends = backends_named(choice, args.device, args.eviction)
+        selection = Selection(backends, backends, {})
+    if args.traces is not None:
+        sample_traces([], args.traces)
+    if args.crosshair:
+        missing = missing_extra("crosshair", "crosshair", "--crosshair")
+        if missing is not None:
+            raise ValueError(missing)
+    return selection
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -250,172 +201,63 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {missing}", file=sys.stderr)
         return 2
     try:
-        if args.adapter is not None:
-            if args.backend is not None:
-                raise ValueError(
-                    "--adapter and --backend are exclusive (--adapter is compared "
-                    "with the reference)"
-                )
-            if args.eviction != "lru":
-                raise ValueError("--adapter and --eviction are exclusive (the adapter builds it)")
-            under_test = [load_backend(args.adapter)]
-            adapter_specs = {under_test[0][0]: args.adapter}
-            backends = [reference_backend(), *under_test]
-        else:
-            choice = args.backend or (
-                "both" if optimized_backend(args.device) is not None else "reference"
-            )
-            resolve_policy(args.eviction)  # a bad name: refused here, by name
-            backends = backends_named(choice, args.device, args.eviction)
-            under_test = backends
-            adapter_specs = {}
-        if args.traces is not None:
-            sample_traces([], args.traces)
-        if args.crosshair:
-            missing = missing_extra("crosshair", "crosshair", "--crosshair")
-            if missing is not None:
-                raise ValueError(missing)
+        chosen = select(args)
     except (AdapterLoadError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    examples = args.examples if args.examples is not None else profile.examples
-    steps = args.steps if args.steps is not None else profile.steps
-    hit_states = args.hit_states if args.hit_states is not None else profile.hit_states
-    results: dict[str, bool] = {}
     start = time.monotonic()
     print(
-        f"hybridkv conformance: under test {', '.join(n for n, _ in under_test)}; compared "
-        f"with {backends[0][0]}; profile {args.profile}; "
+        f"hybridkv conformance: under test {', '.join(n for n, _ in chosen.under_test)}; "
+        f"compared with {chosen.backends[0][0]}; profile {args.profile}; "
         f"seed {'derandomized' if args.seed is None else args.seed}"
     )
-
-    if args.eviction != "lru":
-        print(f"golden traces skipped: they record vLLM's LRU order, not {args.eviction}")
-    elif not args.no_golden:
-        _section("golden traces (vLLM 0.33)")
-        try:
-            results["golden traces"] = run_golden(under_test, args.traces)
-        except Exception as error:
-            _raised("golden traces", error)
-            results["golden traces"] = False
-
-    _section("stateful differential machine")
-    from hybridkv.conformance.machine import RunStats, run_command_machine
-
-    stats = RunStats()
-    known: list[str] = []
-    try:
-        run_command_machine(
-            backends,
-            examples=examples,
-            steps=steps,
-            seed=args.seed,
-            stats=stats,
-            adapter_specs=adapter_specs,
-        )
-        results["differential machine"] = True
-    except Exception as error:
-        _machine_failure(error, argv, args.seed, under_test)
-        known = known_bugs(error, under_test)
-        results["differential machine"] = False
-    print("\n".join(stats.lines()))
-    _verdict(
-        results["differential machine"],
-        f"differential machine: {stats.examples} examples, {stats.steps} steps, "
-        f"{stats.comparisons} comparisons, {stats.invariant_checks} invariant checks"
-        + (
-            "; the failure is a known bug of the implementation under test (above)" if known else ""
-        ),
-    )
-
-    _section("oracles (brute force)")
-    results["oracles"] = run_oracles(under_test, args, profile, hit_states)
-
-    if args.crosshair:
-        _section("CrossHair (a bounded symbolic search, not a proof)")
-        from hybridkv.conformance.crosshair_batches import run_manifest
-
-        try:
-            report = run_manifest(args.profile)
-            print("\n".join(report.lines()))
-            results["crosshair"] = report.ok
-            _verdict(report.ok, "CrossHair manifest")
-        except Exception as error:
-            _raised("CrossHair manifest", error)
-            results["crosshair"] = False
-
-    if args.mutants:
-        _section("planted bugs in the reference")
-        from hybridkv.conformance.mutants import MUTANTS, hunt_all
-
-        def show(hunt: object) -> None:
-            from hybridkv.conformance.mutants import Hunt
-
-            assert isinstance(hunt, Hunt)
-            verdict = f"caught by {hunt.caught_by}" if hunt.caught_by else "SURVIVED"
-            print(f"  {hunt.mutant.name:30} {verdict}: {hunt.detail[:100]}", flush=True)
-
-        try:
-            hunts = hunt_all(MUTANTS, profile.mutant_examples, progress=show)
-            caught = sum(h.caught_by is not None for h in hunts)
-            results["mutants"] = caught == len(hunts)
-            _verdict(results["mutants"], f"mutants caught: {caught}/{len(hunts)}")
-        except Exception as error:
-            _raised("planted bugs", error)
-            results["mutants"] = False
-
-    _section("summary")
+    results = run_sections(args, argv, profile, chosen)
+    section("summary")
     for name, ok in results.items():
         print(f"  {'PASS' if ok else 'FAIL'}  {name}")
     print(f"  {time.monotonic() - start:.1f}s")
     return 0 if all(results.values()) else 1
 
 
-def run_oracles(
-    under_test: Sequence[Backend], args: argparse.Namespace, profile: Profile, hit_states: int
-) -> bool:
-    """The longest hit of every implementation under test against brute force, on states
-    built through its adapter; without ``--adapter`` also the reference's own oracles (the
-    longest hit on states built inside its pool, engine layouts, the planner)."""
-    from hybridkv.conformance.oracles import (
-        run_adapter_hit_oracle,
-        run_engine_hit_oracle,
-        run_hit_oracle,
-        run_planner_oracle,
+def run_sections(
+    args: argparse.Namespace, argv: Sequence[str], profile: Profile, chosen: Selection
+) -> dict[str, bool]:
+    """Each section the command line asks for, in order: its name and whether it passed."""
+    results: dict[str, bool] = {}
+    if args.eviction != "lru":
+        print(f"golden traces skipped: they record vLLM's LRU order, not {args.eviction}")
+    elif not args.no_golden:
+        section("golden traces (vLLM 0.33)")
+        try:
+            results["golden traces"] = run_golden(chosen.under_test, args.traces)
+        except Exception as error:
+            raised("golden traces", error)
+            results["golden traces"] = False
+    section("stateful differential machine")
+    results["differential machine"] = run_machine(
+        chosen.backends,
+        chosen.under_test,
+        examples=profile.examples if args.examples is None else args.examples,
+        steps=profile.steps if args.steps is None else args.steps,
+        seed=args.seed,
+        adapter_specs=chosen.adapter_specs,
+        argv=argv,
     )
-
-    seed = args.seed or 0
-    ok = True
-    for name, factory in under_test:
-        adapter_oracle = run_adapter_hit_oracle(name, factory, max(1, hit_states // 4), seed)
-        print("\n".join(adapter_oracle.lines()))
-        for failure in adapter_oracle.failures[:5]:
-            print(f"    FAIL {failure}")
-        _verdict(
-            not adapter_oracle.failures,
-            f"longest hit of {name}: {len(adapter_oracle.failures)} of "
-            f"{adapter_oracle.probes} lookups differ from brute force (seed {seed})",
-        )
-        ok = ok and not adapter_oracle.failures
-    if args.adapter is not None:
-        return ok
-    try:
-        oracle = run_hit_oracle(hit_states, seed=seed)
-        run_planner_oracle(profile.planner_models, seed=7 + seed, stats=oracle)
-        engine_oracle = run_engine_hit_oracle(hit_states, seed=seed)
-    except Exception as error:
-        _raised("reference oracles", error)
-        return False
-    failures = [*(oracle.failures or []), *engine_oracle.failures]
-    print("\n".join([*oracle.lines(), *engine_oracle.lines()]))
-    for failure in failures[:5]:
-        print(f"    FAIL {failure}")
-    _verdict(
-        not failures,
-        f"reference oracles: {len(failures)} failures over {oracle.hit_states} + "
-        f"{engine_oracle.states} cache states and {oracle.planner_models} planner models",
+    section("oracles (brute force)")
+    results["oracles"] = run_oracles(
+        chosen.under_test,
+        hit_states=profile.hit_states if args.hit_states is None else args.hit_states,
+        planner_models=profile.planner_models,
+        seed=args.seed or 0,
+        with_reference=args.adapter is None,
     )
-    return ok and not failures
+    if args.crosshair:
+        section("CrossHair (a bounded symbolic search, not a proof)")
+        results["crosshair"] = run_crosshair(args.profile)
+    if args.mutants:
+        section("planted bugs in the reference")
+        results["mutants"] = run_mutants(profile.mutant_examples)
+    return results
 
 
 if __name__ == "__main__":

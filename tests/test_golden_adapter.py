@@ -182,8 +182,8 @@ def test_an_adapter_without_a_snapshot_is_compared_on_everything_else() -> None:
 
 
 def test_a_trace_sample_spreads_over_both_sets() -> None:
-    from hybridkv.conformance.__main__ import sample_traces
     from hybridkv.conformance.golden import trace_names
+    from hybridkv.conformance.sections import sample_traces
 
     names = trace_names()
     assert sample_traces(names, 4) == [names[0], names[84], names[169], names[254]]

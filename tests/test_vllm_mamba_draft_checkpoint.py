@@ -202,14 +202,14 @@ def machine_example_error() -> AssertionError:
 def test_the_suite_names_the_machines_example_a_vllm_bug(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from hybridkv.conformance.__main__ import _machine_failure
     from hybridkv.conformance.adapters import load_backend, reference_backend
     from hybridkv.conformance.adapters.vllm import DRAFT_CHECKPOINT_BUG, known_bug
+    from hybridkv.conformance.sections import machine_failure
 
     error = machine_example_error()
     assert known_bug(error) == DRAFT_CHECKPOINT_BUG
     backend = load_backend("hybridkv.conformance.adapters.vllm:make_adapter")
-    _machine_failure(error, [], None, [reference_backend(), backend])
+    machine_failure(error, [], None, [reference_backend(), backend])
     out = capsys.readouterr().out
     assert f"  known bug of {backend[0]}: a vLLM 0.33 bug, not a false alarm:" in out
     assert "tests/test_vllm_mamba_draft_checkpoint.py" in out
