@@ -22,7 +22,8 @@ from hybridkv.extras import first_missing, is_missing, needs_line
 
 if TYPE_CHECKING:
     from hybridkv.scheduling import Manager
-    from hybridkv.simulate import RequestSpec, SimulationResult
+    from hybridkv.simulate import SimulationResult
+    from hybridkv.workloads import RequestSpec
 
 
 @click.command()
@@ -195,7 +196,8 @@ def _requests(
 ) -> tuple[tuple[RequestSpec, ...], tuple[int, ...]]:
     """The workload's requests, or the trace's with the lines skipped as too long;
     ``UserError`` for a bad trace."""
-    from hybridkv.simulate import load_trace, make_workload
+    from hybridkv.workload_trace import load_trace
+    from hybridkv.workloads import make_workload
 
     try:
         if trace is not None:

@@ -88,8 +88,9 @@ def run_cell(cell: Cell) -> CellResult:
     from hybridkv.lab.hit_profile import ProfiledManager
     from hybridkv.optimized import TorchKVCacheManager
     from hybridkv.reference.planner import with_mamba_cache_mode
-    from hybridkv.simulate import Scheduler, SchedulerConfig, make_workload
+    from hybridkv.simulate import Scheduler, SchedulerConfig
     from hybridkv.spec import MambaSpec
+    from hybridkv.workloads import make_workload
 
     settings = PlanSettings(cell.memory_bytes, 16384, 2048, 16, "bf16", "auto")
     plan = make_plan(resolve_model(cell.model), settings)
