@@ -14,8 +14,8 @@ from hybridkv.catalogue import (
     UnknownModelError,
     find_model,
     load_catalogue,
-    model_layers,
 )
+from hybridkv.model_layers import model_layers
 from hybridkv.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,

@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.catalogue import load_catalogue, model_layers
+from hybridkv.catalogue import load_catalogue
+from hybridkv.model_layers import model_layers
 from hybridkv.reference import plan_report
 from hybridkv.reference.grouping import GROUPING_POLICIES
 from hybridkv.reference.planner import plan_groups, plan_kv_cache

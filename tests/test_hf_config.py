@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from hybridkv.catalogue import find_model, model_layers
+from hybridkv.catalogue import find_model
 from hybridkv.hf_config import ConfigError, facts_from_config, load_config
+from hybridkv.model_layers import model_layers
 from hybridkv.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,

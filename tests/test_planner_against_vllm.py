@@ -35,7 +35,8 @@ from typing import Any
 
 import pytest
 
-from hybridkv.catalogue import ModelFacts, decoder_layer_stages, load_catalogue, model_layers
+from hybridkv.catalogue import ModelFacts, load_catalogue
+from hybridkv.model_layers import decoder_layer_stages, model_layers
 from hybridkv.reference.planner import plan_groups, plan_kv_cache
 from hybridkv.spec import (
     ChunkedLocalAttentionSpec,

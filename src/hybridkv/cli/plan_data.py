@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from hybridkv.cli.options import ModelChoice, UserError, ssm_dtype_bytes
 
 if TYPE_CHECKING:
-    from hybridkv.catalogue import ModelLayers
+    from hybridkv.model_layers import ModelLayers
     from hybridkv.reference.grouping import GroupingPolicy
     from hybridkv.reference.plan_report import GroupPlan, PlanReport
     from hybridkv.spec import KVCacheSpec
@@ -93,7 +93,8 @@ class Plan:
 def make_plan(choice: ModelChoice, settings: PlanSettings) -> Plan:
     """Map the model to layer specs and plan them under every policy; ``UserError`` for what
     cannot be planned under the chosen one."""
-    from hybridkv.catalogue import DTYPE_BYTES, ModelError, decoder_layer_stages, model_layers
+    from hybridkv.catalogue import DTYPE_BYTES, ModelError
+    from hybridkv.model_layers import decoder_layer_stages, model_layers
 
     try:
         layers = model_layers(

@@ -85,7 +85,8 @@ def policies(
 
 def _layouts(max_model_len: int) -> Iterator[Layout]:
     """The catalogue's models, then gpt-oss-20b + EAGLE and 6 full + 5 sliding."""
-    from hybridkv.catalogue import ModelError, find_model, load_catalogue, model_layers
+    from hybridkv.catalogue import ModelError, find_model, load_catalogue
+    from hybridkv.model_layers import model_layers
     from hybridkv.spec import FullAttentionSpec, SlidingWindowSpec
 
     for entry in load_catalogue():

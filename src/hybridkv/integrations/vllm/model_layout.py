@@ -69,8 +69,9 @@ def load_model_layout(model: str, block_size: int) -> ModelLayout:
     the layer type or field it cannot lay out (an unknown model included)."""
     import click
 
-    from hybridkv.catalogue import DTYPE_BYTES, ModelError, model_layers
+    from hybridkv.catalogue import DTYPE_BYTES, ModelError
     from hybridkv.cli.options import resolve_model
+    from hybridkv.model_layers import model_layers
     from hybridkv.reference.planner import plan_groups, with_mamba_cache_mode
 
     try:
