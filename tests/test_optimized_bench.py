@@ -204,3 +204,31 @@ def test_scaling_takes_each_rows_fastest_pass_and_prints_each_ways_spread(
         "the lowest: stand-in 1.00×, reference 1.00×, optimized 3.00×, optimized, batched 1.20× "
         "(target for the optimized backend: ≤ 1.5×)"
     )
+
+
+def test_the_table_judges_ratio_targets_on_the_ratio_and_byte_targets_on_the_value(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from hybridkv.bench_report import BenchTable, Target
+
+    table = BenchTable("vLLM", judged=True)
+    table.timed("decode", (300.0, 600.0, 20.0), per=10, target=Target(12))
+    table.timed("batched", (300.0, None, 12.5), target=Target(25))
+    table.row("memory", (136.5, 120.5, 33.9), ("136.5", "120.5", "33.9"), Target(34, "B"))
+    table.note("  pool", "30.1 + 3.7")
+    assert table.rows == [
+        ("decode", "300 (30.00)", "600 (60.00)", "20 (2.00)", "0.50×", "15.0×", "≥ 12×", "yes"),
+        ("batched", "300", "", "12", "", "24.0×", "≥ 25×", "no"),
+        ("memory", "136.5", "120.5", "33.9", "1.13×", "4.03×", "≤ 34 B", "yes"),
+        ("  pool", "", "", "30.1 + 3.7", "", "", "", ""),
+    ]
+    stand_in = BenchTable("stand-in", judged=False)
+    stand_in.timed("lookup", (100.0, 100.0, 5.0), target=Target(10))
+    stand_in.row("memory", (1.0, 1.0, 40.0), ("1.0", "1.0", "40.0"), Target(34, "B"))
+    assert [row[-1] for row in stand_in.rows] == ["n/a (no vLLM)", "no"]
+    stand_in.print(markdown=True)
+    assert capsys.readouterr().out.splitlines()[:2] == [
+        "| scenario | stand-in | reference | optimized | stand-in÷ref | stand-in÷opt | target "
+        "| met? |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]

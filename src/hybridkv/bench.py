@@ -90,7 +90,7 @@ import argparse
 import contextlib
 import importlib.util
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 try:
     import torch
@@ -114,7 +114,7 @@ from hybridkv.bench_backends import (
     vllm_version,
 )
 from hybridkv.bench_busy_core import BusyCore
-from hybridkv.bench_report import Target, fmt_ratio, fmt_us, met, print_table, ratio
+from hybridkv.bench_report import BenchTable, Target
 from hybridkv.bench_scaling import plot, run_scaling
 from hybridkv.bench_scenarios import (
     FULL,
@@ -158,76 +158,72 @@ def run_table(
 ) -> None:
     """The scenarios' table (see the module docstring); ``explicit`` is the optimized
     backend with requests naming the manager's ``block_hasher``, timed beside the default."""
-    base, ref, opt = bases
-    judged = base.kind == "vllm"
-    # Neither optimized way runs right after the other (see the module docstring).
-    ways = [Way(base), Way(opt), Way(ref), Way(opt, batched=True)]
-    header = (
-        "scenario", base.name, "reference", "optimized",
-        f"{base.name}÷ref", f"{base.name}÷opt", "target", "met?",
-    )  # fmt: skip
-    rows: list[tuple[str, ...]] = []
-
-    def row(
-        scenario: str,
-        values: tuple[float | None, float | None, float | None],
-        cells: tuple[str, str, str],
-        target: Target | None = None,
-        compare: Callable[[float, float], float | None] = ratio,
-    ) -> None:
-        b, r, o = values
-        vs_ref = compare(b, r) if b is not None and r is not None else None
-        vs_opt = compare(b, o) if b is not None and o is not None else None
-        target_value = o if target is not None and target.unit != "×" else vs_opt
-        rows.append(
-            (
-                scenario, *cells, fmt_ratio(vs_ref), fmt_ratio(vs_opt),
-                str(target or ""), met(target, target_value, judged),
-            )
-        )  # fmt: skip
-        sys.stdout.flush()
-
+    table = BenchTable(bases[0].name, judged=bases[0].kind == "vllm")
     # Memory first, on a heap no timed scenario has used yet (an optimized pool measured after
     # the B = 1,024 decodes once read 92 B per block instead of 36).
     per_kind: dict[str, float] = {}
     for backend in bases:
         if backend.kind not in per_kind:
             per_kind[backend.kind] = memory(backend, sizes.pool_blocks)
+    decode_rows(table, bases, sizes)
+    prompt_rows(table, bases, explicit, sizes)
+    bm, rm, om = (per_kind[x.kind] for x in bases)
+    table.row(
+        f"host memory, empty {sizes.pool_blocks:,}-block pool: B/block",
+        (bm, rm, om),
+        (f"{bm:.1f}", f"{rm:.1f}", f"{om:.1f}"),
+        Target(34, "B"),
+    )
+    pool_only, tables = optimized_pool_bytes(sizes.pool_blocks, device, 256)
+    table.note(
+        "  optimized: per-block tensors + tables (256 rows × 8,192 tokens)",
+        f"{pool_only:.1f} + {tables:.1f}",
+    )
+    table.print(markdown)
 
-    def batched_rows(
-        title: str, b: int, vllm: tuple[float, float], mine: tuple[float, float], judged: bool
-    ) -> None:
-        (bs, ba), (ps, pa) = vllm, mine
-        row(title, (bs, None, ps), (fmt_us(bs, b), "", fmt_us(ps, b)))
-        row(
-            "  of which allocate_slots_batch",
-            (ba, None, pa),
-            (fmt_us(ba, b), "", fmt_us(pa, b)),
-            Target(25) if judged else None,
-        )
 
+def decode_rows(table: BenchTable, bases: Sequence[Backend], sizes: Sizes) -> None:
+    """The decode scenario at every B (B single calls on each backend, one batched call on
+    the optimized backend), then at the largest B on step-column requests."""
+    base, ref, opt = bases
+    # Neither optimized way runs right after the other (see the module docstring).
+    ways = [Way(base), Way(opt), Way(ref), Way(opt, batched=True)]
     for b in sizes.batches:
         t = decode(ways, b, sizes.steps, sizes.prompt)
         (bs, ba), (os_, oa), (rs, ra), batched = (t[w.label] for w in ways)
         last = b == max(sizes.batches)
-        row(
-            f"decode B={b}, B × allocate_slots: µs/step (per request)",
-            (bs, rs, os_),
-            (fmt_us(bs, b), fmt_us(rs, b), fmt_us(os_, b)),
-        )
-        row(
-            "  of which allocate_slots",
-            (ba, ra, oa),
-            (fmt_us(ba, b), fmt_us(ra, b), fmt_us(oa, b)),
-            Target(12) if last else None,
-        )
+        table.timed(f"decode B={b}, B × allocate_slots: µs/step (per request)", (bs, rs, os_), b)
+        table.timed("  of which allocate_slots", (ba, ra, oa), b, Target(12) if last else None)
         title = f"decode B={b}, optimized allocate_slots_batch: µs/step (per request)"
-        batched_rows(title, b, (bs, ba), batched, last)
+        batched_rows(table, title, b, (bs, ba), batched, last)
     top = max(sizes.batches)
     in_columns = Way(opt, batched=True, columns=True)
     t = decode([Way(base), in_columns, Way(ref)], top, sizes.steps, sizes.prompt)
     title = f"decode B={top}, allocate_slots_batch on step-column requests: µs/step (per request)"
-    batched_rows(title, top, t[base.name], t[in_columns.label], True)
+    batched_rows(table, title, top, t[base.name], t[in_columns.label], True)
+
+
+def batched_rows(
+    table: BenchTable,
+    title: str,
+    b: int,
+    vllm: tuple[float, float],
+    mine: tuple[float, float],
+    judged: bool,
+) -> None:
+    """A batched decode's two rows: the whole step, and the call (judged at the largest B)."""
+    (bs, ba), (ps, pa) = vllm, mine
+    table.timed(title, (bs, None, ps), b)
+    table.timed(
+        "  of which allocate_slots_batch", (ba, None, pa), b, Target(25) if judged else None
+    )
+
+
+def prompt_rows(
+    table: BenchTable, bases: Sequence[Backend], explicit: Backend, sizes: Sizes
+) -> None:
+    """Hashing and looking up a long prompt, then admitting prompts that share a prefix: on
+    the default request path, and with the manager's ``block_hasher`` named (``explicit``)."""
     # As in decode: the second optimized way ran ~15 % faster in the admission right after
     # the first (its caches warmed by it), whichever way came second.
     apart = [bases[0], bases[2], bases[1], explicit]
@@ -235,52 +231,20 @@ def run_table(
     (bh, bl, bq), (rh, rl, rq), (oh, ol, oq), (_, el, _) = (
         looked[x.name] for x in (*bases, explicit)
     )
-    row(
-        f"hash {sizes.long_prompt:,}-token prompt, the hash function: µs",
-        (bh, rh, oh),
-        (fmt_us(bh), fmt_us(rh), fmt_us(oh)),
-    )
+    table.timed(f"hash {sizes.long_prompt:,}-token prompt, the hash function: µs", (bh, rh, oh))
     if bq is not None and rq is not None and oq is not None:
-        row(
-            "  building the request that hashes it, default path: µs",
-            (bq, rq, oq),
-            (fmt_us(bq), fmt_us(rq), fmt_us(oq)),
-            Target(2.5),
-        )
-    row(
-        f"lookup (hit {hit:,} tokens), default request: µs",
-        (bl, rl, ol),
-        (fmt_us(bl), fmt_us(rl), fmt_us(ol)),
-        Target(10),
-    )
-    row("  explicit block_hasher: µs", (bl, None, el), (fmt_us(bl), "", fmt_us(el)))
+        title = "  building the request that hashes it, default path: µs"
+        table.timed(title, (bq, rq, oq), target=Target(2.5))
+    table.timed(f"lookup (hit {hit:,} tokens), default request: µs", (bl, rl, ol), 0, Target(10))
+    table.timed("  explicit block_hasher: µs", (bl, None, el))
     adm = admission(apart, sizes.admitted, sizes.shared, sizes.own)
     ba_, ra_, oa_, ea_ = (adm[x.name] for x in (*bases, explicit))
-    row(
-        f"admission ({sizes.shared:,}-token shared prefix), default request: µs/request",
-        (ba_, ra_, oa_),
-        (fmt_us(ba_), fmt_us(ra_), fmt_us(oa_)),
-        Target(5),
-    )
-    row("  explicit block_hasher: µs/request", (ba_, None, ea_), (fmt_us(ba_), "", fmt_us(ea_)))
-    bm, rm, om = (per_kind[x.kind] for x in bases)
-    row(
-        f"host memory, empty {sizes.pool_blocks:,}-block pool: B/block",
-        (bm, rm, om),
-        (f"{bm:.1f}", f"{rm:.1f}", f"{om:.1f}"),
-        Target(34, "B"),
-    )
-    pool_only, tables = optimized_pool_bytes(sizes.pool_blocks, device, 256)
-    rows.append(
-        (
-            "  optimized: per-block tensors + tables (256 rows × 8,192 tokens)",
-            "", "", f"{pool_only:.1f} + {tables:.1f}", "", "", "", "",
-        )
-    )  # fmt: skip
-    print_table(header, rows, markdown)
+    title = f"admission ({sizes.shared:,}-token shared prefix), default request: µs/request"
+    table.timed(title, (ba_, ra_, oa_), target=Target(5))
+    table.timed("  explicit block_hasher: µs/request", (ba_, None, ea_))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m hybridkv.bench",
         description=__doc__,
@@ -316,6 +280,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="time vLLM 0.33's own scheduler with vLLM's manager and each hybridkv backend "
         "(needs vLLM: scripts/install-vllm-cpu.sh)",
     )
+    return parser
+
+
+def preamble(args: argparse.Namespace, version: str | None) -> list[str]:
+    """The lines before the table: torch's threads, what vLLM is (or that the reference stands
+    in for it), the busy core, and what the backends were checked to agree on."""
+    threads = "--threads 1" if args.threads == "1" else "--threads default: torch's own setting"
+    return [
+        f"hybridkv bench: torch {torch.__version__}, {torch.get_num_threads()} intra-op "
+        f"thread(s) ({threads}), optimized on {args.device}; Python {sys.version.split()[0]}",
+        (
+            f"vLLM {version}: its KVCacheManager and Request (sha256_cbor block hasher) driven "
+            "in this process; ratios are vLLM's time ÷ the backend's (above 1: faster than vLLM)"
+            if version
+            else "vLLM is not importable: the reference, hashing by the definition (one cbor2 "
+            "call per block), stands in for it as `stand-in`; targets are not judged"
+        ),
+        "busy core: "
+        + (
+            "a separate process keeps one core busy during the measurement"
+            if args.busy_core
+            else "off"
+        ),
+        "backends interleaved in every repetition; checked once, untimed: every backend returns "
+        f"{'vLLM' if version else 'the stand-in'}'s block ids, hit lengths and block hashes",
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.vllm_scheduler:
         if importlib.util.find_spec("vllm") is None:
@@ -341,27 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     version = vllm_version()
     stand_in, ref, opt, explicit = hybridkv_backends(args.device)
     bases = (vllm_backend() if version else stand_in, ref, opt)
-    threads = "--threads 1" if args.threads == "1" else "--threads default: torch's own setting"
-    lines = [
-        f"hybridkv bench: torch {torch.__version__}, {torch.get_num_threads()} intra-op "
-        f"thread(s) ({threads}), optimized on {args.device}; Python {sys.version.split()[0]}",
-        (
-            f"vLLM {version}: its KVCacheManager and Request (sha256_cbor block hasher) driven "
-            "in this process; ratios are vLLM's time ÷ the backend's (above 1: faster than vLLM)"
-            if version
-            else "vLLM is not importable: the reference, hashing by the definition (one cbor2 "
-            "call per block), stands in for it as `stand-in`; targets are not judged"
-        ),
-        "busy core: "
-        + (
-            "a separate process keeps one core busy during the measurement"
-            if args.busy_core
-            else "off"
-        ),
-        "backends interleaved in every repetition; checked once, untimed: every backend returns "
-        f"{'vLLM' if version else 'the stand-in'}'s block ids, hit lengths and block hashes",
-    ]
-    for line in lines:
+    for line in preamble(args, version):
         print(f"- {line}" if markdown else line)
     print()
     sys.stdout.flush()

@@ -1,11 +1,12 @@
 """The benchmark's report: ratios against vLLM (``ratio``, above 1: faster or smaller), how
-numbers are printed, the tables (plain or Markdown), and the issue's targets (``Target``,
-``met``)."""
+numbers are printed, the tables (plain or Markdown), the issue's targets (``Target``, ``met``)
+and the scenarios' table as it fills (``BenchTable``)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def ratio(baseline: float, value: float) -> float | None:
@@ -56,3 +57,61 @@ def met(target: Target | None, value: float | None, judged: bool) -> str:
         return "n/a (no vLLM)"
     ok = value >= target.minimum if target.unit == "×" else value <= target.minimum
     return "yes" if ok else "no"
+
+
+Values = tuple[float | None, float | None, float | None]
+"""A row's figures for the baseline (vLLM, or the stand-in), the reference and the optimized
+backend; ``None`` where a backend has no such way."""
+
+
+@dataclass
+class BenchTable:
+    """The scenarios' table as it is measured: a row per scenario with the three backends'
+    cells, the baseline's ratio to each, a target and whether the optimized backend meets it
+    (``judged``: against vLLM, else the stand-in and no verdict)."""
+
+    baseline: str
+    judged: bool
+    rows: list[tuple[str, ...]] = field(default_factory=list)
+
+    @property
+    def header(self) -> tuple[str, ...]:
+        return (
+            "scenario", self.baseline, "reference", "optimized",
+            f"{self.baseline}÷ref", f"{self.baseline}÷opt", "target", "met?",
+        )  # fmt: skip
+
+    def row(
+        self,
+        scenario: str,
+        values: Values,
+        cells: tuple[str, str, str],
+        target: Target | None = None,
+    ) -> None:
+        """A row of ``values`` printed as ``cells``; a target in bytes is judged on the
+        optimized backend's value, one in × on the baseline's ratio to it."""
+        b, r, o = values
+        vs_ref = ratio(b, r) if b is not None and r is not None else None
+        vs_opt = ratio(b, o) if b is not None and o is not None else None
+        target_value = o if target is not None and target.unit != "×" else vs_opt
+        self.rows.append(
+            (
+                scenario, *cells, fmt_ratio(vs_ref), fmt_ratio(vs_opt),
+                str(target or ""), met(target, target_value, self.judged),
+            )
+        )  # fmt: skip
+        sys.stdout.flush()
+
+    def timed(
+        self, scenario: str, values: Values, per: int = 0, target: Target | None = None
+    ) -> None:
+        """A row of times in µs (and per request, over ``per`` requests), blank where none."""
+        cells = tuple("" if v is None else fmt_us(v, per) for v in values)
+        self.row(scenario, values, (cells[0], cells[1], cells[2]), target)
+
+    def note(self, scenario: str, optimized: str) -> None:
+        """A row of the optimized backend's alone, with no ratio and no target."""
+        self.rows.append((scenario, "", "", optimized, "", "", "", ""))
+
+    def print(self, markdown: bool) -> None:
+        print_table(self.header, self.rows, markdown)
