@@ -79,6 +79,62 @@ def build_scheduler(
     ``kv_transfer_config`` attaches a KV connector (``connector_check``); ``kv_events`` turns on
     vLLM's KV cache events (with a null publisher), which the check's step records compare
     and a default engine leaves off."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from hybridkv.integrations.vllm.scheduler import install
+
+    vllm_config = engine_config(
+        cfg,
+        scheduler_cls=scheduler_cls,
+        policy=policy,
+        kv_transfer_config=kv_transfer_config,
+        kv_events=kv_events,
+    )
+    if kv_cache_config is None:
+        kv_cache_config = cfg.kv_cache_config()
+    vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    register_all_kvcache_specs(vllm_config)
+    chosen = vllm_config.scheduler_config.get_scheduler_cls()
+    if scheduler_cls is None:
+        chosen = AsyncScheduler if cfg.run == "async" else Scheduler
+    kwargs = {
+        "vllm_config": vllm_config,
+        "kv_cache_config": kv_cache_config,
+        "block_size": cfg.block_size,
+        "log_stats": True,
+        "structured_output_manager": StructuredOutputManager(vllm_config),
+    }
+    if manager == "vllm" or scheduler_cls is not None:
+        scheduler = chosen(**kwargs)
+    else:
+        with install(
+            manager,
+            device,
+            max(cfg.max_num_seqs, 256),
+            eviction_policy=eviction_policy,
+        ):
+            scheduler = chosen(**kwargs)
+    scheduler.use_v2_model_runner = False
+    if cfg.workload == "multimodal":
+        mm_workload.equip(scheduler)
+    return scheduler
+
+
+def engine_config(
+    cfg: RunConfig,
+    *,
+    scheduler_cls: str | None,
+    policy: str,
+    kv_transfer_config: Any | None,
+    kv_events: bool,
+) -> Any:
+    """vLLM's ``VllmConfig`` for ``cfg``: the tiny model, the scheduler's limits and policy,
+    the cache (Mamba "align" caching where the layout has Mamba and caching is on), n-gram
+    speculative decoding for a ``spec`` run, KV events and a KV connector as asked, LoRA for
+    the multimodal workload."""
     from vllm.config import (
         CacheConfig,
         KVEventsConfig,
@@ -88,12 +144,6 @@ def build_scheduler(
         SpeculativeConfig,
         VllmConfig,
     )
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    from hybridkv.integrations.vllm.scheduler import install
 
     multimodal = cfg.workload == "multimodal"
     model_config = ModelConfig(
@@ -133,7 +183,7 @@ def build_scheduler(
             prompt_lookup_max=cfg.num_speculative_tokens,
             prompt_lookup_min=1,
         )
-    vllm_config = VllmConfig(
+    return VllmConfig(
         scheduler_config=scheduler_config,
         model_config=model_config,
         cache_config=cache_config,
@@ -145,34 +195,6 @@ def build_scheduler(
         kv_transfer_config=kv_transfer_config,
         lora_config=mm_workload.lora_config() if multimodal else None,
     )
-    if kv_cache_config is None:
-        kv_cache_config = cfg.kv_cache_config()
-    cache_config.num_gpu_blocks = kv_cache_config.num_blocks
-    register_all_kvcache_specs(vllm_config)
-    chosen = scheduler_config.get_scheduler_cls()
-    if scheduler_cls is None:
-        chosen = AsyncScheduler if is_async else Scheduler
-    kwargs = {
-        "vllm_config": vllm_config,
-        "kv_cache_config": kv_cache_config,
-        "block_size": cfg.block_size,
-        "log_stats": True,
-        "structured_output_manager": StructuredOutputManager(vllm_config),
-    }
-    if manager == "vllm" or scheduler_cls is not None:
-        scheduler = chosen(**kwargs)
-    else:
-        with install(
-            manager,
-            device,
-            max(cfg.max_num_seqs, 256),
-            eviction_policy=eviction_policy,
-        ):
-            scheduler = chosen(**kwargs)
-    scheduler.use_v2_model_runner = False
-    if multimodal:
-        mm_workload.equip(scheduler)
-    return scheduler
 
 
 def make_workload(cfg: RunConfig) -> Workload:
