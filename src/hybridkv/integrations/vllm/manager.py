@@ -42,7 +42,7 @@ from typing import Any, cast
 from hybridkv.integrations.vllm.connector import ConnectorCalls
 from hybridkv.integrations.vllm.convert import from_vllm_config
 from hybridkv.integrations.vllm.cores import Backend, make_core
-from hybridkv.integrations.vllm.errors import refuse
+from hybridkv.integrations.vllm.errors import refuse, refuse_unsupported
 from hybridkv.integrations.vllm.metrics import observed_policy
 from hybridkv.integrations.vllm.stats_calls import StatsCalls
 from hybridkv.integrations.vllm.views import (
@@ -83,22 +83,18 @@ class KVCacheManager(ConnectorCalls, StatsCalls):
         max_num_reqs: int | None = None,
         eviction_policy: str | EvictionPolicy | None = None,
     ) -> None:
-        refuse(dcp_world_size != 1, f"dcp_world_size={dcp_world_size}", "no context parallelism")
-        refuse(pcp_world_size != 1, f"pcp_world_size={pcp_world_size}", "no context parallelism")
-        if not 0.0 <= watermark < 1.0:
-            raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
-        from vllm.v1.core.kv_cache_utils import partial_hash_hits_enabled
+        refuse_unsupported(
+            kv_cache_config,
+            hash_block_size,
+            enable_caching,
+            (dcp_world_size, pcp_world_size),
+            watermark,
+        )
         from vllm.v1.kv_cache_interface import (
             get_kv_cache_spec_kind,
             get_kv_cache_spec_sliding_window,
         )
 
-        refuse(
-            enable_caching
-            and partial_hash_hits_enabled(kv_cache_config.kv_cache_groups, hash_block_size),
-            "Mamba 'align' blocks larger than hash_block_size (partial hash hits)",
-            "sub-block Mamba hits with copy-on-write are not modelled",
-        )
         self.config = from_vllm_config(kv_cache_config)
         policy = eviction_policy
         if metrics_collector is not None:  # vLLM's --kv-cache-metrics
@@ -148,14 +144,7 @@ class KVCacheManager(ConnectorCalls, StatsCalls):
         self._stats_class = PrefixCacheStats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.num_kv_cache_groups = len(self.config.groups)
-        self.block_pool = BlockPoolView(self.core, self.config.num_blocks, metrics_collector)
-        self.coordinator = CoordinatorView(
-            self.core,
-            [
-                group_view(i, group.kv_cache_spec, self.block_pool)
-                for i, group in enumerate(kv_cache_config.kv_cache_groups)
-            ],
-        )
+        self._bind_views(kv_cache_config, metrics_collector)
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
@@ -194,6 +183,17 @@ class KVCacheManager(ConnectorCalls, StatsCalls):
         else:
             blocks, hit, boundary = self.core.get_computed_blocks(request, max_cache_hit_length)
         return self._blocks(blocks), hit, boundary
+
+    def _bind_views(self, kv_cache_config: Any, metrics_collector: Any) -> None:
+        """The read-only ``block_pool`` and ``coordinator`` over the core, as vLLM's."""
+        self.block_pool = BlockPoolView(self.core, self.config.num_blocks, metrics_collector)
+        self.coordinator = CoordinatorView(
+            self.core,
+            [
+                group_view(i, group.kv_cache_spec, self.block_pool)
+                for i, group in enumerate(kv_cache_config.kv_cache_groups)
+            ],
+        )
 
     def _bind_quiet_exit(self, vllm_request: type) -> None:
         """Where the core hands them out (``TorchKVCacheManager.quiet_thresholds``), the quiet
