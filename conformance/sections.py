@@ -214,10 +214,10 @@ def run_crosshair(profile: str) -> bool:
 
     try:
         report = run_manifest(profile)
+        print("\n".join(report.lines()))
     except Exception as error:
         raised("CrossHair manifest", error)
         return False
-    print("\n".join(report.lines()))
     verdict(report.ok, "CrossHair manifest")
     return report.ok
 
