@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from hybridkv.conformance.adapters import BlockIds, Snapshot
 from hybridkv.conformance.strategies import Layout
@@ -62,32 +62,10 @@ def check_observable_invariants(
     tables_of: dict[tuple[int, int], int] = Counter()
     for rid, table in tables.items():
         for gid, (spec, ids) in enumerate(zip(layout.specs, table, strict=True)):
-            nulls = [i for i, block in enumerate(ids) if block == 0]
-            live = spec.max_live_blocks
-            if live is not None:
-                # Mamba "align": the state, the previous one, a checkpoint, speculative blocks.
-                require(
-                    len(ids) - len(nulls) <= live,
-                    f"{rid} g{gid}: a {spec.title} table of {len(ids) - len(nulls)} blocks "
-                    f"(> {live})",
-                )
-            elif spec.null_positions == "leading":
-                require(
-                    nulls == list(range(len(nulls))), f"{rid} g{gid}: nulls {nulls} not a prefix"
-                )
-                limit = skipped_block_count(spec, computed[rid])
-                require(
-                    len(nulls) <= limit,
-                    f"{rid} g{gid}: {len(nulls)} nulls but only {limit} positions out of window",
-                )
-            else:
-                require(not nulls, f"{rid} g{gid}: a {spec_kind(spec)} table holds a null block")
-            require(
-                len(ids) * spec.block_size >= computed[rid],
-                f"{rid} g{gid}: {len(ids)} blocks cannot hold {computed[rid]} computed tokens",
-            )
+            where = f"{rid} g{gid}"
+            _check_nulls(where, spec, ids, computed[rid])
             real = [block for block in ids if block != 0]
-            require(len(real) == len(set(real)), f"{rid} g{gid}: a block twice in one table")
+            require(len(real) == len(set(real)), f"{where}: a block twice in one table")
             for block in real:
                 holders[block] += 1
                 tables_of[(gid, block)] += 1
@@ -95,6 +73,43 @@ def check_observable_invariants(
                     group_of.setdefault(block, gid) == gid,
                     f"block {block} in groups {group_of[block]} and {gid}",
                 )
+    _check_free_queue(layout, snapshot, num_free_blocks, usage, holders)
+    _check_cached(snapshot, tables_of)
+    if not layout.enable_caching:
+        require(snapshot.num_cached_keys == 0, "a cache key with caching disabled")
+
+
+def _check_nulls(where: str, spec: KVCacheSpec, ids: Sequence[int], computed: int) -> None:
+    """One table's nulls as its type allows them (see ``check_observable_invariants``), and
+    room for the computed tokens."""
+    nulls = [i for i, block in enumerate(ids) if block == 0]
+    live = spec.max_live_blocks
+    if live is not None:
+        # Mamba "align": the state, the previous one, a checkpoint, speculative blocks.
+        require(
+            len(ids) - len(nulls) <= live,
+            f"{where}: a {spec.title} table of {len(ids) - len(nulls)} blocks (> {live})",
+        )
+    elif spec.null_positions == "leading":
+        require(nulls == list(range(len(nulls))), f"{where}: nulls {nulls} not a prefix")
+        limit = skipped_block_count(spec, computed)
+        require(
+            len(nulls) <= limit,
+            f"{where}: {len(nulls)} nulls but only {limit} positions out of window",
+        )
+    else:
+        require(not nulls, f"{where}: a {spec_kind(spec)} table holds a null block")
+    require(
+        len(ids) * spec.block_size >= computed,
+        f"{where}: {len(ids)} blocks cannot hold {computed} computed tokens",
+    )
+
+
+def _check_free_queue(
+    layout: Layout, snapshot: Snapshot, num_free_blocks: int, usage: float, holders: Counter[int]
+) -> None:
+    """Reference counts equal the tables' holders; the free queue holds exactly the blocks no
+    table holds, once each, never the null block; its length and the usage agree with it."""
     ref_counts = dict(snapshot.ref_counts)
     require(ref_counts == dict(holders), f"ref counts {ref_counts} != holders {dict(holders)}")
     free = snapshot.free_block_ids
@@ -111,6 +126,11 @@ def check_observable_invariants(
     require(
         math.isclose(usage, expected_usage, abs_tol=1e-12), f"usage {usage} != {expected_usage}"
     )
+
+
+def _check_cached(snapshot: Snapshot, tables_of: Mapping[tuple[int, int], int]) -> None:
+    """No cached null block, no block cached in two groups, and a block in several tables of
+    one group is in that group's prefix cache (shared only through a cache hit)."""
     cached_in: dict[int, int] = {}
     for gid, ids in enumerate(snapshot.cached_block_ids):
         for block in ids:
@@ -122,8 +142,6 @@ def check_observable_invariants(
                 cached_in.get(block) == gid,
                 f"block {block} is in {count} tables of group {gid} but not in its prefix cache",
             )
-    if not layout.enable_caching:
-        require(snapshot.num_cached_keys == 0, "a cache key with caching disabled")
 
 
 def check_failed_allocation(
