@@ -21,7 +21,7 @@ from hybridkv.conformance.lockstep import repro
 from hybridkv.conformance.machine_rules import DifferentialMachine
 from hybridkv.conformance.machine_state import MAX_LIVE_REQUESTS, LiveRequest
 from hybridkv.conformance.run_stats import RunStats
-from hybridkv.conformance.strategies import FAMILIES
+from hybridkv.conformance.strategies import FAMILIES, Layout
 
 __all__ = [
     "MAX_LIVE_REQUESTS",
@@ -93,18 +93,8 @@ def run_differential(
     sizes (model lengths of 512–4,096 tokens, pools of hundreds of blocks).
     """
     stats = RunStats() if stats is None else stats
-    adapter_specs = {} if adapter_specs is None else adapter_specs
-    run_settings = settings(
-        max_examples=max(1, max_examples // len(families)),
-        stateful_step_count=steps,
-        deadline=None,
-        derandomize=seed is None,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-        phases=[Phase.explicit, Phase.generate, *([Phase.shrink] if shrink else [])],
-        report_multiple_bugs=False,
-        verbosity=Verbosity.normal if shrink else Verbosity.quiet,
-        backend=hypothesis_backend,
+    run_settings = machine_settings(
+        max(1, max_examples // len(families)), steps, seed, shrink, hypothesis_backend
     )
     for family in families:
         machine = machine_for(
@@ -125,14 +115,45 @@ def run_differential(
                 test()
         except Exception as error:
             if stats.last_run is not None:
-                layout, script, names = stats.last_run
-                loadable = [adapter_specs.get(name, name) for name in names]
-                text = repro(layout, loadable, script)
-                error.add_note("The failing example as scheduler calls (paste into Python):")
-                error.add_note(text)
-                error.repro = text  # type: ignore[attr-defined]
+                attach_repro(error, stats.last_run, adapter_specs or {})
             raise
     return stats
+
+
+def machine_settings(
+    examples: int, steps: int, seed: int | None, shrink: bool, hypothesis_backend: str
+) -> settings:
+    """Hypothesis's settings for one family's run: ``examples`` examples of up to ``steps``
+    steps, derandomized without a seed, no database, shrinking (and reporting) only with
+    ``shrink``."""
+    return settings(
+        max_examples=examples,
+        stateful_step_count=steps,
+        deadline=None,
+        derandomize=seed is None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.explicit, Phase.generate, *([Phase.shrink] if shrink else [])],
+        report_multiple_bugs=False,
+        verbosity=Verbosity.normal if shrink else Verbosity.quiet,
+        backend=hypothesis_backend,
+    )
+
+
+def attach_repro(
+    error: Exception,
+    last_run: tuple[Layout, list[str], list[str]],
+    adapter_specs: Mapping[str, str],
+) -> None:
+    """The failing example (``RunStats.last_run``: its layout, its script and the backends'
+    names) as scheduler calls to paste: a note on ``error`` and its ``repro`` attribute, each
+    backend named as ``adapter_specs`` maps it (an outside adapter's ``MODULE:FACTORY``)."""
+    layout, script, names = last_run
+    loadable = [adapter_specs.get(name, name) for name in names]
+    text = repro(layout, loadable, script)
+    error.add_note("The failing example as scheduler calls (paste into Python):")
+    error.add_note(text)
+    error.repro = text  # type: ignore[attr-defined]
 
 
 def run_command_machine(
