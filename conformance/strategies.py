@@ -263,25 +263,11 @@ def _engine(
     }
 
 
-@st.composite
-def layouts(
-    draw: st.DrawFn, family: str = "hybrid", *, roomy: bool = False, big: bool = False
-) -> Layout:
-    """A layout of ``family``: 1–4 groups; windows and chunks that are and are not multiples of
-    the block size; equal specs may repeat (jointly looked-up groups); pools from a fraction of
-    one longest request (allocations fail, caches evict) to a few of them, or with ``roomy``
-    from two to twelve of them (prefills and decodes succeed, hits stay cached). ``big``: serving
-    sizes, block sizes 8 and 16, a model length of 512–4,096 tokens and pools of one to twelve
-    longest requests (hundreds to thousands of blocks)."""
-    if family not in FAMILIES:
-        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
-    rng = random.Random(draw(st.integers(0, 2**32 - 1)))
-    if big:
-        b = rng.choice([4, 8] if family == "mixed_block_sizes" else [8, 16])
-        max_model_len = rng.randint(512, 4096)
-    else:
-        b = rng.choice([1, 2, 4] if family == "mixed_block_sizes" else [1, 2, 3, 4, 8])
-        max_model_len = rng.randint(max(4, 2 * b), min(16 * b, 96))
+def _family_specs(
+    rng: random.Random, family: str, b: int, max_model_len: int, big: bool
+) -> tuple[list[KVCacheSpec], int]:
+    """The groups' specs of a ``family`` layout with block size ``b`` (see ``layouts``), and
+    its model length (a mixed-block-size layout draws its own when not ``big``)."""
     full = FullAttentionSpec(block_size=b, **SIZES)
     others: list[KVCacheSpec] = [
         SlidingWindowSpec(block_size=b, sliding_window=rng.randint(2, 4 * b + 2), **SIZES),
@@ -335,6 +321,29 @@ def layouts(
         if family == "mamba":
             for _ in range(rng.choice([1, 1, 2]) if len(specs) < 3 else 1):
                 specs.insert(rng.randint(0, len(specs)), _mamba_none(rng, b, max_model_len))
+    return specs, max_model_len
+
+
+@st.composite
+def layouts(
+    draw: st.DrawFn, family: str = "hybrid", *, roomy: bool = False, big: bool = False
+) -> Layout:
+    """A layout of ``family``: 1–4 groups; windows and chunks that are and are not multiples of
+    the block size; equal specs may repeat (jointly looked-up groups); pools from a fraction of
+    one longest request (allocations fail, caches evict) to a few of them, or with ``roomy``
+    from two to twelve of them (prefills and decodes succeed, hits stay cached). ``big``: serving
+    sizes, block sizes 8 and 16, a model length of 512–4,096 tokens and pools of one to twelve
+    longest requests (hundreds to thousands of blocks)."""
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    rng = random.Random(draw(st.integers(0, 2**32 - 1)))
+    if big:
+        b = rng.choice([4, 8] if family == "mixed_block_sizes" else [8, 16])
+        max_model_len = rng.randint(512, 4096)
+    else:
+        b = rng.choice([1, 2, 4] if family == "mixed_block_sizes" else [1, 2, 3, 4, 8])
+        max_model_len = rng.randint(max(4, 2 * b), min(16 * b, 96))
+    specs, max_model_len = _family_specs(rng, family, b, max_model_len, big)
     caching = family not in ("uncached", "mamba")
     longest = sum(_blocks_per_request(spec, max_model_len) for spec in specs)
     quarters = rng.choice(
