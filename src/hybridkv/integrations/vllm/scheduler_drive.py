@@ -110,12 +110,7 @@ def build_scheduler(
     if manager == "vllm" or scheduler_cls is not None:
         scheduler = chosen(**kwargs)
     else:
-        with install(
-            manager,
-            device,
-            max(cfg.max_num_seqs, 256),
-            eviction_policy=eviction_policy,
-        ):
+        with install(manager, device, max(cfg.max_num_seqs, 256), eviction_policy=eviction_policy):
             scheduler = chosen(**kwargs)
     scheduler.use_v2_model_runner = False
     if cfg.workload == "multimodal":
@@ -136,12 +131,10 @@ def engine_config(
     speculative decoding for a ``spec`` run, KV events and a KV connector as asked, LoRA for
     the multimodal workload."""
     from vllm.config import (
-        CacheConfig,
         KVEventsConfig,
         ModelConfig,
         ParallelConfig,
         SchedulerConfig,
-        SpeculativeConfig,
         VllmConfig,
     )
 
@@ -166,6 +159,26 @@ def engine_config(
         scheduler_reserve_full_isl=cfg.reserves_full_sequence,
         scheduler_cls=scheduler_cls,
     )
+    cache_config = _cache_config(cfg)
+    return VllmConfig(
+        scheduler_config=scheduler_config,
+        model_config=model_config,
+        cache_config=cache_config,
+        parallel_config=ParallelConfig(),
+        speculative_config=_speculative_config(cfg),
+        kv_events_config=(
+            KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
+        ),
+        kv_transfer_config=kv_transfer_config,
+        lora_config=mm_workload.lora_config() if multimodal else None,
+    )
+
+
+def _cache_config(cfg: RunConfig) -> Any:
+    """vLLM's ``CacheConfig`` for ``cfg``: its block size and prefix caching, Mamba "align"
+    caching where the layout has Mamba and caching is on."""
+    from vllm.config import CacheConfig
+
     cache_config = CacheConfig(
         block_size=cfg.block_size,
         gpu_memory_utilization=0.9,
@@ -174,26 +187,22 @@ def engine_config(
     )
     if cfg.has_mamba and cfg.prefix_caching:
         cache_config.mamba_cache_mode = "align"
-    speculative_config = None
-    if cfg.run == "spec":
-        speculative_config = SpeculativeConfig(
-            model="ngram",
-            num_speculative_tokens=cfg.num_speculative_tokens,
-            method="ngram",
-            prompt_lookup_max=cfg.num_speculative_tokens,
-            prompt_lookup_min=1,
-        )
-    return VllmConfig(
-        scheduler_config=scheduler_config,
-        model_config=model_config,
-        cache_config=cache_config,
-        parallel_config=ParallelConfig(),
-        speculative_config=speculative_config,
-        kv_events_config=(
-            KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
-        ),
-        kv_transfer_config=kv_transfer_config,
-        lora_config=mm_workload.lora_config() if multimodal else None,
+    return cache_config
+
+
+def _speculative_config(cfg: RunConfig) -> Any:
+    """n-gram speculative decoding of ``cfg.num_speculative_tokens`` for a ``spec`` run, else
+    ``None``."""
+    if cfg.run != "spec":
+        return None
+    from vllm.config import SpeculativeConfig
+
+    return SpeculativeConfig(
+        model="ngram",
+        num_speculative_tokens=cfg.num_speculative_tokens,
+        method="ngram",
+        prompt_lookup_max=cfg.num_speculative_tokens,
+        prompt_lookup_min=1,
     )
 
 
