@@ -143,24 +143,7 @@ def adapter_hit_state(
         prompt += [rng.randint(0, 40) for _ in range(rng.randint(1, max_len - cut + 1))]
         prompt = prompt[:max_len]
         prompts.append(prompt)
-        rid = f"state{turn}"
-        handle = adapter.new_request(rid, prompt, None)
-        adapter.new_step()
-        hit = adapter.lookup(handle)
-        computed = 0
-        use: Lookup | None = hit
-        while computed < len(prompt):
-            n = len(prompt) - computed - (use.num_hit_tokens if use is not None else 0)
-            n = min(n, size * rng.randint(1, 4))
-            if n <= 0:
-                break
-            if adapter.allocate(handle, n, use, 0, False) is None:
-                break
-            computed += n + (use.num_hit_tokens if use is not None else 0)
-            use = None
-            adapter.set_num_computed_tokens(handle, computed)
-            tracker.record(adapter.block_table(rid), prompt, computed)
-            adapter.check_invariants()
+        handle = _admit_in_chunks(adapter, tracker, f"state{turn}", prompt, size, rng)
         if turn == 0 or rng.random() < 0.8:
             adapter.free(handle)
             adapter.check_invariants()
@@ -170,6 +153,31 @@ def adapter_hit_state(
             rng.randint(0, 40) for _ in range(rng.randint(0, 3))
         ]
         _check_probe(adapter, tracker, layout, size, probe, f"probe{index}", stats)
+
+
+def _admit_in_chunks(
+    adapter: ManagerAdapter, tracker: _KeyTracker, rid: str, prompt: list[int], size: int, rng: Any
+) -> Any:
+    """Admit ``prompt`` as request ``rid`` with its cache hit, then prefill it in chunks of one
+    to four blocks until it is computed or an allocation fails, recording each step's cached
+    keys and checking the invariants; the request's handle."""
+    handle = adapter.new_request(rid, prompt, None)
+    adapter.new_step()
+    computed = 0
+    use: Lookup | None = adapter.lookup(handle)
+    while computed < len(prompt):
+        n = len(prompt) - computed - (use.num_hit_tokens if use is not None else 0)
+        n = min(n, size * rng.randint(1, 4))
+        if n <= 0:
+            break
+        if adapter.allocate(handle, n, use, 0, False) is None:
+            break
+        computed += n + (use.num_hit_tokens if use is not None else 0)
+        use = None
+        adapter.set_num_computed_tokens(handle, computed)
+        tracker.record(adapter.block_table(rid), prompt, computed)
+        adapter.check_invariants()
+    return handle
 
 
 def _check_probe(
