@@ -138,21 +138,7 @@ def lookup(
     the hit's block ids)."""
     rng = random.Random(7)
     prompt = array("q", tokens(rng, length))
-    config = gemma_like(GROUPS * (length // BLOCK + 1) + 64)
-    managers, hashes, hits = [], [], []
-    for backend in backends:
-        manager = backend.make(config, length + 1, 8)
-        first = backend.request_of(manager, "a", prompt.tolist())
-        if manager.allocate_slots(first, length) is None:
-            raise RuntimeError(f"{backend.name}: the prompt does not fit in the pool")
-        manager.free(first)
-        probe = backend.request_of(manager, "probe", prompt.tolist())
-        blocks, hit, _ = manager.get_computed_blocks(probe)
-        managers.append(manager)
-        hashes.append((backend.name, [bytes(h) for h in first.block_hashes]))
-        hits.append((backend.name, (hit, block_ids(blocks))))
-    check_same(f"lookup: the block hashes of a {length:,}-token prompt", hashes)
-    check_same(f"lookup: the hit (tokens, block ids) of a {length:,}-token prompt", hits)
+    managers, hashes, hit = cached_prompt(backends, prompt)
     times: dict[str, tuple[list[float], list[float], list[float]]] = {
         b.name: ([], [], []) for b in backends
     }
@@ -179,7 +165,7 @@ def lookup(
                 manager.get_computed_blocks(r)
                 times[backend.name][1].append(time.perf_counter() - start)
         if i == 0:
-            check_same("hash: the hash function's results", [hashes[0], *hashed])
+            check_same("hash: the hash function's results", [hashes, *hashed])
     medians = {
         name: (
             statistics.median(h) * 1e6,
@@ -188,8 +174,32 @@ def lookup(
         )
         for name, (h, g, r) in times.items()
     }
-    hit = hits[0][1][0]
     return medians, hit
+
+
+def cached_prompt(
+    backends: Sequence[Backend], prompt: array[int]
+) -> tuple[list[Manager], tuple[str, list[bytes]], int]:
+    """A manager per backend with ``prompt`` cached (allocated, then freed) and looked up once;
+    the block hashes and the hit (tokens and block ids) checked equal across backends. Returns
+    the managers, the first backend's hashes and the hit's length."""
+    length = len(prompt)
+    config = gemma_like(GROUPS * (length // BLOCK + 1) + 64)
+    managers, hashes, hits = [], [], []
+    for backend in backends:
+        manager = backend.make(config, length + 1, 8)
+        first = backend.request_of(manager, "a", prompt.tolist())
+        if manager.allocate_slots(first, length) is None:
+            raise RuntimeError(f"{backend.name}: the prompt does not fit in the pool")
+        manager.free(first)
+        probe = backend.request_of(manager, "probe", prompt.tolist())
+        blocks, hit, _ = manager.get_computed_blocks(probe)
+        managers.append(manager)
+        hashes.append((backend.name, [bytes(h) for h in first.block_hashes]))
+        hits.append((backend.name, (hit, block_ids(blocks))))
+    check_same(f"lookup: the block hashes of a {length:,}-token prompt", hashes)
+    check_same(f"lookup: the hit (tokens, block ids) of a {length:,}-token prompt", hits)
+    return managers, hashes[0], hits[0][1][0]
 
 
 def admission(backends: Sequence[Backend], count: int, shared: int, own: int) -> dict[str, float]:
