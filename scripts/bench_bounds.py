@@ -20,8 +20,9 @@ docs/optimized-backend.md, "What bounds them", holds its output.
    ids as tuples;
 4. its admission of a request sharing a 4,096-token prefix split into building the request
    (with the manager's block hasher), ``get_computed_blocks`` and ``allocate_slots``;
-5. the floor of that admission (``admission_floor``: the same steps on plain buffers, no
-   checks and no function layers), as is, with other work between admissions, and, when vLLM
+5. the floor of that admission (``admission_floor``: ``hybridkv.bench_floor``, the same steps
+   on plain buffers, no checks and no function layers, which the benchmark times in its own
+   admission loop too), as is, with other work between admissions, and, when vLLM
    imports, with one of vLLM's own admissions between each (the benchmark's setting), beside
    those admissions' time: vLLM ÷ that floor is the most an admission could gain.
 
@@ -42,10 +43,10 @@ import numpy as np  # noqa: TID251 (buffers as the optimized backend holds them)
 import torch  # noqa: TID251 (the optimized backend's int32 buffers, as it holds them)
 
 from hybridkv.bench import BLOCK, decode_blocks, gemma_like, tokens
-from hybridkv.bench_backends import GROUPS, WINDOW, Backend, Manager, vllm_backend, vllm_version
+from hybridkv.bench_backends import GROUPS, Backend, Manager, vllm_backend, vllm_version
+from hybridkv.bench_floor import AdmissionFloor
 from hybridkv.optimized import TorchKVCacheManager
 from hybridkv.optimized import hits as hits_module
-from hybridkv.optimized.hashing import hash_packed_blocks
 from hybridkv.optimized.lookup import Lookup, TypeProbe
 from hybridkv.optimized.state import ManagerState
 from hybridkv.reference import Request
@@ -269,97 +270,20 @@ def admission_floor(
     own: int = 256,
     between: Callable[[], object] | None = None,
 ) -> float:
-    """The least an admission of the benchmark's scenario does (a prompt of ``shared`` ids that
-    a cached request holds, then ``own`` ids of its own), on buffers of the benchmark's sizes,
-    with no checks, no thresholds, no events and no function layers; the median µs over
-    ``count`` admissions, ``between`` run before each (as vLLM's admission runs between the
-    benchmark's).
-
-    It validates and packs the prompt; adopts the cached request's hashes of the shared blocks
-    after one comparison of their packed ids and hashes the rest (the backend's hash function:
-    the hash is vLLM's, fixed); reads the hit from the cached request's record (the full
-    group's blocks, each window's last 64) and checks in one gather that each still holds its
-    key; holds them; takes one block per new position and group from a linked free queue (its
-    next blocks found as one run of consecutive ids by one comparison of their links, else
-    walked in Python; unlinked in numpy calls); writes the row's tables; keys the new blocks
-    in a hash table of chained buckets (numpy calls, no two in a bucket); returns the new
-    blocks as ``KVCacheBlocks``' tuples."""
-    groups, window = GROUPS, WINDOW // BLOCK
-    num_shared, num_full = shared // BLOCK, (shared + own) // BLOCK
-    width = num_full + 1
-    blocks = (count + 2) * groups * width
+    """The least an admission of the benchmark's scenario does (``hybridkv.bench_floor``: a
+    prompt of ``shared`` ids that a cached request holds, then ``own`` ids of its own): the
+    median µs over ``count`` admissions, ``between`` run before each (as vLLM's admission runs
+    between the benchmark's)."""
     rng = random.Random(11)
     system = tokens(rng, shared)
-    cached_ids, cached_packed = pack_token_ids("prompt_token_ids", system + tokens(rng, own))
-    assert cached_packed is not None
-    cached_hashes = hash_packed_blocks(
-        cached_ids, cached_packed, BLOCK, start_block=0, parent_hash=None, cache_salt=None
-    )
-    cached_view = np.frombuffer(cached_packed, dtype=np.uint64)[:shared]
-    # The cached request's blocks: row 0 of the table, its record of blocks by position.
-    record = np.arange(1, 1 + groups * num_full, dtype=np.int32).reshape(groups, num_full)
-    keys = np.frombuffer(b"".join(cached_hashes), dtype="<i4")[::8].astype(np.int64)
-    hk = np.full(blocks + 1, -1, dtype=np.int64)
-    hk[record] = keys[None, :] << 32 | np.arange(groups)[:, None]
-    ref = np.zeros(blocks + 1, dtype=np.int32)
-    ref[record] = 1
-    first = 1 + groups * num_full
-    nxt_n = np.arange(1, blocks + 2, dtype=np.int32)
-    prv_n = np.arange(-1, blocks, dtype=np.int32)
-    nxt = nxt_n.data.cast("B").cast("i")
-    head = first - 1  # the queue's sentinel: the blocks after it are free
-    mask = (1 << (blocks // 2).bit_length()) - 1
-    heads = np.full(mask + 1, blocks, dtype=np.int32)
-    hnext = np.full(blocks + 1, blocks, dtype=np.int32)
-    tab = np.zeros((groups, count + 2, width), dtype=np.int32)
-    mix = np.arange(groups, dtype=np.int64)[:, None] * 0x9E3779B1
-    group_ids = np.arange(groups, dtype=np.int64)[:, None]
+    floor = AdmissionFloor(system + tokens(rng, own), shared, count)
     times = []
-    for row in range(1, count + 1):
+    for _ in range(count):
         prompt = system + tokens(rng, own)
         if between is not None:
             between()
         start = time.perf_counter()
-        ids, packed = pack_token_ids("prompt_token_ids", prompt)
-        assert packed is not None
-        if not np.array_equal(np.frombuffer(packed, dtype=np.uint64)[:shared], cached_view):
-            raise RuntimeError("the shared prefix differs")
-        hashes = cached_hashes[:num_shared]
-        hashes += hash_packed_blocks(
-            ids, packed, BLOCK, start_block=num_shared, parent_hash=hashes[-1], cache_salt=None
-        )
-        full = record[0, :num_shared]
-        windows = record[1:, num_shared - window : num_shared]
-        if not (hk[full] >> 32 == keys[:num_shared]).all():
-            raise RuntimeError("a hit block lost its key")
-        ref[full] += 1
-        ref[windows] += 1
-        count = groups * (num_full - num_shared)
-        first = nxt[head]
-        new = np.arange(first, first + count, dtype=np.int64)
-        if (nxt_n[first : first + count - 1] == new[1:]).all():
-            block = nxt[first + count - 1]
-        else:
-            walked = [0] * count
-            block = first
-            for index in range(count):
-                walked[index] = block
-                block = nxt[block]
-            new = np.array(walked, dtype=np.int64)
-        nxt[head] = block
-        prv_n[block] = head
-        nxt_n[new] = prv_n[new] = -1
-        ref[new] = 1
-        taken = new.reshape(groups, -1)
-        tab[0, row, :num_shared] = full
-        tab[1:, row, num_shared - window : num_shared] = windows
-        tab[:, row, num_shared:num_full] = taken
-        new_keys = np.frombuffer(b"".join(hashes[num_shared:]), dtype="<i4")[::8]
-        buckets = (new_keys + mix) & mask
-        hnext[taken] = heads[buckets]
-        heads[buckets] = taken
-        hk[taken] = new_keys.astype(np.int64) << 32 | group_ids
-        result = tuple(map(tuple, taken.tolist()))
+        result = floor.admit(prompt)
         times.append(time.perf_counter() - start)
         del result
     return statistics.median(times) * 1e6

@@ -44,7 +44,10 @@ def no_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bench, "vllm_version", lambda: None)
 
 
-SCENARIOS = ("decode B=4", "allocate_slots_batch", "hash 256-token prompt", "lookup", "admission")
+SCENARIOS = (
+    "decode B=4", "allocate_slots_batch", "hash 256-token prompt", "lookup", "admission",
+    "its floor",
+)  # fmt: skip
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

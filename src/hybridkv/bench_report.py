@@ -8,6 +8,9 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+FLOOR_SLACK = 1.2
+"""A missed target may stay missed where the path is within 20 % of its floor."""
+
 
 def ratio(baseline: float, value: float) -> float | None:
     """``baseline ÷ value`` (above 1: ``value`` is faster or smaller), ``None`` without both."""
@@ -108,6 +111,20 @@ class BenchTable:
         """A row of times in µs (and per request, over ``per`` requests), blank where none."""
         cells = tuple("" if v is None else fmt_us(v, per) for v in values)
         self.row(scenario, values, (cells[0], cells[1], cells[2]), target)
+
+    def floor(self, scenario: str, baseline: float, floor: float, path: float) -> None:
+        """A row of a path's floor, timed beside it: the baseline ÷ the floor (the most the
+        path could gain), and whether the optimized backend's ``path`` lies within
+        ``FLOOR_SLACK`` of it (where a missed target may stay missed)."""
+        share = path / floor
+        verdict = "yes" if share <= FLOOR_SLACK else "no"
+        self.rows.append(
+            (
+                scenario, fmt_us(baseline), "", fmt_us(floor),
+                "", fmt_ratio(ratio(baseline, floor)),
+                f"opt ≤ {FLOOR_SLACK:g}× it", f"{verdict} ({share:.2f}×)",
+            )
+        )  # fmt: skip
 
     def note(self, scenario: str, optimized: str) -> None:
         """A row of the optimized backend's alone, with no ratio and no target."""

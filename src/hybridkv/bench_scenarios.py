@@ -32,6 +32,7 @@ from hybridkv.bench_backends import (
     gemma_like,
     tokens,
 )
+from hybridkv.bench_floor import AdmissionFloor
 from hybridkv.optimized import StepColumns, TorchKVCacheManager
 
 
@@ -202,9 +203,18 @@ def cached_prompt(
     return managers, hashes[0], hits[0][1][0]
 
 
-def admission(backends: Sequence[Backend], count: int, shared: int, own: int) -> dict[str, float]:
+FLOOR = "admission floor"
+"""``admission``'s key of the floor's median, when it times the floor."""
+
+
+def admission(
+    backends: Sequence[Backend], count: int, shared: int, own: int, floor_at: int | None = None
+) -> dict[str, float]:
     """Median µs per request to build (hash), look up and admit a prompt sharing a system
-    prompt, per backend; the first admission's hit and blocks are checked equal."""
+    prompt, per backend; the first admission's hit and blocks are checked equal. With
+    ``floor_at``, ``AdmissionFloor`` admits each prompt too, right after the first ``floor_at``
+    backends (its median under ``FLOOR``), and its hashes of the first prompt are checked
+    equal to the backends'."""
     rng = random.Random(11)
     system = array("q", tokens(rng, shared))
     owns = [array("q", tokens(rng, own)) for _ in range(count + 1)]
@@ -217,11 +227,25 @@ def admission(backends: Sequence[Backend], count: int, shared: int, own: int) ->
         if manager.allocate_slots(warm, warm.num_tokens) is None:
             raise RuntimeError(f"{backend.name}: the first prompt does not fit in the pool")
         managers.append(manager)
+    floor = AdmissionFloor(system.tolist() + owns[0].tolist(), shared, count)
     times: dict[str, list[float]] = {b.name: [] for b in backends}
+    times[FLOOR] = []
+    order: list[tuple[Backend, Manager] | None] = list(zip(backends, managers, strict=True))
+    if floor_at is not None:
+        order.insert(floor_at, None)  # None: the floor's turn
     for i in range(count):
         admitted = []
-        for backend, manager in zip(backends, managers, strict=True):
+        hashes: list[tuple[str, list[bytes]]] = []
+        for turn in order:
             prompt = system.tolist() + owns[i + 1].tolist()
+            if turn is None:
+                with no_gc():
+                    start = time.perf_counter()
+                    floor.admit(prompt)
+                    times[FLOOR].append(time.perf_counter() - start)
+                hashes.append((FLOOR, [bytes(h) for h in floor.last_hashes]))
+                continue
+            backend, manager = turn
             with no_gc():
                 start = time.perf_counter()
                 r = backend.request_of(manager, f"r{i}", prompt)
@@ -232,9 +256,11 @@ def admission(backends: Sequence[Backend], count: int, shared: int, own: int) ->
                 raise RuntimeError(f"{backend.name}: admission {i} hit {hit} tokens or failed")
             if i == 0:
                 admitted.append((backend.name, (hit, block_ids(hit_blocks), block_ids(out))))
+                hashes.append((backend.name, [bytes(h) for h in r.block_hashes]))
         if i == 0:
             check_same("admission: the first request's hit and new blocks", admitted)
-    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
+            check_same("admission: the first request's block hashes", hashes)
+    return {name: statistics.median(t) * 1e6 for name, t in times.items() if t}
 
 
 def memory(backend: Backend, num_blocks: int) -> float:
