@@ -209,6 +209,46 @@ def test_scaling_takes_each_rows_fastest_pass_and_prints_each_ways_spread(
     )
 
 
+def test_a_row_slow_in_every_pass_by_the_baseline_runs_again_until_it_is_not(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Three rows, two sweeps: the baseline's cost per request is 20 µs in the rows B = 2 and
+    4 and 50 then 40 in B = 8 (above 1.25× the median, 20, in both sweeps: a slow phase), so
+    B = 8 runs again, once more at 30 and then at 20; it reads its fastest pass, and the
+    footnote names it with its two extra passes."""
+    from hybridkv import bench_scaling
+
+    made_up = iter([
+        [40.0, 50.0, 4.0, 5.0], [80.0, 100.0, 8.0, 10.0], [400.0, 400.0, 80.0, 80.0],
+        [40.0, 50.0, 4.0, 5.0], [80.0, 100.0, 8.0, 10.0], [320.0, 320.0, 64.0, 64.0],
+        [240.0, 240.0, 48.0, 48.0],  # the first extra pass: B = 8 only, still slow
+        [160.0, 200.0, 16.0, 20.0],  # the second: no row slow any more
+    ])  # fmt: skip
+
+    def decode_made_up(ways: list[Way], batch: int, *args: object, **kwargs: object) -> object:
+        return {way.label: (us, us) for way, us in zip(ways, next(made_up), strict=True)}
+
+    monkeypatch.setattr(bench_scaling, "decode", decode_made_up)
+    sizes = Sizes(**{**TINY.__dict__, "scaling_batches": (2, 4, 8), "scaling_pools": (10**6,)})
+    sizes = Sizes(**{**sizes.__dict__, "scaling_passes": 2})
+    stand_in, ref, opt, _ = hybridkv_backends("cpu")
+    curves = bench_scaling.run_scaling((stand_in, ref, opt), sizes, markdown=True)
+    assert next(made_up, None) is None
+    assert curves[10**6]["stand-in"] == [(2, 40.0), (4, 80.0), (8, 160.0)]
+    assert curves[10**6]["optimized"] == [(2, 4.0), (4, 8.0), (8, 16.0)]
+    assert (
+        capsys.readouterr()
+        .out.rstrip()
+        .endswith(
+            "each figure: the fastest of 2 pass(es) over every row; rows where the baseline ran "
+            "over 1.25× its median µs per request (a slow phase of the machine in every pass) run "
+            "again, each the fastest of all its passes: pool 1,000,000 B = 8 (+2); per request, "
+            "the highest row ÷ the lowest: stand-in 1.00×, reference 1.00×, optimized 1.00×, "
+            "optimized, batched 1.00× (target for the optimized backend: ≤ 1.5×)"
+        )
+    )
+
+
 def test_the_table_judges_ratio_targets_on_the_ratio_and_byte_targets_on_the_value(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -69,7 +69,9 @@ block, as vLLM does), and the output says so; the targets on ratios are then not
 10⁴, 10⁵ and 10⁶ blocks, with ~100-token prompts (100 − i mod 16; 16 timed steps) so that the
 smaller pools hold some batches at all; a batch whose requests do not fit its pool is skipped
 and listed. Every row is the fastest of three sweeps over all rows (a slow phase of a shared
-machine slows some sweeps of a row, not all). It prints µs per request per step, then each
+machine slows some sweeps of a row, not all); a row where vLLM's cost per request runs over
+1.25× its median over the rows (a slow phase in all three) runs up to three more times, and
+the footnote lists those rows. It prints µs per request per step, then each
 way's highest cost per request ÷ its lowest (the optimized backend's target: at most 1.5×);
 ``--plot FILE.png`` (implies ``--scaling``, needs the ``plot`` extra) draws µs per step
 against B, log–log, on the largest pool.
