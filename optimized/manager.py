@@ -11,7 +11,8 @@ it, each a module of functions over one ``ManagerState`` (``hybridkv.optimized.s
 says what it holds): ``hits`` (lookup), ``allocation`` and ``admission`` (a first
 allocation), ``step`` and ``fused_step`` (a running request's step), ``caching`` and
 ``general_caching`` (entering full blocks into the prefix cache), ``mamba`` (a Mamba
-``"align"`` layout, request by request), ``batch`` (whole steps) and ``invariants``.
+``"align"`` layout, request by request), ``batch`` (whole steps; a small one's loop in
+``batch_small``) and ``invariants``.
 
 Data layout: the manager holds the state, the statistics and the last lookup's result, and what
 the quiet exit of ``allocate_slots`` reads: the row counters (one comparison with
@@ -33,6 +34,7 @@ from hybridkv.optimized import (
     invariants,
     step,
 )
+from hybridkv.optimized.batch_small import SmallBatches
 from hybridkv.optimized.connector_calls import ConnectorCalls
 from hybridkv.optimized.fused_step import FusedStep
 from hybridkv.optimized.layout import BlockIds, GroupLayout
@@ -57,7 +59,9 @@ from hybridkv.spec.errors import ZERO
 __all__ = ["BlockIds", "TorchKVCacheManager", "Tuning"]
 
 
-class TorchKVCacheManager(ConnectorCalls, RequestCalls, TuningKnobs, PrefixCacheStatsCalls):
+class TorchKVCacheManager(
+    ConnectorCalls, RequestCalls, SmallBatches, TuningKnobs, PrefixCacheStatsCalls
+):
     """Allocation and prefix caching for every KV cache group, on flat buffers (module doc)."""
 
     def __init__(
@@ -310,13 +314,10 @@ class TorchKVCacheManager(ConnectorCalls, RequestCalls, TuningKnobs, PrefixCache
                 watermark_blocks,
             )
             if served is None:
-                return [
-                    one(
-                        r, c, ZERO, None, num_lookahead_tokens, delay_cache_blocks,
-                        reserved_blocks=reserved_blocks, watermark_blocks=watermark_blocks,
-                    )
-                    for r, c in zip(requests, counts, strict=True)
-                ]  # fmt: skip
+                kept_free = (reserved_blocks, watermark_blocks)
+                return self.allocate_each(
+                    one, requests, counts, num_lookahead_tokens, delay_cache_blocks, kept_free
+                )
             out, single = served
             for i, count in single:
                 out[i] = one(

@@ -33,6 +33,9 @@ TOUCH_VECTORISED = "touch: vectorised (one array)"
 TOUCH_HEARD = "touch: group by group (a policy hears it)"
 BATCH_QUIET = "batch: quiet requests skipped"
 BATCH_ONE_BY_ONE = "batch: busy requests one by one"
+BATCH_SMALL = "batch: below batch_min, quiet exits in its loop"
+"""Requests of a batch too small for the vectorised step answered by the quiet exit's check in
+the batch's own loop (``hybridkv.optimized.batch_small``)."""
 BATCH_VECTORISED = "batch: vectorised step"
 BATCH_RELEASES = "batch: vectorised step with window releases"
 BATCH_REMEMBERED = "batch: the last batch's rows remembered"
@@ -70,6 +73,7 @@ PATHS = (
     TOUCH_HEARD,
     BATCH_QUIET,
     BATCH_ONE_BY_ONE,
+    BATCH_SMALL,
     BATCH_VECTORISED,
     BATCH_RELEASES,
     BATCH_REMEMBERED,

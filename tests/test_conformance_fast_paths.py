@@ -70,12 +70,12 @@ def test_the_quiet_exit_changes_no_count_and_a_block_boundary_runs_the_step(fuse
 @pytest.mark.slow(seconds=40)
 def test_the_fast_profile_reaches_every_fast_path() -> None:
     """The command's fast profile (its machine: small pools, roomy ones and serving sizes),
-    counted per path: the quiet exit, the running step, the batched step with and without
-    window releases, with the last batch's rows remembered and with their counts read from
-    step columns, the vectorised touch and caching, the vectorised links (each entry in a
-    bucket of its own, or sharing one), the vectorised lookups, the memo's run, hybrids of 3–4
-    types with full attention, the one-pass admission, the take of a run of consecutive ids.
-    Only the policy's group-by-group touch needs ``--eviction``."""
+    counted per path: the quiet exit, the running step, the small batch's loop, the batched
+    step with and without window releases, with the last batch's rows remembered and with
+    their counts read from step columns, the vectorised touch and caching, the vectorised
+    links (each entry in a bucket of its own, or sharing one), the vectorised lookups, the
+    memo's run, hybrids of 3–4 types with full attention, the one-pass admission, the take of
+    a run of consecutive ids. Only the policy's group-by-group touch needs ``--eviction``."""
     profile = PROFILES["fast"]
     stats = RunStats()
     run_command_machine(
@@ -86,6 +86,6 @@ def test_the_fast_profile_reaches_every_fast_path() -> None:
     counts = stats.fast_paths[name]
     assert name.startswith("optimized")
     reached = {path: n for path, n in counts.items() if "policy hears" not in path}
-    assert len(reached) == 25
+    assert len(reached) == 26
     assert min(reached.values()) >= 18, reached
     assert counts[QUIET_EXIT] >= 100

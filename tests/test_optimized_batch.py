@@ -36,15 +36,26 @@ def make_requests(count: int, seed: int) -> list[Request]:
 
 
 @pytest.mark.parametrize(
-    ("num_blocks", "caching", "busy_batch_min"),
-    [(2000, True, 64), (2000, True, 1), (700, True, 1), (2000, False, 1), (400, False, 1)],
+    ("num_blocks", "caching", "busy_batch_min", "batch_min"),
+    [
+        (2000, True, 64, 16),
+        (2000, True, 1, 16),
+        (700, True, 1, 16),
+        (2000, False, 1, 16),
+        (400, False, 1, 16),
+        (2000, True, 64, 192),
+        (700, True, 64, 192),
+        (400, False, 64, 192),
+    ],
 )
 def test_decode_steps_equal_single_calls(
-    num_blocks: int, caching: bool, busy_batch_min: int
+    num_blocks: int, caching: bool, busy_batch_min: int, batch_min: int
 ) -> None:
-    """40 requests, 30 decode steps; a short pool makes some requests get ``None``."""
+    """40 requests, 30 decode steps; a short pool makes some requests get ``None``. With
+    ``batch_min`` 16 the vectorised step serves the batches, with 192 (the default) the small
+    batch's loop (``batch_small``)."""
     batched = TorchKVCacheManager(layout(num_blocks), 200, caching, max_num_reqs=48)
-    batched.batch_min, batched.busy_batch_min = 16, busy_batch_min  # 40: the vectorised step
+    batched.batch_min, batched.busy_batch_min = batch_min, busy_batch_min
     single = TorchKVCacheManager(layout(num_blocks), 200, caching, max_num_reqs=48)
     reference = KVCacheManager(layout(num_blocks), 200, caching)
     twins = [make_requests(40, seed) for seed in (1, 1, 1)]
@@ -88,6 +99,8 @@ def test_decode_steps_equal_single_calls(
             batched.check_invariants()
     for r in running[0]:
         assert batched.get_block_ids(r.request_id) == reference.get_block_ids(r.request_id)
+    if batch_min > 40:
+        assert batched.fast_paths[path_counts.BATCH_SMALL] > 0
 
 
 @pytest.mark.parametrize(("num_blocks", "busy_batch_min"), [(2000, 64), (2000, 1), (560, 1)])
@@ -206,6 +219,44 @@ def test_batches_of_bad_or_unusual_calls_behave_as_single_calls() -> None:
     assert None not in new
     m.free_batch([requests[1], requests[1], requests[3]])
     assert m.row_of(requests[1].request_id) is None
+    m.check_invariants()
+
+
+def test_a_small_batch_answers_its_quiet_requests_in_its_loop_and_calls_the_others_in_order() -> (
+    None
+):
+    """Below ``batch_min``: the quiet requests are answered by the batch's loop (counted), the
+    others by the single calls at their turn — a crossing one, an unknown one (admitted), a
+    repeated one, one with kept-free blocks, and a bad count raising after the calls before."""
+    m = TorchKVCacheManager(layout(200), 64)
+    twin = TorchKVCacheManager(layout(200), 64)
+    requests, twins = make_requests(5, seed=5), make_requests(5, seed=5)
+    for manager, reqs in ((m, requests), (twin, twins)):
+        for r in reqs[:4]:
+            assert manager.allocate_slots(r, r.num_tokens) is not None
+            r.num_computed_tokens = r.num_tokens
+            r.append_output_token_ids(7)
+    batch = [*requests[:4], requests[4], requests[0]]
+    got = m.allocate_slots_batch(batch, [1, 1, 1, 1, requests[4].num_tokens, 1])
+    expected, quiet = [], 0
+    for r, c in zip(
+        [*twins[:4], twins[4], twins[0]], [1, 1, 1, 1, twins[4].num_tokens, 1], strict=True
+    ):
+        before = twin.fast_paths
+        expected.append(twin.allocate_slots(r, c))
+        quiet += twin.fast_paths == before  # no path counted: the quiet exit answered
+    assert 0 < quiet < 6
+    assert got == expected
+    assert m.snapshot() == twin.snapshot()
+    assert m.fast_paths[path_counts.BATCH_SMALL] == quiet
+    kept = m.allocate_slots_batch(requests[:2], 1, reserved_blocks=1)
+    assert kept == [twin.allocate_slots(r, 1, reserved_blocks=1) for r in twins[:2]]
+    with pytest.raises(ValueError, match="num_new_tokens must be positive with nothing computed"):
+        m.allocate_slots_batch([requests[1], requests[2]], [1, 0])
+    twin.allocate_slots(twins[1], 1)
+    with pytest.raises(ValueError, match="num_new_tokens must be positive with nothing computed"):
+        twin.allocate_slots(twins[2], 0)
+    assert m.snapshot() == twin.snapshot()
     m.check_invariants()
 
 

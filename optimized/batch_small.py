@@ -1,0 +1,118 @@
+"""``allocate_slots_batch`` below ``batch_min`` requests: the quiet exits in the batch's loop.
+
+A batch too small for the vectorised step (``hybridkv.optimized.batch``: its fixed cost in
+numpy calls exceeds the single calls') is exactly the single-request calls in order. Most of a
+decode step's calls take ``allocate_slots``' quiet exit (no block taken, released or cached):
+``allocate_each`` makes that exit's check for each request in its own loop — the counts and
+keywords the exit checks per call checked once for the batch, the manager's row index and
+thresholds bound once — answers those requests with ``no_blocks`` and calls ``allocate_slots``
+for the others, in order. A request answered so is one the single call would answer so (the
+same check on the same state: an earlier request's call changes only its own row's
+thresholds, or this request's if it comes twice, and the check reads them after that call);
+every other request, a bad one included, gets the single call itself, with its result or its
+error, at its turn.
+
+Data layout: none of its own. It reads what the quiet exit reads (``RequestCalls``): the row of
+a request id, each row's ``quiet_below`` and the manager's ``no_blocks``, and counts the requests
+it answers (the pool's ``path_counts.BATCH_SMALL``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from hybridkv.optimized import path_counts as paths
+from hybridkv.optimized.block_pool import TorchBlockPool
+from hybridkv.optimized.step_columns import ColumnRequest
+from hybridkv.reference.kv_cache_blocks import KVCacheBlocks
+from hybridkv.reference.request import Request, RequestLike
+from hybridkv.spec.errors import ZERO
+
+
+class SingleCall(Protocol):
+    """``allocate_slots`` with the positional arguments a running request's call passes."""
+
+    def __call__(
+        self,
+        request: RequestLike,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None,
+        num_lookahead_tokens: int,
+        delay_cache_blocks: bool,
+        *,
+        reserved_blocks: int = 0,
+        watermark_blocks: int = 0,
+    ) -> KVCacheBlocks | None: ...
+
+
+class SmallBatches:
+    """The small batch's loop (mixed into ``TorchKVCacheManager``; see the module docstring)."""
+
+    # The manager's own, which this reads.
+    hash_block_size: int
+    lookahead: int
+    enable_caching: bool
+    no_blocks: KVCacheBlocks
+    trusted: frozenset[type]
+    _row_of: Callable[[str], int | None]
+    _quiet_below: memoryview
+    _has_align: bool
+    pool: TorchBlockPool
+
+    def allocate_each(
+        self,
+        one: SingleCall,
+        requests: Sequence[RequestLike],
+        counts: Sequence[int],
+        num_lookahead_tokens: int,
+        delay_cache_blocks: bool,
+        kept_free: tuple[int, int],
+    ) -> list[KVCacheBlocks | None]:
+        """``[one(r, c, 0, None, num_lookahead_tokens, delay_cache_blocks, reserved_blocks=…,
+        watermark_blocks=…) for r, c in zip(requests, counts)]`` (``kept_free``: the reserved
+        and watermark blocks), each quiet exit made here where none are kept free (with some,
+        the quiet exit does not apply)."""
+        lookahead = num_lookahead_tokens
+        reserved, watermark = kept_free
+        if (
+            reserved is not ZERO
+            or watermark is not ZERO
+            or self._has_align
+            or not (lookahead is ZERO or (type(lookahead) is int and lookahead > 0))
+        ):
+            return [
+                one(
+                    r, c, ZERO, None, lookahead, delay_cache_blocks,
+                    reserved_blocks=reserved, watermark_blocks=watermark,
+                )
+                for r, c in zip(requests, counts, strict=True)
+            ]  # fmt: skip
+        row_of, quiet_below, no_blocks = self._row_of, self._quiet_below, self.no_blocks
+        any_type = not self.enable_caching
+        size, own_lookahead, trusted = self.hash_block_size, self.lookahead, self.trusted
+        out: list[KVCacheBlocks | None] = []
+        answered = 0
+        for request, count in zip(requests, counts, strict=True):
+            if type(count) is int and count > 0:
+                row = row_of(request.request_id)
+                if (
+                    row is not None
+                    and (
+                        any_type
+                        or (
+                            (type(request) is Request or type(request) is ColumnRequest)
+                            and request.hash_block_size == size
+                            and request.num_hash_lookahead_tokens >= own_lookahead
+                        )
+                        or type(request) in trusted
+                    )
+                    and request.num_computed_tokens + count + lookahead < quiet_below[row]
+                ):
+                    out.append(no_blocks)
+                    answered += 1
+                    continue
+            out.append(one(request, count, ZERO, None, lookahead, delay_cache_blocks))
+        self.pool.paths.ran(paths.BATCH_SMALL, answered)
+        return out
