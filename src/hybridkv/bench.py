@@ -43,7 +43,11 @@ Scenarios (full sizes; ``--quick`` shrinks them):
    ``allocate_slots`` of the rest of the prompt; median per request. The optimized backend's
    requests are built the obvious way, ``Request(rid, ids, hash_block_size=16)`` (the manager
    offers its ``block_hasher``, which adopts the hashes of the cached prefix and hashes only
-   the rest), and, on a row below, naming ``block_hasher=manager.block_hasher``.
+   the rest), and, on a row below, naming ``block_hasher=manager.block_hasher``. Its floor
+   (``hybridkv.bench_floor``: the steps the admission cannot avoid, on plain buffers) admits
+   each prompt too, right after the reference (as the optimized backend's admission follows
+   vLLM's); its row gives vLLM ÷ floor and the optimized admission ÷ floor, which a missed
+   admission target must keep within 1.2×.
 5. host memory of an empty 1,000,000-block pool per block (``tracemalloc`` around building the
    manager, max_model_len 8,192), measured before the timed scenarios (listed last); for the
    optimized backend (256 table rows) also its per-block tensors and its block tables apart.
