@@ -110,6 +110,8 @@ def sweeps(ways: Sequence[Way], sizes: Sizes) -> tuple[dict[Row, list[float]], d
     again: dict[Row, int] = {}
     for _ in range(EXTRA_PASSES if sizes.scaling_passes > 1 else 0):
         slow = slow_rows(fastest_of(passes))
+        if not slow:
+            break
         for pool, b in slow:
             run(pool, b)
             again[pool, b] = again.get((pool, b), 0) + 1

@@ -227,11 +227,11 @@ def admission(
         if manager.allocate_slots(warm, warm.num_tokens) is None:
             raise RuntimeError(f"{backend.name}: the first prompt does not fit in the pool")
         managers.append(manager)
-    floor = AdmissionFloor(system.tolist() + owns[0].tolist(), shared, count)
     times: dict[str, list[float]] = {b.name: [] for b in backends}
-    times[FLOOR] = []
     order: list[tuple[Backend, Manager] | None] = list(zip(backends, managers, strict=True))
     if floor_at is not None:
+        floor = AdmissionFloor(system.tolist() + owns[0].tolist(), shared, count)
+        times[FLOOR] = []
         order.insert(floor_at, None)  # None: the floor's turn
     for i in range(count):
         admitted = []
@@ -243,7 +243,8 @@ def admission(
                     start = time.perf_counter()
                     floor.admit(prompt)
                     times[FLOOR].append(time.perf_counter() - start)
-                hashes.append((FLOOR, [bytes(h) for h in floor.last_hashes]))
+                if i == 0:
+                    hashes.append((FLOOR, [bytes(h) for h in floor.last_hashes]))
                 continue
             backend, manager = turn
             with no_gc():
@@ -260,7 +261,7 @@ def admission(
         if i == 0:
             check_same("admission: the first request's hit and new blocks", admitted)
             check_same("admission: the first request's block hashes", hashes)
-    return {name: statistics.median(t) * 1e6 for name, t in times.items() if t}
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
 
 
 def memory(backend: Backend, num_blocks: int) -> float:
