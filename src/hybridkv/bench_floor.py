@@ -21,9 +21,9 @@ thresholds, no events and no function layers. Each ``admit``:
    calls, no two in a bucket);
 6. returns the new blocks as the tuples ``KVCacheBlocks`` holds.
 
-The benchmark times it after another backend's admission, as the optimized backend's follows
-vLLM's, so that both start as cold; ``scripts/bench_bounds.py`` times it alone and after other
-work.
+The benchmark times it right after an untimed admission of the same prompt by vLLM's manager,
+as the optimized backend's admission follows vLLM's, so that both start as cold;
+``scripts/bench_bounds.py`` times it alone, after other work and after vLLM's admissions.
 
 Data layout (G groups, N = full blocks of a prompt, S = of the shared prefix)
 ----------------------------------------------------------------------------
