@@ -43,17 +43,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import numpy.typing as npt
 
 from hybridkv.bench_backends import BLOCK, GROUPS, WINDOW
 from hybridkv.optimized.hashing import hash_packed_blocks
+from hybridkv.optimized.sources import GROUP_MIX, keys_of
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.request import pack_token_ids
 
 __all__ = ["AdmissionFloor"]
-
-GOLDEN_MIX = 0x9E3779B1
-"""Spreads a group's keys over the buckets apart from another group's."""
 
 
 class AdmissionFloor:
@@ -107,7 +104,9 @@ class AdmissionFloor:
         self.heads = np.full(self.mask + 1, blocks, dtype=np.int32)
         self.hnext = np.full(blocks + 1, blocks, dtype=np.int32)
         self.tab = np.zeros((groups, admissions + 2, width), dtype=np.int32)
-        self.mix = np.arange(groups, dtype=np.int64)[:, None] * GOLDEN_MIX
+        self.mix = (
+            np.arange(groups, dtype=np.int64)[:, None] * GROUP_MIX
+        )  # the backend's spread of a group's keys
         self.group_ids = np.arange(groups, dtype=np.int64)[:, None]
         self.rows, self.admissions = 0, admissions
         self.last_hashes: list[BlockHash] = []
@@ -166,8 +165,3 @@ class AdmissionFloor:
         self.hk[taken] = new_keys.astype(np.int64) << 32 | self.group_ids
         self.last_hashes = hashes
         return tuple(map(tuple, taken.tolist()))
-
-
-def keys_of(hashes: Sequence[BlockHash]) -> npt.NDArray[np.int64]:
-    """Each hash's key: its first 4 bytes as a signed int, widened to int64."""
-    return np.frombuffer(b"".join(hashes), dtype="<i4")[::8].astype(np.int64)
