@@ -82,9 +82,9 @@ def expand(counts: Ints, total: int | None = None) -> tuple[Ints, Ints]:
     return pair, rank
 
 
-Served = tuple[list[KVCacheBlocks | None], list[tuple[int, int]]]
-"""A step's results, and the (index, new tokens) of the few busy requests it leaves to the
-single-request calls (to be made in that order)."""
+Served = tuple[list[KVCacheBlocks | None], list[tuple[int, int, int]]]
+"""A step's results, and the (index, new tokens, row) of the few busy requests it leaves to
+the single-request calls (to be made in that order)."""
 
 
 def counts_of(
@@ -174,7 +174,7 @@ def _allocate_vectorised(
         if kept_free:
             return None
         s.pool.paths.ran(paths.BATCH_ONE_BY_ONE)
-        return out, list(zip(picked, each, strict=True))
+        return out, list(zip(picked, each, rows[chosen].tolist(), strict=True))
     busy_requests = [requests[i] for i in picked]
     caching = s.layout.caching and not delay
     comp = np.minimum(comp[chosen], s.layout.max_model_len)

@@ -319,9 +319,9 @@ class TorchKVCacheManager(
                     one, requests, counts, num_lookahead_tokens, delay_cache_blocks, kept_free
                 )
             out, single = served
-            for i, count in single:
-                out[i] = one(
-                    requests[i], count, ZERO, None, num_lookahead_tokens, delay_cache_blocks
+            for i, count, row in single:  # checked by the batch: past ``allocate_slots``' checks
+                out[i] = self.running_step(
+                    requests[i], row, count, num_lookahead_tokens, delay_cache_blocks
                 )
             return out
 

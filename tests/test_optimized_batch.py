@@ -8,6 +8,7 @@ requests of staggered lengths on a hybrid layout, a pool that runs short, shared
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -36,26 +37,31 @@ def make_requests(count: int, seed: int) -> list[Request]:
 
 
 @pytest.mark.parametrize(
-    ("num_blocks", "caching", "busy_batch_min", "batch_min"),
+    ("num_blocks", "caching", "busy_batch_min", "batch_min", "fused"),
     [
-        (2000, True, 64, 16),
-        (2000, True, 1, 16),
-        (700, True, 1, 16),
-        (2000, False, 1, 16),
-        (400, False, 1, 16),
-        (2000, True, 64, 192),
-        (700, True, 64, 192),
-        (400, False, 64, 192),
+        (2000, True, 64, 16, True),
+        (2000, True, 1, 16, True),
+        (700, True, 1, 16, True),
+        (2000, False, 1, 16, True),
+        (400, False, 1, 16, True),
+        (2000, True, 64, 192, True),
+        (700, True, 64, 192, True),
+        (400, False, 64, 192, True),
+        (2000, True, 64, 16, False),
+        (700, True, 64, 192, False),
     ],
 )
 def test_decode_steps_equal_single_calls(
-    num_blocks: int, caching: bool, busy_batch_min: int, batch_min: int
+    num_blocks: int, caching: bool, busy_batch_min: int, batch_min: int, fused: bool
 ) -> None:
     """40 requests, 30 decode steps; a short pool makes some requests get ``None``. With
-    ``batch_min`` 16 the vectorised step serves the batches, with 192 (the default) the small
-    batch's loop (``batch_small``)."""
+    ``batch_min`` 16 the vectorised step serves the batches (its busy requests one by one
+    below ``busy_batch_min``), with 192 (the default) the small batch's loop
+    (``batch_small``); the busy requests' steps past the call's checks go through the fused
+    step, or without it (``fused`` off) through ``step.run``."""
     batched = TorchKVCacheManager(layout(num_blocks), 200, caching, max_num_reqs=48)
     batched.batch_min, batched.busy_batch_min = batch_min, busy_batch_min
+    batched.tuning = replace(batched.tuning, fused_step=fused)
     single = TorchKVCacheManager(layout(num_blocks), 200, caching, max_num_reqs=48)
     reference = KVCacheManager(layout(num_blocks), 200, caching)
     twins = [make_requests(40, seed) for seed in (1, 1, 1)]
@@ -101,6 +107,14 @@ def test_decode_steps_equal_single_calls(
         assert batched.get_block_ids(r.request_id) == reference.get_block_ids(r.request_id)
     if batch_min > 40:
         assert batched.fast_paths[path_counts.BATCH_SMALL] > 0
+    elif busy_batch_min > 40:
+        assert batched.fast_paths[path_counts.BATCH_ONE_BY_ONE] > 0
+    one_by_one = batch_min > 40 or busy_batch_min > 40  # some busy request served alone
+    crossed = batched.fast_paths[path_counts.FUSED_STEP]
+    if not fused:
+        assert crossed == 0
+    elif caching and one_by_one:
+        assert crossed > 0
 
 
 @pytest.mark.parametrize(("num_blocks", "busy_batch_min"), [(2000, 64), (2000, 1), (560, 1)])
