@@ -258,7 +258,7 @@ class TorchKVCacheManager(
                 kept_free = reserved_blocks + watermark_blocks
                 fused = self._fused
                 if fused is not None and not kept_free:
-                    # The common crossing call in one function (``None``: declined, unchanged).
+                    # ``running_step``'s work, inline on the per-call path (``None``: declined).
                     made = fused.cross(
                         request, row, num_new_tokens, num_lookahead_tokens, delay_cache_blocks
                     )
