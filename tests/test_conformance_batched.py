@@ -19,6 +19,7 @@ from hybridkv.conformance.adapters import (
     hash_block_size_of,
     optimized_backend,
     reference_backend,
+    thresholds_of_pool,
 )
 from hybridkv.conformance.invariants import ConformanceError
 from hybridkv.conformance.kill_table import KillRow, kill_table
@@ -127,16 +128,25 @@ def test_a_wrong_batched_step_is_caught() -> None:
 def test_the_optimized_backend_takes_small_thresholds_on_odd_pools() -> None:
     backend = optimized_backend()
     assert backend is not None
-    odd = backend[1](_config(9), 16, True, False, EngineOptions())
-    even = backend[1](_config(10), 16, True, False, EngineOptions())
-    assert isinstance(odd, ProtocolAdapter)
-    assert isinstance(even, ProtocolAdapter)
     from hybridkv.optimized import thresholds
 
+    adapters = [
+        backend[1](_config(num_blocks), 16, True, False, EngineOptions())
+        for num_blocks in (9, 17, 10)
+    ]
+    alone, vectorised, even = (a for a in adapters if isinstance(a, ProtocolAdapter))
     for attribute, value in SMALL_THRESHOLDS.items():
-        assert getattr(odd.manager, attribute) == value
+        assert getattr(alone.manager, attribute) == value
         # The production value, from the constants (which the small ones leave unchanged).
         assert getattr(even.manager, attribute) == getattr(thresholds, attribute.upper())
+    # A lone busy request: served alone on a pool of 9 blocks (9 // 8 is odd), vectorised on
+    # one of 17 (17 // 8 is even); every other threshold the same small one.
+    assert getattr(alone.manager, "busy_batch_min") == 2  # noqa: B009 (a protocol's manager)
+    assert getattr(vectorised.manager, "busy_batch_min") == 1  # noqa: B009
+    assert thresholds_of_pool(17) == {**SMALL_THRESHOLDS, "busy_batch_min": 1}
+    assert thresholds_of_pool(9) == SMALL_THRESHOLDS
+    assert thresholds_of_pool(10) == {}
+    assert SMALL_THRESHOLDS["batch_min"] == 1  # a batch of one request is vectorised too
     assert (thresholds.BATCH_MIN, thresholds.FREE_BATCH_MIN, thresholds.BUSY_BATCH_MIN) == (
         192,
         16,

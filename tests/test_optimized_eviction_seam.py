@@ -18,7 +18,7 @@ import pytest
 
 from hybridkv.conformance import __main__ as conformance_command
 from hybridkv.conformance.adapters import EngineOptions, backends_named, manager_backend
-from hybridkv.conformance.adapters.backends import SMALL_THRESHOLDS
+from hybridkv.conformance.adapters.backends import thresholds_of_pool
 from hybridkv.conformance.adapters.protocol_adapter import ProtocolAdapter
 from hybridkv.conformance.golden import replay_trace, trace_names
 from hybridkv.conformance.machine import run_differential
@@ -105,9 +105,8 @@ class Choosing(LRUPolicy):
 def _small_thresholds_on_odd_pools(manager: Any, config: KVCacheConfig) -> None:
     """The optimized backend's vectorised lookups on half the layouts, as ``optimized_backend``
     draws them (the vectorised steps and batches stay off under a policy)."""
-    if config.num_blocks % 2:
-        for attribute, value in SMALL_THRESHOLDS.items():
-            setattr(manager, attribute, value)
+    for attribute, value in thresholds_of_pool(config.num_blocks).items():
+        setattr(manager, attribute, value)
 
 
 @pytest.mark.slow(seconds=7)

@@ -84,6 +84,7 @@ from hybridkv.conformance.adapters.backends import (
     optimized_backend,
     reference_backend,
     reference_stand_in,
+    thresholds_of_pool,
 )
 from hybridkv.conformance.adapters.protocol_adapter import (
     PlanningAdapter,
@@ -123,4 +124,5 @@ __all__ = [
     "planner",
     "reference_backend",
     "reference_stand_in",
+    "thresholds_of_pool",
 ]

@@ -95,18 +95,31 @@ def reference_stand_in() -> Backend:
 
 
 SMALL_THRESHOLDS = {
-    "batch_min": 2,
+    "batch_min": 1,
     "free_batch_min": 2,
     "busy_batch_min": 2,
     "vector_min": 1,
     "insert_min": 2,
     "pending_min": 2,
 }
-"""The optimized backend's size thresholds on half the layouts (an odd pool): every batch of two
-requests or more, every lookup, and every touch, take, link or insert of two blocks or more
-(and the pending work of two entries or more) takes the vectorised path. Each is a manager
-attribute that starts at its constant in ``hybridkv.optimized.thresholds``; the constants stay
-as they are."""
+"""The optimized backend's size thresholds on half the layouts (an odd pool): every batch, of
+one request too, and every lookup, and every touch, take, link or insert of two blocks or more
+(and the pending work of two entries or more) takes the vectorised path; a batch with one busy
+request serves it alone. Each is a manager attribute that starts at its constant in
+``hybridkv.optimized.thresholds``; the constants stay as they are."""
+
+
+def thresholds_of_pool(num_blocks: int) -> dict[str, int]:
+    """The thresholds the differential machine gives a manager of ``num_blocks`` blocks: none
+    on an even pool (the production ones), ``SMALL_THRESHOLDS`` on an odd one, where half the
+    pools (``num_blocks // 8`` even) vectorise a batch's lone busy request too
+    (``busy_batch_min`` 1) and the other half serve it alone. The machine has few live
+    requests, so most batches have one busy request: both of its paths run often."""
+    if not num_blocks % 2:
+        return {}
+    if num_blocks // 8 % 2:
+        return dict(SMALL_THRESHOLDS)
+    return {**SMALL_THRESHOLDS, "busy_batch_min": 1}
 
 
 def optimized_backend(
@@ -123,7 +136,7 @@ def optimized_backend(
     its lookups from ``vector_min`` probes: more
     than the differential machine's few live requests. So on layouts with an odd ``num_blocks``
     the thresholds are ``SMALL_THRESHOLDS`` (the vectorised paths), on the others the
-    production ones (the single-request paths below them)."""
+    production ones (the single-request paths below them): ``thresholds_of_pool``."""
     try:
         module: Any = importlib.import_module("hybridkv.optimized")
     except ImportError:
@@ -134,9 +147,8 @@ def optimized_backend(
             return None
 
     def small_thresholds_on_odd_pools(manager: Any, config: KVCacheConfig) -> None:
-        if config.num_blocks % 2:
-            for attribute, value in SMALL_THRESHOLDS.items():
-                setattr(manager, attribute, value)
+        for attribute, value in thresholds_of_pool(config.num_blocks).items():
+            setattr(manager, attribute, value)
 
     def step_columns_on_every_other_odd_pool(config: KVCacheConfig) -> RequestMaker | None:
         # Half the layouts whose batches are vectorised (pools of 1 mod 4) make column
