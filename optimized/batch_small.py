@@ -140,9 +140,18 @@ class SmallBatches:
         fewer on the path a scheduler takes per request)."""
         fused = self._fused
         if fused is not None:
-            args = (num_new_tokens, num_lookahead_tokens, delay_cache_blocks)
-            made = fused.cross(request, row, *args)
+            made = fused.cross(
+                request, row, num_new_tokens, num_lookahead_tokens, delay_cache_blocks
+            )
             if made is not None:
                 return made
-        kept = (num_new_tokens, num_lookahead_tokens, delay_cache_blocks, 0)  # none kept free
-        return step.run(self._s, request, row, *kept)
+        kept_free = 0
+        return step.run(
+            self._s,
+            request,
+            row,
+            num_new_tokens,
+            num_lookahead_tokens,
+            delay_cache_blocks,
+            kept_free,
+        )
