@@ -104,9 +104,8 @@ class AdmissionFloor:
         self.heads = np.full(self.mask + 1, blocks, dtype=np.int32)
         self.hnext = np.full(blocks + 1, blocks, dtype=np.int32)
         self.tab = np.zeros((groups, admissions + 2, width), dtype=np.int32)
-        self.mix = (
-            np.arange(groups, dtype=np.int64)[:, None] * GROUP_MIX
-        )  # the backend's spread of a group's keys
+        # The backend's spread of a group's keys over the buckets.
+        self.mix = np.arange(groups, dtype=np.int64)[:, None] * GROUP_MIX
         self.group_ids = np.arange(groups, dtype=np.int64)[:, None]
         self.rows, self.admissions = 0, admissions
         self.last_hashes: list[BlockHash] = []
