@@ -18,7 +18,7 @@ import pytest
 
 from hybridkv.conformance import __main__ as conformance_command
 from hybridkv.conformance.adapters import EngineOptions, backends_named, manager_backend
-from hybridkv.conformance.adapters.backends import thresholds_of_pool
+from hybridkv.conformance.adapters.backends import small_thresholds_on_odd_pools
 from hybridkv.conformance.adapters.protocol_adapter import ProtocolAdapter
 from hybridkv.conformance.golden import replay_trace, trace_names
 from hybridkv.conformance.machine import run_differential
@@ -102,13 +102,6 @@ class Choosing(LRUPolicy):
         return self.answer  # type: ignore[return-value]
 
 
-def _small_thresholds_on_odd_pools(manager: Any, config: KVCacheConfig) -> None:
-    """The optimized backend's vectorised lookups on half the layouts, as ``optimized_backend``
-    draws them (the vectorised steps and batches stay off under a policy)."""
-    for attribute, value in thresholds_of_pool(config.num_blocks).items():
-        setattr(manager, attribute, value)
-
-
 @pytest.mark.slow(seconds=7)
 @pytest.mark.parametrize("policy", SHIPPED)
 def test_each_shipped_policy_gives_the_same_blocks_hits_and_events_on_both_backends(
@@ -119,7 +112,9 @@ def test_each_shipped_policy_gives_the_same_blocks_hits_and_events_on_both_backe
         manager_backend(
             "optimized",
             TorchKVCacheManager,
-            configure=_small_thresholds_on_odd_pools,
+            # The machine's thresholds: vectorised lookups on half the layouts (the
+            # vectorised steps and batches stay off under a policy).
+            configure=small_thresholds_on_odd_pools,
             eviction_policy=policy,
             max_num_reqs=32,
         ),

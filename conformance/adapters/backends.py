@@ -122,6 +122,13 @@ def thresholds_of_pool(num_blocks: int) -> dict[str, int]:
     return {**SMALL_THRESHOLDS, "busy_batch_min": 1}
 
 
+def small_thresholds_on_odd_pools(manager: Any, config: KVCacheConfig) -> None:
+    """Give ``manager`` the thresholds ``thresholds_of_pool`` draws for ``config``'s pool (a
+    ``manager_backend`` ``configure`` hook)."""
+    for attribute, value in thresholds_of_pool(config.num_blocks).items():
+        setattr(manager, attribute, value)
+
+
 def optimized_backend(
     device: str = "cpu",
     max_num_reqs: int = 32,
@@ -145,10 +152,6 @@ def optimized_backend(
         manager_class = getattr(module, "TorchKVCacheManager", None)
         if manager_class is None:
             return None
-
-    def small_thresholds_on_odd_pools(manager: Any, config: KVCacheConfig) -> None:
-        for attribute, value in thresholds_of_pool(config.num_blocks).items():
-            setattr(manager, attribute, value)
 
     def step_columns_on_every_other_odd_pool(config: KVCacheConfig) -> RequestMaker | None:
         # Half the layouts whose batches are vectorised (pools of 1 mod 4) make column
