@@ -58,14 +58,9 @@ from array import array
 from collections.abc import Sequence
 from typing import Protocol
 
-import numpy as np
-
+from hybridkv.optimized.same_ids import same_ids
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.spec.errors import require
-
-NUMPY_COMPARE_MIN = 8192
-"""From this many packed ids a comparison takes numpy views (one vector pass, whose fixed cost
-a shorter range does not repay); below, the memoryviews compare item by item in C."""
 
 MemoKey = tuple[BlockHash | None, bytes, str | None]
 WalkEnd = tuple[int, "Branch | None", "MemoKey | None"]
@@ -116,43 +111,28 @@ def salt_key(salt: object) -> tuple[bool, str | None]:
 
 
 def agreeing_blocks(
-    ours: memoryview, theirs: memoryview, block_size: int, lo: int, hi: int, hint: int = -1
+    ours: array[int], theirs: array[int], block_size: int, lo: int, hi: int, hint: int = -1
 ) -> int:
     """The first block in ``[lo, hi)`` where two packed id arrays differ (``hi`` if none):
     one comparison up to ``hint`` (a likely first difference) and one of the rest, then a
-    bisection of the range that differs. Each comparison is one C loop or vector pass
-    over the arrays' memory (``_same``)."""
+    bisection of the range that differs. Each comparison is one ``memcmp`` of the arrays'
+    memory, or one C loop over a short range (``same_ids``)."""
     good, bad = lo, hi
     if lo < hint < hi:
-        if _same(ours, theirs, lo * block_size, hint * block_size):
+        if same_ids(ours, theirs, lo * block_size, hint * block_size):
             good = hint
         else:
             bad = hint
-    if bad == hi and _same(ours, theirs, good * block_size, hi * block_size):
+    if bad == hi and same_ids(ours, theirs, good * block_size, hi * block_size):
         return hi
     # Blocks [lo, good) agree; [good, bad) holds a difference.
     while bad - good > 1:
         mid = (good + bad) // 2
-        if _same(ours, theirs, good * block_size, mid * block_size):
+        if same_ids(ours, theirs, good * block_size, mid * block_size):
             good = mid
         else:
             bad = mid
     return good
-
-
-def _same(ours: memoryview, theirs: memoryview, start: int, stop: int) -> bool:
-    """Whether ids ``start … stop − 1`` agree: the two memoryview slices compared (one C loop
-    over their items), or from ``NUMPY_COMPARE_MIN`` ids numpy views of the same memory (one
-    vector pass). Neither copies the ranges: a copy of a prompt's ids (tens of KiB) is a fresh
-    allocation at the top of the heap, which the rest of the process (a scheduler's own work
-    between two admissions) keeps handing back to the system, so that each copy faults its
-    pages in again."""
-    if stop - start < NUMPY_COMPARE_MIN:
-        return ours[start:stop] == theirs[start:stop]
-    count = stop - start
-    a = np.frombuffer(ours, np.uint64, count, start * 8)
-    b = np.frombuffer(theirs, np.uint64, count, start * 8)
-    return bool((a == b).all())  # array_equal's checks of shape and type cost a third more
 
 
 class BranchTree:
@@ -180,7 +160,7 @@ class BranchTree:
     # --- The walk -----------------------------------------------------------------------------
 
     def walk(
-        self, ours: memoryview, count: int, salt: str | None
+        self, ours: array[int], count: int, salt: str | None
     ) -> tuple[list[BlockHash], Branch | None, MemoKey | None]:
         """Follow the tree along packed ids ``ours`` (``count`` full blocks, salt ``salt``).
 
@@ -213,8 +193,7 @@ class BranchTree:
             if at >= end or (theirs[at - 1] != key[0] if at else salt_key(source.salt)[1] != salt):
                 self._length_bound |= bound
                 return hashes, last, None
-            with memoryview(packed) as view:
-                reached = agreeing_blocks(ours, view, b, at, end, branch.fork)
+            reached = agreeing_blocks(ours, packed, b, at, end, branch.fork)
             if reached == at:
                 return hashes, last, None
             self._length_bound |= bound and reached == end
@@ -236,8 +215,7 @@ class BranchTree:
         """``walk`` along a packed id array, remembered (``last_walk``) when no source's length
         decided where it ended, so that registering the request it hashed (``remember``, at
         its first cached block, most often in the same admission) need not walk again."""
-        with memoryview(packed) as ours:
-            found = self.walk(ours, count, salt)
+        found = self.walk(packed, count, salt)
         self.last_walk = None
         if not self._length_bound:
             self.last_walk = (packed, count, salt, self.version, (len(found[0]), *found[1:]))

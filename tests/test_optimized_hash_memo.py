@@ -20,9 +20,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.optimized import TorchKVCacheManager
+from hybridkv.optimized import same_ids as same_ids_module
 from hybridkv.optimized.hash_memo import HashMemo, agreeing_blocks
 from hybridkv.optimized.hashing import hash_full_blocks_torch
-from hybridkv.optimized.memo_tree import NUMPY_COMPARE_MIN
+from hybridkv.optimized.same_ids import NUMPY_COMPARE_MIN
 from hybridkv.reference import KVCacheManager
 from hybridkv.reference.block_hash import BlockHash, hash_full_blocks
 from hybridkv.reference.request import Request
@@ -521,10 +522,9 @@ def test_the_first_difference_is_found_wherever_it_is() -> None:
         theirs = array("Q", ours)
         theirs[first * 4 + 2] += 1
         for hint in (-1, 3, first, first + 1, 15):
-            found = agreeing_blocks(memoryview(ours), memoryview(theirs), 4, 0, 16, hint)
+            found = agreeing_blocks(ours, theirs, 4, 0, 16, hint)
             assert found == first
-    same = memoryview(array("Q", ours))
-    assert agreeing_blocks(memoryview(ours), same, 4, 2, 16, 9) == 16
+    assert agreeing_blocks(ours, array("Q", ours), 4, 2, 16, 9) == 16
 
 
 PIECES = [list(range(50, 54)), list(range(60, 64)), list(range(70, 74))]  # one block each
@@ -589,15 +589,23 @@ def test_the_memo_equals_the_definition_and_keeps_its_tree(
         assert set(memo.registered) == set(sources)
 
 
+@pytest.mark.parametrize("memcmp", [True, False], ids=["memcmp", "portable"])
 @pytest.mark.parametrize("first", [0, 1, 1023, 1024, 2047, 4095, 4096])
-def test_the_first_difference_is_found_in_long_prompts_compared_by_numpy(first: int) -> None:
-    """From ``NUMPY_COMPARE_MIN`` ids the comparison takes numpy views; the answer is the same."""
-    blocks = 4097  # 65,552 ids at 16 per block: ranges on both sides of the threshold
+def test_the_first_difference_is_found_in_long_prompts_by_either_comparison(
+    first: int, memcmp: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Long ranges compare with ``memcmp``, or without it by numpy views from
+    ``NUMPY_COMPARE_MIN`` ids; the answer is the same."""
+    if not memcmp:
+        monkeypatch.setattr(same_ids_module, "C_MEMCMP", None)
+    elif same_ids_module.C_MEMCMP is None:
+        pytest.skip("ctypes finds no memcmp in this C library")
+    blocks = 4097  # 65,552 ids at 16 per block: ranges on both sides of the thresholds
     ours = array("Q", range(blocks * 16))
     theirs = array("Q", ours)
     theirs[first * 16 + 15] = 2**64 - 1
     assert blocks * 16 >= NUMPY_COMPARE_MIN
     for hint in (-1, 300, first, first + 1, blocks - 1):
-        found = agreeing_blocks(memoryview(ours), memoryview(theirs), 16, 0, blocks, hint)
+        found = agreeing_blocks(ours, theirs, 16, 0, blocks, hint)
         assert found == first
-    assert agreeing_blocks(memoryview(ours), memoryview(theirs), 16, first + 1, blocks) == blocks
+    assert agreeing_blocks(ours, theirs, 16, first + 1, blocks) == blocks
