@@ -19,7 +19,9 @@ Data layout
 ``ours`` and ``theirs`` are ``array('Q')``: id i at byte 8·i of the buffer whose address
 ``buffer_info()`` gives, so ids [start, stop) are bytes [8·start, 8·stop). The range is
 checked against both arrays' lengths before ``memcmp`` reads it: a range past either end
-raises ``ValueError`` instead of reading memory the arrays do not own.
+raises ``ValueError`` instead of reading memory the arrays do not own. While ``memcmp`` runs
+both arrays are exported (a memoryview of each) and the GIL stays held (``ctypes.PyDLL``), so
+no array is resized under it.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import numpy as np
 
 __all__ = ["C_MEMCMP", "MEMCMP_MIN", "NUMPY_COMPARE_MIN", "same_ids", "same_ids_portable"]
 
-MEMCMP_MIN = 256
+MEMCMP_MIN = 1024
 """From this many ids a range compares with ``memcmp``; below, the foreign call's fixed cost
 is more than the memoryview slices' loop over the items."""
 
@@ -49,7 +51,8 @@ def find_memcmp() -> Callable[[int, int, int], int] | None:
     """The C library's ``memcmp(a, b, n)`` as a ctypes function of two addresses and a byte
     count, or ``None`` where ctypes cannot load it."""
     try:
-        library = ctypes.CDLL("msvcrt") if os.name == "nt" else ctypes.CDLL(None)
+        # PyDLL: the call keeps the GIL, so no other thread runs (and resizes an array) during it.
+        library = ctypes.PyDLL("msvcrt") if os.name == "nt" else ctypes.PyDLL(None)
         function = library.memcmp
     except (OSError, AttributeError):
         return None
@@ -72,15 +75,11 @@ def same_ids(ours: array[int], theirs: array[int], start: int, stop: int) -> boo
         )
     if C_MEMCMP is None or stop - start < MEMCMP_MIN:
         return same_ids_portable(ours, theirs, start, stop)
-    at = start * ITEM_BYTES
-    return (
-        C_MEMCMP(
-            ours.buffer_info()[0] + at,
-            theirs.buffer_info()[0] + at,
-            (stop - start) * ITEM_BYTES,
-        )
-        == 0
-    )
+    at, size = start * ITEM_BYTES, (stop - start) * ITEM_BYTES
+    # Both buffers exported while their addresses are read and compared: neither array can be
+    # resized (and its memory moved) meanwhile.
+    with memoryview(ours), memoryview(theirs):
+        return C_MEMCMP(ours.buffer_info()[0] + at, theirs.buffer_info()[0] + at, size) == 0
 
 
 def same_ids_portable(ours: array[int], theirs: array[int], start: int, stop: int) -> bool:
