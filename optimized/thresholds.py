@@ -21,11 +21,13 @@ from __future__ import annotations
 
 # --- Whole-step calls (``hybridkv.optimized.batch``) ------------------------------------------
 
-BATCH_MIN = 192
-"""An ``allocate_slots_batch`` of fewer requests makes the single-request calls: below this,
-their cost is less than the vectorised step's fixed cost in numpy calls (reading and comparing
-every request's counts, cold after the scheduler's own work); the two meet between 128 and
-256 requests of a decode step (``hybridkv bench --scaling``; ``docs/optimized-backend.md``)."""
+BATCH_MIN = 640
+"""An ``allocate_slots_batch`` of fewer requests makes the single-request calls (the small
+batch's loop, ``batch_small``): below this, their cost is less than the vectorised step's
+fixed cost in numpy calls (reading and comparing every request's counts, cold after the
+scheduler's own work). The two meet between 640 and 768 requests of a decode step of ~100-token
+prompts on a 10⁶-block pool, each step after vLLM's and the reference's
+(``docs/optimized-history.md``, the round after commit 7f098e3)."""
 
 FREE_BATCH_MIN = 16
 """A ``free_batch`` of fewer requests frees them one by one; from it, in numpy calls (whose

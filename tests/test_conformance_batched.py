@@ -148,7 +148,7 @@ def test_the_optimized_backend_takes_small_thresholds_on_odd_pools() -> None:
     assert thresholds_of_pool(10) == {}
     assert SMALL_THRESHOLDS["batch_min"] == 1  # a batch of one request is vectorised too
     assert (thresholds.BATCH_MIN, thresholds.FREE_BATCH_MIN, thresholds.BUSY_BATCH_MIN) == (
-        192,
+        640,
         16,
         64,
     )

@@ -44,11 +44,11 @@ def make_requests(count: int, seed: int) -> list[Request]:
         (700, True, 1, 16, True),
         (2000, False, 1, 16, True),
         (400, False, 1, 16, True),
-        (2000, True, 64, 192, True),
-        (700, True, 64, 192, True),
-        (400, False, 64, 192, True),
+        (2000, True, 64, 640, True),
+        (700, True, 64, 640, True),
+        (400, False, 64, 640, True),
         (2000, True, 64, 16, False),
-        (700, True, 64, 192, False),
+        (700, True, 64, 640, False),
     ],
 )
 def test_decode_steps_equal_single_calls(
@@ -56,7 +56,7 @@ def test_decode_steps_equal_single_calls(
 ) -> None:
     """40 requests, 30 decode steps; a short pool makes some requests get ``None``. With
     ``batch_min`` 16 the vectorised step serves the batches (its busy requests one by one
-    below ``busy_batch_min``), with 192 (the default) the small batch's loop
+    below ``busy_batch_min``), with 640 (the default) the small batch's loop
     (``batch_small``); the busy requests' steps past the call's checks go through the fused
     step, or without it (``fused`` off) through ``step.run``."""
     batched = TorchKVCacheManager(layout(num_blocks), 200, caching, max_num_reqs=48)

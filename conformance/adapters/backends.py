@@ -138,7 +138,7 @@ def optimized_backend(
     """``hybridkv.optimized.TorchKVCacheManager`` (or ``manager_class``, a patched copy) when it
     (and torch) can be imported.
 
-    Its batched calls take the vectorised paths only from ``batch_min`` requests (192; a
+    Its batched calls take the vectorised paths only from ``batch_min`` requests (640; a
     ``free_batch`` from ``free_batch_min``, 16) with ``busy_batch_min`` (64) needing work, and
     its lookups from ``vector_min`` probes: more
     than the differential machine's few live requests. So on layouts with an odd ``num_blocks``
