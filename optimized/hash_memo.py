@@ -52,6 +52,7 @@ from hybridkv.optimized.memo_tree import (
     agreeing_blocks,
     salt_key,
 )
+from hybridkv.optimized.path_counts import PathCounts
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.reference.request import BlockHasher
 
@@ -61,8 +62,13 @@ __all__ = ["Branch", "HashMemo", "MemoKey", "MemoSource", "agreeing_blocks", "sa
 class HashMemo(BranchTree):
     """A block hasher that adopts the hashes of cached requests (see the module docstring)."""
 
-    def __init__(self, block_size: int, hasher: BlockHasher = hash_full_blocks_torch) -> None:
-        super().__init__(block_size)
+    def __init__(
+        self,
+        block_size: int,
+        hasher: BlockHasher = hash_full_blocks_torch,
+        paths: PathCounts | None = None,
+    ) -> None:
+        super().__init__(block_size, paths)
         self.hasher = hasher
         self.last_prompt: tuple[array[int], MemoSource, int] | None = None
         """The last prompt hashed from its packed ids with hashes adopted: those ids, the

@@ -55,10 +55,13 @@ the sources by reference (the pool holds them anyway, and drops them only after 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeAlias
 
-from hybridkv.optimized.same_ids import same_ids
+from hybridkv.optimized import path_counts
+from hybridkv.optimized.path_counts import PathCounts
+from hybridkv.optimized.same_ids import C_MEMCMP, same_ids
+from hybridkv.optimized.thresholds import MEMCMP_MIN
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.spec.errors import require
 
@@ -110,25 +113,35 @@ def salt_key(salt: object) -> tuple[bool, str | None]:
     return False, None
 
 
+SameIds: TypeAlias = "Callable[[array[int], array[int], int, int], bool]"
+"""Whether two packed id arrays agree over ids ``[start, stop)`` (``same_ids``)."""
+
+
 def agreeing_blocks(
-    ours: array[int], theirs: array[int], block_size: int, lo: int, hi: int, hint: int = -1
+    ours: array[int],
+    theirs: array[int],
+    block_size: int,
+    lo: int,
+    hi: int,
+    hint: int = -1,
+    same: SameIds = same_ids,
 ) -> int:
     """The first block in ``[lo, hi)`` where two packed id arrays differ (``hi`` if none):
     one comparison up to ``hint`` (a likely first difference) and one of the rest, then a
-    bisection of the range that differs. Each comparison is one ``memcmp`` of the arrays'
-    memory, or one C loop over a short range (``same_ids``)."""
+    bisection of the range that differs. Each comparison (``same``) is one ``memcmp`` of the
+    arrays' memory, or one C loop over a short range (``same_ids``)."""
     good, bad = lo, hi
     if lo < hint < hi:
-        if same_ids(ours, theirs, lo * block_size, hint * block_size):
+        if same(ours, theirs, lo * block_size, hint * block_size):
             good = hint
         else:
             bad = hint
-    if bad == hi and same_ids(ours, theirs, good * block_size, hi * block_size):
+    if bad == hi and same(ours, theirs, good * block_size, hi * block_size):
         return hi
     # Blocks [lo, good) agree; [good, bad) holds a difference.
     while bad - good > 1:
         mid = (good + bad) // 2
-        if same_ids(ours, theirs, good * block_size, mid * block_size):
+        if same(ours, theirs, good * block_size, mid * block_size):
             good = mid
         else:
             bad = mid
@@ -138,8 +151,14 @@ def agreeing_blocks(
 class BranchTree:
     """The memo's branches and registered sources (see the module docstring)."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, paths: PathCounts | None = None) -> None:
         self.block_size = block_size
+        self.paths = paths
+        """The pool's path counts, which count the comparisons ``memcmp`` makes (``None``: a
+        memo of no manager's, uncounted)."""
+        self.memcmp_min = MEMCMP_MIN
+        """Ranges of at least this many ids compare by ``memcmp`` (a manager's ``memcmp_min``
+        knob sets it)."""
         self.branches: dict[MemoKey, Branch] = {}
         self.registered: dict[int, tuple[MemoSource, Branch | None]] = {}
         self.first_agreement: tuple[MemoSource, int] | None = None
@@ -193,7 +212,7 @@ class BranchTree:
             if at >= end or (theirs[at - 1] != key[0] if at else salt_key(source.salt)[1] != salt):
                 self._length_bound |= bound
                 return hashes, last, None
-            reached = agreeing_blocks(ours, packed, b, at, end, branch.fork)
+            reached = agreeing_blocks(ours, packed, b, at, end, branch.fork, self.same_ids)
             if reached == at:
                 return hashes, last, None
             self._length_bound |= bound and reached == end
@@ -208,6 +227,12 @@ class BranchTree:
             if at >= count:
                 return hashes, last, None
             key = (theirs[at - 1], ours[at * b : (at + 1) * b].tobytes(), None)
+
+    def same_ids(self, ours: array[int], theirs: array[int], start: int, stop: int) -> bool:
+        """``same_ids`` from this memo's ``memcmp_min``, each ``memcmp`` counted."""
+        if self.paths is not None and C_MEMCMP is not None and stop - start >= self.memcmp_min:
+            self.paths.ran(path_counts.MEMO_MEMCMP)
+        return same_ids(ours, theirs, start, stop, self.memcmp_min)
 
     def walk_packed(
         self, packed: array[int], count: int, salt: str | None

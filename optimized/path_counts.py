@@ -60,6 +60,9 @@ ADMISSION_ONE_PASS = "admission: one pass (every group's table as one matrix)"
 TAKE_RUN = "take: a run of consecutive ids (no walk)"
 """``pop_array`` of blocks whose ids follow each other in the free queue (found by one
 comparison of their links)."""
+MEMO_MEMCMP = "memo: prompts' ids compared by memcmp"
+"""A comparison of two prompts' packed ids, in the hash memo's walk, made by one ``memcmp`` of
+their memory (``hybridkv.optimized.same_ids``: from ``memcmp_min`` ids)."""
 
 PATHS = (
     RUNNING_STEP,
@@ -88,6 +91,7 @@ PATHS = (
     HYBRID_WITH_FULL,
     ADMISSION_ONE_PASS,
     TAKE_RUN,
+    MEMO_MEMCMP,
 )
 """Every path counted, in the report's order (the quiet exit, counted by callers, apart)."""
 

@@ -6,8 +6,9 @@ arrays of ids over a range: the whole shared system prompt in an admission, ever
 long prompt comes back. Two unsigned 64-bit ids are equal exactly when their eight bytes are,
 so the comparison is the C library's ``memcmp`` of the two ranges, called through ``ctypes``
 on the arrays' own buffers (nothing copied: a copy of a long prompt's ids is a fresh
-allocation whose pages fault in again). Short ranges, below ``MEMCMP_MIN`` ids, compare as
-memoryview slices (one C loop over their items), which costs less than the foreign call.
+allocation whose pages fault in again). Short ranges, below ``MEMCMP_MIN`` ids
+(``hybridkv.optimized.thresholds``; a manager's ``memcmp_min``), compare as memoryview slices
+(one C loop over their items), which costs less than the foreign call.
 
 Where ``ctypes`` finds no ``memcmp`` (``C_MEMCMP`` is ``None``), ``same_ids_portable``
 answers instead: memoryview slices, or from ``NUMPY_COMPARE_MIN`` ids numpy views of the same
@@ -34,15 +35,9 @@ from typing import Final
 
 import numpy as np
 
+from hybridkv.optimized.thresholds import MEMCMP_MIN, NUMPY_COMPARE_MIN
+
 __all__ = ["C_MEMCMP", "MEMCMP_MIN", "NUMPY_COMPARE_MIN", "same_ids", "same_ids_portable"]
-
-MEMCMP_MIN = 1024
-"""From this many ids a range compares with ``memcmp``; below, the foreign call's fixed cost
-is more than the memoryview slices' loop over the items."""
-
-NUMPY_COMPARE_MIN = 8192
-"""Without ``memcmp``: from this many ids a comparison takes numpy views (one vector pass,
-whose fixed cost a shorter range does not repay); below, the memoryview slices."""
 
 ITEM_BYTES = 8  # an id packed as unsigned 64 bits ('Q')
 
@@ -66,14 +61,17 @@ C_MEMCMP: Final = find_memcmp()
 """The C library's ``memcmp``, loaded once (a function, not state), or ``None``."""
 
 
-def same_ids(ours: array[int], theirs: array[int], start: int, stop: int) -> bool:
-    """Whether ids ``start … stop − 1`` of two ``array('Q')`` agree (see the module
-    docstring); ``ValueError`` for a range that is not within both arrays."""
+def same_ids(
+    ours: array[int], theirs: array[int], start: int, stop: int, memcmp_min: int = MEMCMP_MIN
+) -> bool:
+    """Whether ids ``start … stop − 1`` of two ``array('Q')`` agree, by ``memcmp`` from
+    ``memcmp_min`` ids (see the module docstring); ``ValueError`` for a range that is not
+    within both arrays."""
     if not 0 <= start <= stop or stop > len(ours) or stop > len(theirs):
         raise ValueError(
             f"ids [{start}, {stop}) must lie within both arrays ({len(ours)} and {len(theirs)} ids)"
         )
-    if C_MEMCMP is None or stop - start < MEMCMP_MIN:
+    if C_MEMCMP is None or stop - start < memcmp_min:
         return same_ids_portable(ours, theirs, start, stop)
     at, size = start * ITEM_BYTES, (stop - start) * ITEM_BYTES
     # Both buffers exported while their addresses are read and compared: neither array can be

@@ -49,6 +49,7 @@ from hybridkv.optimized.thresholds import (
     BUSY_BATCH_MIN,
     FREE_BATCH_MIN,
     INSERT_MIN,
+    MEMCMP_MIN,
     PENDING_MIN,
     VECTOR_MIN,
 )
@@ -71,6 +72,7 @@ class Tuning:
     busy_batch_min: int = BUSY_BATCH_MIN
     insert_min: int = INSERT_MIN
     pending_min: int = PENDING_MIN
+    memcmp_min: int = MEMCMP_MIN
     fused_step: bool = True
     """Whether a running request's common crossing call takes ``FusedStep``
     (``hybridkv.optimized.fused_step``); off, ``step`` makes every call."""
@@ -118,16 +120,19 @@ class TuningKnobs:
     def tuning(self, tuning: Tuning) -> None:
         self.state.tuning = tuning
 
-    vector_min, batch_min, free_batch_min, busy_batch_min, insert_min, pending_min = map(
-        tuning_knob,
-        (
-            "vector_min",
-            "batch_min",
-            "free_batch_min",
-            "busy_batch_min",
-            "insert_min",
-            "pending_min",
-        ),
+    vector_min, batch_min, free_batch_min, busy_batch_min, insert_min, pending_min, memcmp_min = (
+        map(
+            tuning_knob,
+            (
+                "vector_min",
+                "batch_min",
+                "free_batch_min",
+                "busy_batch_min",
+                "insert_min",
+                "pending_min",
+                "memcmp_min",
+            ),
+        )
     )
 
 
@@ -212,7 +217,7 @@ class ManagerState:
     @property
     def tuning(self) -> Tuning:
         """The size thresholds; ``insert_min`` and ``pending_min`` are the pool's own (its free
-        queue and pending work read them)."""
+        queue and pending work read them), ``memcmp_min`` the hash memo's."""
         return self._tuning
 
     @tuning.setter
@@ -220,6 +225,7 @@ class ManagerState:
         self._tuning = tuning
         self.pool.insert_min = tuning.insert_min
         self.pool.pending_min = tuning.pending_min
+        self.block_hasher.memcmp_min = tuning.memcmp_min
 
     @classmethod
     def build(
@@ -246,7 +252,7 @@ class ManagerState:
         if policy is not None:
             specs = [group.spec for group in layout.config.groups]
             pool.attach_policy(policy, specs, layout.hash_block_size)
-        block_hasher = HashMemo(layout.hash_block_size)
+        block_hasher = HashMemo(layout.hash_block_size, paths=pool.paths)
         if layout.caching:
             pool.memo = block_hasher
         return cls(layout, pool, tables, block_hasher, tuning)

@@ -8,11 +8,11 @@ tests run both sides of every switch).
 
 Layout
 ------
-Plain module constants, never reassigned. The six that tests and the conformance adapter set
+Plain module constants, never reassigned. The seven that tests and the conformance adapter set
 smaller, to drive the vectorised paths with a few requests, are copied onto each
 ``TorchKVCacheManager`` when it is built and changed there: ``vector_min``, ``batch_min``,
-``free_batch_min``, ``busy_batch_min``, ``insert_min`` and ``pending_min`` (the pool's copies
-of ``INSERT_MIN`` and ``PENDING_MIN``). ``VECTOR_MIN_TOKENS``
+``free_batch_min``, ``busy_batch_min``, ``insert_min``, ``pending_min`` (the pool's copies
+of ``INSERT_MIN`` and ``PENDING_MIN``) and ``memcmp_min`` (the hash memo's). ``VECTOR_MIN_TOKENS``
 is read by a free function (the hasher), so a test patches it where that function reads it, on
 ``hybridkv.optimized.hashing``.
 """
@@ -94,6 +94,17 @@ FLAG_MAX_WINDOW = 4096
 AGREE_MIN_STEP = 16
 """Token agreement with a source is extended by at least this many blocks per slice comparison
 (and at least doubled), so that a lookup compares each token a few times at most."""
+
+# --- The hash memo's comparisons (``hybridkv.optimized.same_ids``) ----------------------------
+
+MEMCMP_MIN = 1024
+"""From this many ids a range of two prompts' packed ids compares with the C library's
+``memcmp``; below, the foreign call and the arrays' exports cost more than memoryview slices'
+loop over the items."""
+
+NUMPY_COMPARE_MIN = 8192
+"""Without ``memcmp``: from this many ids a comparison takes numpy views (one vector pass,
+whose fixed cost a shorter range does not repay); below, the memoryview slices."""
 
 # --- Block hashing (``hybridkv.optimized.hashing``) -------------------------------------------
 

@@ -75,7 +75,8 @@ def test_the_fast_profile_reaches_every_fast_path() -> None:
     their counts read from step columns, the vectorised touch and caching, the vectorised
     links (each entry in a bucket of its own, or sharing one), the vectorised lookups, the
     memo's run, hybrids of 3–4 types with full attention, the one-pass admission, the take of
-    a run of consecutive ids: each at least 30 times (dozens). Only the policy's group-by-group
+    a run of consecutive ids, the memo's comparison by ``memcmp``: each at least 30 times
+    (dozens). Only the policy's group-by-group
     touch needs ``--eviction``."""
     profile = PROFILES["fast"]
     stats = RunStats()
@@ -87,6 +88,6 @@ def test_the_fast_profile_reaches_every_fast_path() -> None:
     counts = stats.fast_paths[name]
     assert name.startswith("optimized")
     reached = {path: n for path, n in counts.items() if "policy hears" not in path}
-    assert len(reached) == 26
+    assert len(reached) == 27
     assert min(reached.values()) >= 30, reached
     assert counts[QUIET_EXIT] >= 100

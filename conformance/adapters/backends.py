@@ -101,11 +101,13 @@ SMALL_THRESHOLDS = {
     "vector_min": 1,
     "insert_min": 2,
     "pending_min": 2,
+    "memcmp_min": 1,
 }
 """The optimized backend's size thresholds on half the layouts (an odd pool): every batch, of
 one request too, and every lookup, and every touch, take, link or insert of two blocks or more
-(and the pending work of two entries or more) takes the vectorised path; a batch with one busy
-request serves it alone. Each is a manager attribute that starts at its constant in
+(and the pending work of two entries or more) takes the vectorised path, and the hash memo
+compares prompts' ids by ``memcmp`` however few; a batch with one busy request serves it
+alone. Each is a manager attribute that starts at its constant in
 ``hybridkv.optimized.thresholds``; the constants stay as they are."""
 
 
