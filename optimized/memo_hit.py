@@ -72,14 +72,19 @@ def memo_hit(
     pool.settle_for(source)  # this source's twins marked before its blocks are read
     record = np.frombuffer(source.blocks, np.int32, length * g_count).reshape(length, g_count)
     full, windows = run_groups
-    held = record[:, full[0]] != end if len(full) == 1 else (record[:, full] != end).all(1)
+    # Full attention's columns copied once (each group's hit is its column's leading run; the
+    # record may grow after the call), their held entries checked on the copies.
+    full_columns = [record[:, g].copy() for g in full]
+    held = full_columns[0] != end
+    for column in full_columns[1:]:
+        held &= column != end
     num = length if held.all() else int(held.argmin())
     # Any entry under the next position's key (verified or not) may continue the hit.
     if num == 0 or (num < scan and pool.candidates(hash_key(hashes[num]), full[0], num)):
         return None
     hits = [NO_HIT] * g_count  # every group is full attention or a window (``memo_run``)
-    for g in full:
-        hits[g] = GroupHit(0, record[:num, g].copy())
+    for g, column in zip(full, full_columns, strict=True):
+        hits[g] = GroupHit(0, column[:num])
     for group_ids, needed, columns in windows:
         first = max(num - needed, 0)
         tail = record[first:num, columns]
