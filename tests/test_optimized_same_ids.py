@@ -44,14 +44,15 @@ def two_arrays_and_a_range(draw: st.DrawFn) -> tuple[array[int], array[int], int
 
 
 @settings(max_examples=300, deadline=None)
-@given(case=two_arrays_and_a_range())
+@given(case=two_arrays_and_a_range(), memcmp_min=st.sampled_from([0, 1, MEMCMP_MIN]))
 def test_either_comparison_equals_comparing_the_ids_as_lists(
-    case: tuple[array[int], array[int], int, int],
+    case: tuple[array[int], array[int], int, int], memcmp_min: int
 ) -> None:
+    """From any ``memcmp_min`` (a manager's knob; the differential machine sets 1)."""
     ours, theirs, start, stop = case
     expected = ours.tolist()[start:stop] == theirs.tolist()[start:stop]
-    assert same_ids(ours, theirs, start, stop) is expected
-    assert same_ids(theirs, ours, start, stop) is expected
+    assert same_ids(ours, theirs, start, stop, memcmp_min) is expected
+    assert same_ids(theirs, ours, start, stop, memcmp_min) is expected
     assert same_ids_portable(ours, theirs, start, stop) is expected
 
 
