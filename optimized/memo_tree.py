@@ -60,7 +60,7 @@ from typing import Protocol, TypeAlias
 
 from hybridkv.optimized import path_counts
 from hybridkv.optimized.path_counts import PathCounts
-from hybridkv.optimized.same_ids import C_MEMCMP, same_ids
+from hybridkv.optimized.same_ids import by_memcmp, same_ids
 from hybridkv.optimized.thresholds import MEMCMP_MIN
 from hybridkv.reference.block_hash import BlockHash
 from hybridkv.spec.errors import require
@@ -230,7 +230,7 @@ class BranchTree:
 
     def same_ids(self, ours: array[int], theirs: array[int], start: int, stop: int) -> bool:
         """``same_ids`` from this memo's ``memcmp_min``, each ``memcmp`` counted."""
-        if self.paths is not None and C_MEMCMP is not None and stop - start >= self.memcmp_min:
+        if self.paths is not None and by_memcmp(stop - start, self.memcmp_min):
             self.paths.ran(path_counts.MEMO_MEMCMP)
         return same_ids(ours, theirs, start, stop, self.memcmp_min)
 

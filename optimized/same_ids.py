@@ -37,7 +37,14 @@ import numpy as np
 
 from hybridkv.optimized.thresholds import MEMCMP_MIN, NUMPY_COMPARE_MIN
 
-__all__ = ["C_MEMCMP", "MEMCMP_MIN", "NUMPY_COMPARE_MIN", "same_ids", "same_ids_portable"]
+__all__ = [
+    "C_MEMCMP",
+    "MEMCMP_MIN",
+    "NUMPY_COMPARE_MIN",
+    "by_memcmp",
+    "same_ids",
+    "same_ids_portable",
+]
 
 ITEM_BYTES = 8  # an id packed as unsigned 64 bits ('Q')
 
@@ -61,6 +68,11 @@ C_MEMCMP: Final = find_memcmp()
 """The C library's ``memcmp``, loaded once (a function, not state), or ``None``."""
 
 
+def by_memcmp(count: int, memcmp_min: int = MEMCMP_MIN) -> bool:
+    """Whether ``same_ids`` compares a range of ``count`` ids with ``memcmp``."""
+    return C_MEMCMP is not None and count >= memcmp_min
+
+
 def same_ids(
     ours: array[int], theirs: array[int], start: int, stop: int, memcmp_min: int = MEMCMP_MIN
 ) -> bool:
@@ -71,7 +83,7 @@ def same_ids(
         raise ValueError(
             f"ids [{start}, {stop}) must lie within both arrays ({len(ours)} and {len(theirs)} ids)"
         )
-    if C_MEMCMP is None or stop - start < memcmp_min:
+    if not by_memcmp(stop - start, memcmp_min) or C_MEMCMP is None:  # (None: for mypy)
         return same_ids_portable(ours, theirs, start, stop)
     at, size = start * ITEM_BYTES, (stop - start) * ITEM_BYTES
     # Both buffers exported while their addresses are read and compared: neither array can be

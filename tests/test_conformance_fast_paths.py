@@ -76,8 +76,7 @@ def test_the_fast_profile_reaches_every_fast_path() -> None:
     links (each entry in a bucket of its own, or sharing one), the vectorised lookups, the
     memo's run, hybrids of 3–4 types with full attention, the one-pass admission, the take of
     a run of consecutive ids, the memo's comparison by ``memcmp``: each at least 30 times
-    (dozens). Only the policy's group-by-group
-    touch needs ``--eviction``."""
+    (dozens). Only the policy's group-by-group touch needs ``--eviction``."""
     profile = PROFILES["fast"]
     stats = RunStats()
     run_command_machine(
